@@ -1,0 +1,59 @@
+"""Builds batchgen._C from engine_src/.
+
+The CPU kernels are always built. The CUDA kernels (engine_src/cuda/*.cu) are added when the
+installed torch is a CUDA build and nvcc is found, unless BATCHGEN_NO_CUDA=1. The CPU build uses
+no -march=native: kernels that want AVX-512 pick it at run time (see engine_src/README.md).
+"""
+
+import glob
+import os
+import platform
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def _with_cuda() -> bool:
+    if os.environ.get("BATCHGEN_NO_CUDA") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+if platform.machine() in ("x86_64", "AMD64"):
+    cxx_flags += ["-mavx2", "-mfma", "-mf16c"]
+link_flags = ["-fopenmp"]
+sources = _sources("engine_src/csrc/**/*.cpp")
+include_dirs = [os.path.join(ROOT, "engine_src", "csrc"), os.path.join(ROOT, "engine_src", "cuda")]
+
+if _with_cuda():
+    sources += _sources("engine_src/cuda/*.cu") + _sources("engine_src/cuda/*.cpp")
+    arch_flags = []
+    for arch in os.environ.get("BATCHGEN_CUDA_ARCHS", "80;90").split(";"):
+        arch_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    extension = CUDAExtension(
+        "batchgen._C",
+        sources,
+        include_dirs=include_dirs,
+        define_macros=[("WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", *arch_flags]},
+        extra_link_args=link_flags,
+    )
+else:
+    extension = CppExtension(
+        "batchgen._C",
+        sources,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    )
+
+setup(ext_modules=[extension], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
