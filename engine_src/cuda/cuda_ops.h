@@ -1,0 +1,28 @@
+// Torch-facing entry points of the CUDA kernels; bindings.cpp calls these for CUDA tensors when
+// the module is built WITH_CUDA. Implemented in torch_glue.cpp, which validates nothing the
+// caller already checked and forwards raw pointers to the torch-free launchers in kernels.h.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace batchgen::cuda {
+
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+
+void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, double scale);
+
+void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+
+void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
+                 const torch::Tensor& block_mapping);
+
+// src and dst may be on different devices (one of them CUDA); block_mapping is an int64 CPU tensor.
+void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping);
+
+}  // namespace batchgen::cuda
