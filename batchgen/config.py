@@ -1,0 +1,58 @@
+"""Engine options as users give them (vLLM's names), checked once, with byte sizes parsed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+
+
+def parse_bytes(value: int | str, name: str) -> int:
+    """4096, "4GiB", "512 MB" -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{name}: {value!r} is not a size (use bytes or a unit, e.g. '4GiB', '512MB')")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str = "4GiB"
+    gpu_memory_utilization: float = 0.9
+    swap_space: int | str = "4GiB"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "swap"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        self.swap_bytes = parse_bytes(self.swap_space, "swap_space")
+        checks = [
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+             "must be auto, float32, bfloat16 or float16"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+             "must be auto, cpu or cuda"),
+            (self.block_size in (8, 16, 32), "block_size", "must be 8, 16 or 32"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
+            (self.preemption_mode in ("swap", "recompute"), "preemption_mode", "must be swap or recompute"),
+            (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")

@@ -1,0 +1,64 @@
+"""Decides when a sample is done: EOS, stop token ids, stop strings, max_tokens, max_model_len."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.sampling_params import SamplingParams
+
+# Tokens decoded behind the newest one when looking for a stop string: enough to cover the
+# longest stop string even when tokens are single bytes of a multi-byte character.
+_STOP_WINDOW_EXTRA = 4
+
+
+@dataclass
+class StopDecision:
+    reason: str  # "stop" | "length"
+    stop_reason: int | str | None = None
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def banned_tokens(self, params: SamplingParams, num_output_tokens: int) -> list[int]:
+        """Tokens that would end the sample before min_tokens is reached."""
+        if num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(params.stop_token_ids)
+
+    def check(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> StopDecision | None:
+        """Called after a token was appended to `token_ids` (prompt + outputs)."""
+        output = token_ids[num_prompt_tokens:]
+        last = output[-1]
+        if len(output) >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return StopDecision("stop", last)
+            if last in params.stop_token_ids:
+                return StopDecision("stop", last)
+            if params.stop and (hit := self._stop_string_in_tail(params, output)):
+                return StopDecision("stop", hit)
+        if params.max_tokens is not None and len(output) >= params.max_tokens:
+            return StopDecision("length")
+        if len(token_ids) >= self.max_model_len:
+            return StopDecision("length")
+        return None
+
+    def _stop_string_in_tail(self, params: SamplingParams, output: list[int]) -> str | None:
+        longest = max(len(s) for s in params.stop)
+        tail = output[-(longest + _STOP_WINDOW_EXTRA) :]
+        skip = params.skip_special_tokens
+        text = self.tokenizer.decode(tail, skip_special_tokens=skip)
+        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=skip)
+        return next((s for s in params.stop if s in text and s not in before), None)
+
+    def final_text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
+        text = self.tokenizer.decode(output, skip_special_tokens=params.skip_special_tokens)
+        if isinstance(stop_reason, str):
+            cut = text.find(stop_reason)
+            if cut >= 0:
+                text = text[: cut + len(stop_reason)] if params.include_stop_str_in_output else text[:cut]
+        return text

@@ -1,0 +1,51 @@
+"""Paged attention over a flat batch: decodes first, then prefill chunks.
+
+The model runner builds one `AttentionMetadata` per step; every layer uses it with its own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from batchgen import ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_decode_tokens: int  # the first rows of the batch, one token per sequence
+    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
+    prefill_seq_lens: torch.Tensor | None  # int32 [num_prefills]
+    prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefills + 1], rows after the decodes
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's K/V into this layer's cache, then attends through the block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]."""
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            ops.paged_attention_decode(
+                q[:d], self.key_cache, self.value_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, out=out[:d],
+            )
+        if d < q.shape[0]:
+            ops.paged_attention_prefill(
+                q[d:], self.key_cache, self.value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                meta.prefill_query_start_loc, self.scale, out=out[d:],
+            )
+        return out

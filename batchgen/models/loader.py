@@ -1,0 +1,86 @@
+"""Finds a model (Hugging Face directory or .gguf file), builds the native model and loads weights."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import torch
+
+from batchgen.models.gguf import convert_gguf
+from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model path {str(path)!r} is a file but not a .gguf file")
+        return convert_gguf(path)
+    if not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return path
+
+
+def _rope(hf_config) -> tuple[float, dict | None]:
+    """rope theta and scaling, from either the transformers 5 `rope_parameters` or the older fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return float(params["rope_theta"]), scaling
+    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else "?"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    theta, scaling = _rope(hf_config)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return LlamaConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=min(hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def _checkpoint_tensors(model_dir: Path):
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if not files:
+        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors files")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> LlamaForCausalLM:
+    cfg = native_config(hf_config, max_model_len)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.load_weights(_checkpoint_tensors(model_dir))
+    return model.eval().requires_grad_(False)

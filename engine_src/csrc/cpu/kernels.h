@@ -1,0 +1,85 @@
+// Torch-free interface of the CPU attention kernels.
+//
+// The kernel source (attention_impl.h) is compiled once per instruction set (kernels_scalar.cpp,
+// kernels_avx2.cpp, kernels_avx512.cpp), each copy in its own namespace so the copies never clash
+// at link time. isa.cpp picks one table at run time. No torch header is included on this side:
+// a torch header compiled under an AVX-512 target pragma could leak AVX-512 code into inline
+// functions that the rest of the library shares.
+#pragma once
+#include <cstdint>
+
+namespace batchgen::cpu {
+
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+constexpr int kNumDTypes = 3;
+
+// Storage of the 16-bit element types, so that overloads can tell them apart.
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+// One attention call: shapes and pointers shared by all of its tasks. Every tensor is contiguous.
+struct AttnArgs {
+  const void* query;            // [num_tokens, num_heads, head_dim]
+  void* out;                    // [num_tokens, num_heads, head_dim]
+  const void* key_cache;        // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* value_cache;      // same
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  float scale;
+};
+
+// One unit of work: the query tokens [q_begin, q_begin + q_count) of sequence `seq`, all query
+// heads of kv head `kv_head`. Query token q_begin + j sits at position q_pos + j and reads the
+// keys at positions [kv_begin, min(kv_end, q_pos + j + 1)); kv_begin is a multiple of block_size.
+// With `partial` set, the unnormalised result of each query row r = j * group + g goes to
+// partial + r * partial_row_stride as (acc[head_dim], running max, running sum) instead of out.
+struct AttnTask {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_begin;
+  int64_t q_count;
+  int64_t q_pos;
+  int64_t kv_begin;
+  int64_t kv_end;
+  float* partial;
+  int64_t partial_row_stride;
+};
+
+using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, float* scratch);
+
+// Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs.
+inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
+  constexpr int64_t kScoreBuffer = 4 * 32;  // scores of one row group (<= 4 rows) x one block
+  return 2 * rows * head_dim + 2 * rows + kScoreBuffer;
+}
+
+struct KernelTable {
+  const char* name;
+  AttendFn attend[kNumDTypes];  // indexed by DType
+};
+
+namespace scalar {
+const KernelTable& kernel_table();
+}
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BATCHGEN_HAVE_AVX2 1
+namespace avx2 {
+const KernelTable& kernel_table();
+}
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define BATCHGEN_HAVE_AVX512 1
+namespace avx512 {
+const KernelTable& kernel_table();
+}
+#endif
+
+}  // namespace batchgen::cpu

@@ -1,0 +1,64 @@
+// Portable "vector" of 8 floats in plain C++: the kernels' fallback on any architecture. The
+// fixed-length loops are left to the compiler's auto-vectoriser.
+#pragma once
+#include <cmath>
+#include <limits>
+
+#include "cpu/dtype.h"
+
+namespace batchgen::cpu::scalar {
+
+struct Vec {
+  static constexpr int N = 8;
+  float x[N];
+
+  static Vec zero() { return set1(0.0f); }
+  static Vec set1(float a) {
+    Vec r;
+    for (int i = 0; i < N; ++i) r.x[i] = a;
+    return r;
+  }
+  template <typename T>
+  static Vec load(const T* p) {
+    Vec r;
+    for (int i = 0; i < N; ++i) r.x[i] = to_float(p[i]);
+    return r;
+  }
+  void store(float* p) const {
+    for (int i = 0; i < N; ++i) p[i] = x[i];
+  }
+};
+
+inline Vec operator+(Vec a, Vec b) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] += b.x[i];
+  return a;
+}
+inline Vec operator*(Vec a, Vec b) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] *= b.x[i];
+  return a;
+}
+inline Vec fma(Vec a, Vec b, Vec c) {  // a * b + c
+  for (int i = 0; i < Vec::N; ++i) c.x[i] += a.x[i] * b.x[i];
+  return c;
+}
+inline Vec max(Vec a, Vec b) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] = a.x[i] > b.x[i] ? a.x[i] : b.x[i];
+  return a;
+}
+inline float reduce_add(Vec a) {
+  float s = 0.0f;
+  for (int i = 0; i < Vec::N; ++i) s += a.x[i];
+  return s;
+}
+inline float reduce_max(Vec a) {
+  float m = a.x[0];
+  for (int i = 1; i < Vec::N; ++i) m = a.x[i] > m ? a.x[i] : m;
+  return m;
+}
+// exp of arguments <= 0 (softmax after subtracting the max); -inf gives 0.
+inline Vec exp_nonpositive(Vec a) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] = std::exp(a.x[i]);
+  return a;
+}
+
+}  // namespace batchgen::cpu::scalar

@@ -1,0 +1,129 @@
+// Device helpers shared by the kernels: element-pair loads with float conversion, warp
+// reductions and compile-time dispatch over dtype and head_dim. No torch header here.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels.h"
+
+namespace batchgen::kernels {
+
+constexpr int kWarpSize = 32;
+
+// Pair<T>::type holds two adjacent elements; loads and stores of a pair are one 4- or 8-byte access.
+template <typename T>
+struct Pair;
+
+template <>
+struct Pair<float> {
+  using type = float2;
+  static __device__ __forceinline__ float2 to_float2(float2 v) { return v; }
+};
+
+template <>
+struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+};
+
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+};
+
+// Two elements starting at `p` (which must be aligned to a pair) as floats.
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* p) {
+  return Pair<T>::to_float2(*reinterpret_cast<const typename Pair<T>::type*>(p));
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  return v;
+}
+
+// Softmax runs in base 2: scores are pre-multiplied by log2(e), so exp(x) becomes exp2f(x').
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp2f(x - max) that is 0 for x == -inf even when max is -inf too (a row that saw no key yet).
+__device__ __forceinline__ float exp2_shifted(float x, float max) {
+  return exp2f(x - (max == -INFINITY ? 0.f : max));
+}
+
+// Number of `step`-wide chunks needed to cover n.
+__host__ __device__ constexpr int ceil_div(int n, int step) { return (n + step - 1) / step; }
+
+// Calls f(tag) with tag of type std::type_identity-like Tag<T> for the element type of `dtype`.
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename F>
+cudaError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(Tag<float>{});
+    case DType::kFloat16:
+      return f(Tag<__half>{});
+    case DType::kBFloat16:
+      return f(Tag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Calls f(std::integral_constant<int, HEAD_DIM>{}) for a supported head_dim.
+template <typename F>
+cudaError_t dispatch_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 80:
+      return f(std::integral_constant<int, 80>{});
+    case 96:
+      return f(std::integral_constant<int, 96>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+inline bool is_supported_block_size(int block_size) {
+  return block_size == 8 || block_size == 16 || block_size == 32;
+}
+
+}  // namespace batchgen::kernels

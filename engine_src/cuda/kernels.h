@@ -1,0 +1,54 @@
+// Torch-free launchers of the CUDA kernels (see engine_src/README.md for the cache layout and the
+// op contracts). They take raw device pointers, sizes and element strides, enqueue on `stream`
+// and return the launch status (cudaErrorInvalidValue for an unsupported dtype or head_dim).
+// Caches are contiguous [num_blocks, num_kv_heads, block_size, head_dim]; query, key, value and
+// out may have any strides for their first two dims but a unit stride for the last one.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace batchgen::kernels {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// key/value [num_tokens, num_kv_heads, head_dim]; slot_mapping int64 [num_tokens], negative = skip.
+cudaError_t launch_reshape_and_cache(DType dtype, const void* key, const void* value, void* key_cache,
+                                     void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                                     int num_kv_heads, int head_dim, int block_size, int64_t key_token_stride,
+                                     int64_t key_head_stride, int64_t value_token_stride,
+                                     int64_t value_head_stride, cudaStream_t stream);
+
+// key_caches/value_caches: host arrays of num_layers device pointers; block_mapping: device int64
+// [num_pairs, 2] of (src, dst) block ids; block_bytes: bytes of one block of one cache.
+cudaError_t launch_copy_blocks(void* const* key_caches, void* const* value_caches, int num_layers,
+                               const int64_t* block_mapping, int64_t num_pairs, int64_t block_bytes,
+                               cudaStream_t stream);
+
+// Bytes of float32 scratch that launch_paged_attention_decode needs (0 when it splits no sequence).
+// max_context_len bounds every seq_lens[i]; the same arguments must be given to the launcher.
+size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len);
+
+// query/out [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, block_table_stride];
+// seq_lens int32 [num_seqs], each in 1..max_context_len.
+cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_seq_stride, int64_t out_head_stride,
+                                          const void* query, int64_t query_seq_stride, int64_t query_head_stride,
+                                          const void* key_cache, const void* value_cache, const int* block_tables,
+                                          int64_t block_table_stride, const int* seq_lens, int num_seqs,
+                                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                          int max_context_len, float scale, void* workspace, cudaStream_t stream);
+
+// query/out [num_tokens, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1];
+// seq_lens int32 [num_seqs]: whole length after this step (cached context + new tokens).
+cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_token_stride,
+                                           int64_t out_head_stride, const void* query, int64_t query_token_stride,
+                                           int64_t query_head_stride, const void* key_cache,
+                                           const void* value_cache, const int* block_tables,
+                                           int64_t block_table_stride, const int* seq_lens,
+                                           const int* query_start_loc, int num_seqs, int64_t num_tokens,
+                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                           float scale, cudaStream_t stream);
+
+}  // namespace batchgen::kernels
