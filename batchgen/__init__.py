@@ -1,3 +1,18 @@
-"""batchgen: offline batch generation on a paged KV cache."""
+"""batchgen: offline batch generation on a paged KV cache.
+
+`LLM` is imported on first use, so that `import batchgen` (the CLI, the job tools) stays light.
+"""
+
+from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from batchgen.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

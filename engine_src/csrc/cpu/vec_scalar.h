@@ -2,7 +2,6 @@
 // fixed-length loops are left to the compiler's auto-vectoriser.
 #pragma once
 #include <cmath>
-#include <limits>
 
 #include "cpu/dtype.h"
 
@@ -55,10 +54,18 @@ inline float reduce_max(Vec a) {
   for (int i = 1; i < Vec::N; ++i) m = a.x[i] > m ? a.x[i] : m;
   return m;
 }
-// exp of arguments <= 0 (softmax after subtracting the max); -inf gives 0.
-inline Vec exp_nonpositive(Vec a) {
-  for (int i = 0; i < Vec::N; ++i) a.x[i] = std::exp(a.x[i]);
+inline Vec round_nearest(Vec a) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] = std::nearbyint(a.x[i]);
   return a;
+}
+// p * 2^n for integral n in [-126, 127].
+inline Vec scale_pow2(Vec p, Vec n) {
+  for (int i = 0; i < Vec::N; ++i) p.x[i] = std::ldexp(p.x[i], static_cast<int>(n.x[i]));
+  return p;
+}
+inline Vec zero_if_below(Vec value, Vec x, float limit) {
+  for (int i = 0; i < Vec::N; ++i) value.x[i] = x.x[i] >= limit ? value.x[i] : 0.0f;
+  return value;
 }
 
 }  // namespace batchgen::cpu::scalar

@@ -1,0 +1,104 @@
+"""`LLM`: the vLLM-shaped public API over LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine, Prompt
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+
+class LLM:
+    """An offline generator: `LLM(model=PATH).generate(prompts, SamplingParams(...))`.
+
+    Engine options (vLLM's names): dtype, device, block_size, kv_cache_memory (CPU), gpu_memory_utilization
+    (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
+    preemption_mode, seed, num_threads.
+    """
+
+    def __init__(self, model: str, **options):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # --- incremental API (what the job runner streams through) ---
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def num_unfinished_requests(self) -> int:
+        return self.engine.num_unfinished_requests()
+
+    def abort_request(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # --- batch API ---
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run(list(conversations), sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+            self.add_request(request_id, prompt, params)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generating", unit="req", dynamic_ncols=True)
+        while self.has_unfinished_requests():
+            for output in self.step():
+                done[output.request_id] = output
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(out_tok=self.engine.num_output_tokens, refresh=False)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

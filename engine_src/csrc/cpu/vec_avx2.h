@@ -1,0 +1,55 @@
+// 8 floats in an AVX2 register (with FMA and F16C), the x86-64 baseline of the build.
+#pragma once
+#include <immintrin.h>
+
+#include "cpu/kernels.h"
+
+namespace batchgen::cpu::avx2 {
+
+struct Vec {
+  static constexpr int N = 8;
+  __m256 v;
+
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set1(float a) { return {_mm256_set1_ps(a)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const BF16* p) {  // bf16 is the high half of a float: widen and shift
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  static Vec load(const F16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+
+// p * 2^n for integral n in [-126, 127]: n + 127 is the exponent field of 2^n.
+inline Vec scale_pow2(Vec p, Vec n) {
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+  return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)))};
+}
+
+inline Vec zero_if_below(Vec value, Vec x, float limit) {
+  return {_mm256_and_ps(value.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ))};
+}
+
+}  // namespace batchgen::cpu::avx2
