@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random models of each supported architecture, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paged attention keeps the kv cache in fixed size blocks",
+    "a batch of prompts becomes a dataset of completions",
+    "hello world, this is batchgen speaking; numbers 0123456789 and symbols !?.,",
+] * 20
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", bos_token="<|im_start|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3_rope"]
+
+
+def build_tiny_model(path, arch: str, seed: int = 0):
+    """A 2-layer random model of `arch` with GQA and head_dim 64, saved with its tokenizer."""
+    import transformers as tf
+
+    tokenizer = _tiny_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "llama":
+        config, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
+    elif arch == "llama3_rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        config = tf.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope)
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        config, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
+    elif arch == "qwen2":
+        config, cls = tf.Qwen2Config(**common, tie_word_embeddings=True), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config, cls = tf.Qwen3Config(**common, tie_word_embeddings=False), tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():  # larger weights than the default init make the logits less flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from batchgen.models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()

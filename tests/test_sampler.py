@@ -1,0 +1,101 @@
+import math
+
+import pytest
+import torch
+
+from batchgen.layers.sampler import SamplingRow, mix_seed, sample
+from batchgen.sampling_params import SamplingParams
+
+
+def row(params: SamplingParams, seed: int = 0, index: int = 0, outputs=(), prompt=(1, 2), banned=()) -> SamplingRow:
+    return SamplingRow(params, seed, index, list(prompt), list(outputs), list(banned))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 50)
+    result = sample(logits.clone(), [row(SamplingParams(temperature=0))] * 4)
+    assert result.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_row_is_independent_of_batch():
+    torch.manual_seed(0)
+    target = torch.randn(1, 1000)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    alone = sample(target.clone(), [row(params, seed=7)]).token_ids[0]
+    others = torch.randn(5, 1000)
+    batch = torch.cat([others[:2], target, others[2:]])
+    rows = [row(SamplingParams(temperature=1.0), seed=s) for s in (1, 2)]
+    rows += [row(params, seed=7)] + [row(SamplingParams(temperature=0.5), seed=s) for s in (3, 4, 5)]
+    assert sample(batch, rows).token_ids[2] == alone
+
+
+def test_samples_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    rows = [row(SamplingParams(temperature=1.0), seed=s) for s in range(4000)]
+    counts = torch.bincount(torch.tensor(sample(logits, rows).token_ids), minlength=4).float() / 4000
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_top_p_top_k_min_p_exclude_the_tail():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(500, 1)
+    for params, allowed in [
+        (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),
+        (SamplingParams(temperature=1.0, top_k=1), {0}),
+        (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
+        (SamplingParams(temperature=1.0, min_p=0.5), {0, 1}),
+    ]:
+        tokens = sample(logits.clone(), [row(params, seed=s) for s in range(500)]).token_ids
+        assert set(tokens) == allowed, params
+
+
+def test_different_positions_and_samples_draw_differently():
+    logits = torch.zeros(64, 1000)
+    rows = [row(SamplingParams(temperature=1.0), seed=3, index=i % 8, outputs=[5] * (i // 8)) for i in range(64)]
+    assert len(set(sample(logits, rows).token_ids)) > 40
+
+
+def test_banned_tokens_and_penalties():
+    logits = torch.tensor([[5.0, 4.0, 1.0, -1.0]])
+    assert sample(logits.clone(), [row(SamplingParams(temperature=0), banned=[0])]).token_ids == [1]
+    rep = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits.clone(), [row(rep, prompt=[0], outputs=[])]).token_ids == [1]  # 5/2 < 4
+    pres = SamplingParams(temperature=0, presence_penalty=1.5)
+    assert sample(logits.clone(), [row(pres, outputs=[0])]).token_ids == [1]
+    freq = SamplingParams(temperature=0, frequency_penalty=0.6)
+    assert sample(logits.clone(), [row(freq, outputs=[0, 0])]).token_ids == [1]
+
+
+def test_logprobs_are_the_model_distribution():
+    logits = torch.randn(2, 30)
+    expected = logits.log_softmax(-1)
+    result = sample(logits.clone(), [row(SamplingParams(temperature=0, logprobs=3))] * 2)
+    for r in range(2):
+        top = result.top_logprobs[r]
+        assert len(top) == 3 and result.token_ids[r] in top
+        for token, lp in top.items():
+            assert math.isclose(lp, expected[r, token].item(), rel_tol=1e-6)
+        assert math.isclose(result.logprobs[r], expected[r, result.token_ids[r]].item(), rel_tol=1e-6)
+
+
+def test_mix_seed_is_stable_and_spreads():
+    assert mix_seed(1, 2, 3) == mix_seed(1, 2, 3)
+    assert len({mix_seed(1, i) for i in range(1000)}) == 1000
+    assert 0 <= mix_seed(-5, 2**70) < 2**63
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("n", 0), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2),
+     ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -3), ("max_tokens", 0),
+     ("min_tokens", -1), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 1.5)],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
