@@ -73,6 +73,7 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     """logits: float32 [len(rows), vocab]; modified in place."""
     device, vocab = logits.device, logits.shape[1]
