@@ -64,9 +64,6 @@ struct DecodeParams {
   float* partial_sum;  // [num_seqs * num_heads * num_partitions]
 };
 
-// Element index of a lane's pair in step `step`: lanes cover 64 consecutive elements per step.
-__device__ __forceinline__ int pair_index(int step, int lane) { return step * 2 * kWarpSize + 2 * lane; }
-
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(const DecodeParams p) {
   constexpr int kSteps = ceil_div(HEAD_DIM, 2 * kWarpSize);
@@ -216,12 +213,12 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_decode_merge_k
 
   if (threadIdx.x < kWarpSize) {
     const int lane = threadIdx.x;
-    float max = -INFINITY;
-    for (int i = lane; i < parts; i += kWarpSize) max = fmaxf(max, p.partial_max[first + i]);
-    max = warp_max(max);
+    float global_max = -INFINITY;
+    for (int i = lane; i < parts; i += kWarpSize) global_max = fmaxf(global_max, p.partial_max[first + i]);
+    global_max = warp_max(global_max);
     float total = 0.f;
     for (int i = lane; i < parts; i += kWarpSize) {
-      const float w = p.partial_sum[first + i] * exp2f(p.partial_max[first + i] - max);
+      const float w = p.partial_sum[first + i] * exp2f(p.partial_max[first + i] - global_max);
       weight_s[i] = w;
       total += w;
     }

@@ -62,6 +62,10 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// When a warp spreads a head_dim vector over its lanes as element pairs, the first element of
+// lane's pair in step `step`: each step covers 64 consecutive elements.
+__device__ __forceinline__ int pair_index(int step, int lane) { return step * 2 * kWarpSize + 2 * lane; }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
@@ -85,12 +89,13 @@ __device__ __forceinline__ float exp2_shifted(float x, float max) {
 // Number of `step`-wide chunks needed to cover n.
 __host__ __device__ constexpr int ceil_div(int n, int step) { return (n + step - 1) / step; }
 
-// Calls f(tag) with tag of type std::type_identity-like Tag<T> for the element type of `dtype`.
+// A type as a value, for generic lambdas: f(Tag<T>{}) lets f name T.
 template <typename T>
 struct Tag {
   using type = T;
 };
 
+// Calls f(Tag<T>{}) with T the element type of `dtype`.
 template <typename F>
 cudaError_t dispatch_dtype(DType dtype, F&& f) {
   switch (dtype) {

@@ -1,0 +1,337 @@
+// Paged attention for a flat, variable-length batch of query tokens (prefill, chunked prefill,
+// prefix-cache hits), causal, every key and value read from the cache through the block tables.
+//
+// Query rows of one sequence and one kv head are the (token j, head h of the GQA group) pairs,
+// numbered j * group + h, so the heads that share a kv head also share every key/value tile a
+// thread block loads. A thread block takes kRows consecutive rows of one sequence and one kv
+// head (warp w owns kRowsPerWarp of them) and walks the keys in tiles of 32:
+//   1. the tile's keys and values are gathered from the cache into shared memory;
+//   2. each lane scores one key against each of its warp's rows (keys padded in shared memory so
+//      the 32 lanes read 32 different banks);
+//   3. an online softmax per row (fp32, base 2) rescales the row's accumulator, and the
+//      probabilities go through shared memory so that, for step 4, lanes switch to owning
+//      head_dim elements instead of keys;
+//   4. each lane accumulates its elements of probs x values.
+// Row j of sequence i sits at position context + j and sees keys 0 .. context + j.
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace batchgen::kernels {
+namespace {
+
+constexpr int kPrefillWarps = 4;
+constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
+constexpr int kKeyTile = kWarpSize;  // keys per tile: one per lane while scoring
+constexpr size_t kDefaultSmemLimit = 48 * 1024;
+
+template <typename T, int HEAD_DIM>
+struct PrefillConfig {
+  // Fewer rows for fp32 at head_dim 256 keeps shared memory under the 99 KB of sm_86/sm_89.
+  static constexpr int kRowsPerWarp = sizeof(T) * HEAD_DIM >= 1024 ? 4 : 8;
+  static constexpr int kRows = kRowsPerWarp * kPrefillWarps;
+  static constexpr int kSteps = ceil_div(HEAD_DIM, 2 * kWarpSize);  // element pairs per lane
+  static constexpr int kKeyStride = HEAD_DIM + 2;  // odd stride in 4-byte words (8-byte for fp32)
+  // Shared memory: fp32 parts first so that float4 reads are aligned.
+  static constexpr size_t kQueryFloats = static_cast<size_t>(kRows) * HEAD_DIM;  // scaled queries
+  static constexpr size_t kProbFloats = static_cast<size_t>(kRows) * kKeyTile;   // probabilities
+  static constexpr size_t kKeyElems = static_cast<size_t>(kKeyTile) * kKeyStride;
+  static constexpr size_t kValueElems = static_cast<size_t>(kKeyTile) * HEAD_DIM;
+  static constexpr size_t kSmemBytes =
+      (kQueryFloats + kProbFloats) * sizeof(float) + (kKeyElems + kValueElems) * sizeof(T);
+};
+
+struct PrefillParams {
+  void* out;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  const void* query;
+  int64_t query_token_stride;
+  int64_t query_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  const int* block_tables;
+  int64_t block_table_stride;
+  const int* seq_lens;
+  const int* query_start_loc;
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int block_size;
+  float scale_log2;  // softmax scale times log2(e): scores come out in base 2
+};
+
+// Tiles are numbered so that sequence i's tiles start at first_tile(i) = qsl[i] * group / kRows + i,
+// which leaves each sequence at least ceil(q_len * group / kRows) tiles and needs no prefix sum.
+// The grid has floor(num_tokens * group / kRows) + num_seqs blocks; spare ones find no rows.
+template <int kRows>
+__device__ __forceinline__ int64_t first_tile(const PrefillParams& p, int seq, int group) {
+  return static_cast<int64_t>(p.query_start_loc[seq]) * group / kRows + seq;
+}
+
+// Sequence of tile `block`: the last one whose first tile is <= block.
+template <int kRows>
+__device__ int find_sequence(const PrefillParams& p, int64_t block, int group) {
+  int lo = 0;
+  int hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_tile<kRows>(p, mid, group) <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float component(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Gathers keys key0 .. key0 + kKeyTile - 1 of one kv head into shared memory. Keys at or past
+// kv_end are zero-filled: their probabilities are 0, but 0 * NaN (stale shared memory) is not.
+template <typename T, int HEAD_DIM>
+__device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int kv_head, int key0, int kv_end,
+                             T* key_s, T* value_s) {
+  using Config = PrefillConfig<T, HEAD_DIM>;
+  using PairT = typename Pair<T>::type;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  for (int n = warp; n < kKeyTile; n += kPrefillWarps) {
+    const int key = key0 + n;
+    T* key_dst = key_s + n * Config::kKeyStride;
+    T* value_dst = value_s + n * HEAD_DIM;
+    if (key < kv_end) {
+      const int64_t block = block_table[key / p.block_size];
+      const int64_t row = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM;
+      for (int d = 2 * lane; d < HEAD_DIM; d += 2 * kWarpSize) {
+        *reinterpret_cast<PairT*>(key_dst + d) = *reinterpret_cast<const PairT*>(key_cache + row + d);
+        *reinterpret_cast<PairT*>(value_dst + d) = *reinterpret_cast<const PairT*>(value_cache + row + d);
+      }
+    } else {
+      for (int d = lane; d < HEAD_DIM; d += kWarpSize) {
+        key_dst[d] = from_float<T>(0.f);
+        value_dst[d] = from_float<T>(0.f);
+      }
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kernel(const PrefillParams p) {
+  using Config = PrefillConfig<T, HEAD_DIM>;
+  constexpr int kRows = Config::kRows;
+  constexpr int kRowsPerWarp = Config::kRowsPerWarp;
+  constexpr int kSteps = Config::kSteps;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* query_s = reinterpret_cast<float*>(smem);  // [kRows][HEAD_DIM]
+  float* prob_s = query_s + Config::kQueryFloats;   // [kRows][kKeyTile]
+  T* key_s = reinterpret_cast<T*>(prob_s + Config::kProbFloats);  // [kKeyTile][kKeyStride]
+  T* value_s = key_s + Config::kKeyElems;                         // [kKeyTile][HEAD_DIM]
+
+  // Which rows: every early return below is taken by the whole block.
+  const int kv_head = blockIdx.y;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int seq = find_sequence<kRows>(p, blockIdx.x, group);
+  const int64_t tile = blockIdx.x - first_tile<kRows>(p, seq, group);
+  const int query_start = p.query_start_loc[seq];
+  const int query_len = p.query_start_loc[seq + 1] - query_start;
+  const int num_rows = query_len * group;
+  if (tile < 0 || tile * kRows >= num_rows) return;
+  const int first_row = static_cast<int>(tile) * kRows;
+  const int context = p.seq_lens[seq] - query_len;
+  const int last_row = min(first_row + kRows, num_rows) - 1;
+  const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  // Scaled queries of the block's rows (zeros past the sequence's rows).
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kRows * HEAD_DIM / 2; i += kPrefillThreads) {
+    const int r = i / (HEAD_DIM / 2);
+    const int d = 2 * (i % (HEAD_DIM / 2));
+    const int row = first_row + r;
+    float2 q = make_float2(0.f, 0.f);
+    if (row < num_rows) {
+      const int head = kv_head * group + row % group;
+      const T* src = query + (query_start + row / group) * p.query_token_stride + head * p.query_head_stride;
+      q = make_float2(to_float(src[d]) * p.scale_log2, to_float(src[d + 1]) * p.scale_log2);
+    }
+    *reinterpret_cast<float2*>(query_s + r * HEAD_DIM + d) = q;
+  }
+
+  // Per-warp row state. position -1 marks a row past the sequence's rows: it sees no key.
+  const int warp_row0 = warp * kRowsPerWarp;
+  int position[kRowsPerWarp];
+  float row_max[kRowsPerWarp];
+  float row_sum[kRowsPerWarp];  // this lane's share; the lanes are summed at the end
+  float2 acc[kRowsPerWarp][kSteps];
+  int warp_last_position = -1;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = first_row + warp_row0 + i;
+    position[i] = row < num_rows ? context + row / group : -1;
+    warp_last_position = max(warp_last_position, position[i]);
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) acc[i][s] = make_float2(0.f, 0.f);
+  }
+
+  const int* block_table = p.block_tables + seq * p.block_table_stride;
+  const T* key_row = key_s + lane * Config::kKeyStride;
+  float* warp_prob_s = prob_s + warp_row0 * kKeyTile;
+
+  for (int key0 = 0; key0 < kv_end; key0 += kKeyTile) {
+    __syncthreads();  // the previous tile is no longer read
+    load_kv_tile<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_end, key_s, value_s);
+    __syncthreads();  // tile (and, the first time, the queries) visible to all warps
+    if (key0 > warp_last_position) continue;  // the whole tile is in this warp's future
+
+    // Step 2: lane scores key key0 + lane against each row.
+    float score[kRowsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) score[i] = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < HEAD_DIM; d += 4) {
+      const float2 k01 = load_pair(key_row + d);
+      const float2 k23 = load_pair(key_row + d + 2);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const float4 q = *reinterpret_cast<const float4*>(query_s + (warp_row0 + i) * HEAD_DIM + d);
+        score[i] += q.x * k01.x + q.y * k01.y + q.z * k23.x + q.w * k23.y;
+      }
+    }
+
+    // Step 3: causal mask and online softmax, one row at a time.
+    const int key = key0 + lane;
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const float s = key <= position[i] ? score[i] : -INFINITY;
+      const float new_max = fmaxf(row_max[i], warp_max(s));
+      const float alpha = exp2_shifted(row_max[i], new_max);
+      const float prob = exp2_shifted(s, new_max);
+      row_sum[i] = row_sum[i] * alpha + prob;
+      row_max[i] = new_max;
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) acc[i][st] = make_float2(acc[i][st].x * alpha, acc[i][st].y * alpha);
+      warp_prob_s[i * kKeyTile + lane] = prob;
+    }
+    __syncwarp();
+
+    // Step 4: lane owns elements pair_index(st, lane) of every row's accumulator.
+#pragma unroll 2
+    for (int n0 = 0; n0 < kKeyTile; n0 += 4) {
+      float4 prob4[kRowsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        prob4[i] = *reinterpret_cast<const float4*>(warp_prob_s + i * kKeyTile + n0);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const T* value_row = value_s + (n0 + u) * HEAD_DIM;
+#pragma unroll
+        for (int st = 0; st < kSteps; ++st) {
+          const int d = pair_index(st, lane);
+          if (d < HEAD_DIM) {
+            const float2 v = load_pair(value_row + d);
+#pragma unroll
+            for (int i = 0; i < kRowsPerWarp; ++i) {
+              const float pr = component(prob4[i], u);
+              acc[i][st] = make_float2(acc[i][st].x + pr * v.x, acc[i][st].y + pr * v.y);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Normalize and write. Every real row saw key 0, so its sum is positive.
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const float total = warp_sum(row_sum[i]);
+    const int row = first_row + warp_row0 + i;
+    if (row >= num_rows) continue;
+    const int head = kv_head * group + row % group;
+    T* dst = out + (query_start + row / group) * p.out_token_stride + head * p.out_head_stride;
+    const float inv_total = 1.f / total;
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      const int d = pair_index(st, lane);
+      if (d < HEAD_DIM) {
+        dst[d] = from_float<T>(acc[i][st].x * inv_total);
+        dst[d + 1] = from_float<T>(acc[i][st].y * inv_total);
+      }
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
+  using Config = PrefillConfig<T, HEAD_DIM>;
+  if (Config::kSmemBytes > kDefaultSmemLimit) {
+    // Opting in is per device and cheap, so it is done on every launch.
+    const cudaError_t err = cudaFuncSetAttribute(paged_attention_prefill_kernel<T, HEAD_DIM>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(Config::kSmemBytes));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(p.num_kv_heads));
+  paged_attention_prefill_kernel<T, HEAD_DIM><<<grid, kPrefillThreads, Config::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_token_stride,
+                                           int64_t out_head_stride, const void* query, int64_t query_token_stride,
+                                           int64_t query_head_stride, const void* key_cache,
+                                           const void* value_cache, const int* block_tables,
+                                           int64_t block_table_stride, const int* seq_lens,
+                                           const int* query_start_loc, int num_seqs, int64_t num_tokens,
+                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                           float scale, cudaStream_t stream) {
+  if (num_seqs == 0 || num_tokens == 0) return cudaSuccess;
+  if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_kv_heads > 65535 ||
+      num_heads % num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  if (num_tokens * group > 0x7fffffff - 1024) return cudaErrorInvalidValue;  // rows are int
+
+  PrefillParams p{};
+  p.out = out;
+  p.out_token_stride = out_token_stride;
+  p.out_head_stride = out_head_stride;
+  p.query = query;
+  p.query_token_stride = query_token_stride;
+  p.query_head_stride = query_head_stride;
+  p.key_cache = key_cache;
+  p.value_cache = value_cache;
+  p.block_tables = block_tables;
+  p.block_table_stride = block_table_stride;
+  p.seq_lens = seq_lens;
+  p.query_start_loc = query_start_loc;
+  p.num_seqs = num_seqs;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.block_size = block_size;
+  p.scale_log2 = scale * kLog2e;
+
+  return dispatch_dtype(dtype, [&](auto dtype_tag) {
+    using T = typename decltype(dtype_tag)::type;
+    return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
+      constexpr int kHeadDim = decltype(head_dim_tag)::value;
+      const int64_t num_tiles = num_tokens * group / PrefillConfig<T, kHeadDim>::kRows + num_seqs;
+      return launch_prefill<T, kHeadDim>(p, num_tiles, stream);
+    });
+  });
+}
+
+}  // namespace batchgen::kernels

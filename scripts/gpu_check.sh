@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with an NVIDIA GPU, nvcc and a CUDA build of torch: builds batchgen._C
+# with the CUDA kernels for this GPU's architecture, runs the GPU tests (pytest -m gpu) and the
+# kernel benchmark, and prints a summary table last. Exits non-zero when any step fails.
+#
+# Python: $PYTHON if set, else the first of $BATCHGEN_GPU_VENV (default
+# ~/.cache/batchgen/venv-gpu), .venv, python3 whose torch sees the GPU; failing that that venv is
+# made (system packages visible) and torch installed into it. The package is installed editable
+# without its dependencies (the machine may be offline).
+# Logs go to $BATCHGEN_GPU_LOG (default /tmp/batchgen_gpu_check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+LOG="${BATCHGEN_GPU_LOG:-/tmp/batchgen_gpu_check}"
+GPU_VENV="${BATCHGEN_GPU_VENV:-$HOME/.cache/batchgen/venv-gpu}"
+mkdir -p "$LOG"
+declare -A STATUS DETAIL
+STEPS=(python build tests bench)
+for s in "${STEPS[@]}"; do STATUS[$s]="skipped"; DETAIL[$s]=""; done
+FAILED=0
+
+log() { echo "[gpu_check] $*"; }
+elapsed() { echo "$(($(date +%s) - $1))s"; }
+fail() { STATUS[$1]="FAILED"; DETAIL[$1]="$2"; FAILED=1; }
+
+summary() {
+  echo
+  echo "================ batchgen GPU check ================"
+  printf '%-8s %-8s %s\n' step status detail
+  for s in "${STEPS[@]}"; do printf '%-8s %-8s %s\n' "$s" "${STATUS[$s]}" "${DETAIL[$s]}"; done
+  if [ -s "$LOG/bench.txt" ]; then
+    echo "---- benchmark (last lines of $LOG/bench.txt) ----"
+    tail -n 12 "$LOG/bench.txt"
+  fi
+  echo "logs: $LOG"
+  [ "$FAILED" = 0 ] && echo "RESULT: ok" || echo "RESULT: FAILED"
+}
+
+has_cuda_torch() {
+  "$1" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1
+}
+
+# --- python with a CUDA torch --------------------------------------------------------------
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$LOG/nvidia-smi.txt" 2>&1; then
+  fail python "no NVIDIA GPU visible (nvidia-smi missing or failing)"
+  summary
+  exit 1
+fi
+PY=""
+for candidate in "${PYTHON:-}" "$GPU_VENV/bin/python" .venv/bin/python python3; do
+  if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 && has_cuda_torch "$candidate"; then
+    PY="$candidate"
+    break
+  fi
+done
+if [ -z "$PY" ]; then
+  log "no python with a CUDA torch found; making $GPU_VENV and installing torch (large download)"
+  python3 -m venv --system-site-packages "$GPU_VENV" >"$LOG/venv.txt" 2>&1 &&
+    timeout 400 "$GPU_VENV/bin/python" -m pip install -q torch >>"$LOG/venv.txt" 2>&1
+  has_cuda_torch "$GPU_VENV/bin/python" && PY="$GPU_VENV/bin/python"
+fi
+if [ -z "$PY" ]; then
+  fail python "no torch that sees the GPU (see $LOG/venv.txt)"
+  summary
+  exit 1
+fi
+DEVICE_INFO=$("$PY" -c "import torch; p = torch.cuda.get_device_properties(0); \
+print(f'{p.name}, sm_{p.major}{p.minor}, torch {torch.__version__}, CUDA {torch.version.cuda}')")
+ARCH=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability(0))")
+STATUS[python]="ok"
+DETAIL[python]="$PY: $DEVICE_INFO"
+log "python: ${DETAIL[python]}"
+
+# --- build ---------------------------------------------------------------------------------
+start=$(date +%s)
+log "building batchgen._C for sm_$ARCH (log: $LOG/build.txt)"
+# Build and test tools, fetched only when missing (short timeouts: the machine may be offline).
+for module in setuptools wheel pybind11 ninja pytest hypothesis; do
+  if ! "$PY" -c "import $module" >/dev/null 2>&1; then
+    timeout 120 "$PY" -m pip install -q --retries 1 --timeout 15 "$module" >>"$LOG/pip_tools.txt" 2>&1 ||
+      log "could not install $module (see $LOG/pip_tools.txt)"
+  fi
+done
+if BATCHGEN_CUDA_ARCHS="$ARCH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" timeout 480 \
+  "$PY" -m pip install --no-build-isolation --no-deps -v -e . >"$LOG/build.txt" 2>&1; then
+  if "$PY" -c "import sys, batchgen._C as C; sys.exit(0 if C.has_cuda() else 1)" >>"$LOG/build.txt" 2>&1; then
+    STATUS[build]="ok"
+    DETAIL[build]="sm_$ARCH, $(elapsed "$start")"
+  else
+    fail build "built without the CUDA kernels (nvcc or CUDA_HOME missing?), see $LOG/build.txt"
+  fi
+else
+  fail build "pip install failed after $(elapsed "$start"), see $LOG/build.txt"
+  tail -n 30 "$LOG/build.txt"
+fi
+
+# --- GPU tests -----------------------------------------------------------------------------
+if [ "${STATUS[build]}" = ok ]; then
+  start=$(date +%s)
+  log "running pytest -m gpu (log: $LOG/tests.txt)"
+  timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOG/tests.xml" >"$LOG/tests.txt" 2>&1
+  rc=$?
+  counts=$("$PY" - "$LOG/tests.xml" <<'EOF' 2>/dev/null
+import sys, xml.etree.ElementTree as ET
+suites = ET.parse(sys.argv[1]).getroot()
+suites = [suites] if suites.tag == "testsuite" else list(suites)
+get = lambda k: sum(int(s.get(k, 0)) for s in suites)
+total, failed, errors, skipped = get("tests"), get("failures"), get("errors"), get("skipped")
+print(f"{total - failed - errors - skipped} passed, {failed} failed, {errors} errors, {skipped} skipped")
+EOF
+  )
+  DETAIL[tests]="${counts:-no result} ($(elapsed "$start"))"
+  if [ "$rc" = 0 ]; then
+    STATUS[tests]="ok"
+  else
+    fail tests "${DETAIL[tests]}, pytest exit $rc (5: no gpu tests collected), see $LOG/tests.txt"
+    tail -n 40 "$LOG/tests.txt"
+  fi
+fi
+
+# --- benchmark -----------------------------------------------------------------------------
+if [ "${STATUS[build]}" = ok ]; then
+  if [ -f scripts/bench_kernels.py ]; then
+    start=$(date +%s)
+    log "running scripts/bench_kernels.py --device cuda --quick (log: $LOG/bench.txt)"
+    if timeout 180 "$PY" scripts/bench_kernels.py --device cuda --quick >"$LOG/bench.txt" 2>&1; then
+      STATUS[bench]="ok"
+      DETAIL[bench]="$(elapsed "$start")"
+    else
+      fail bench "exit $? after $(elapsed "$start"), see $LOG/bench.txt"
+    fi
+  else
+    fail bench "scripts/bench_kernels.py not found"
+  fi
+fi
+
+summary
+exit "$FAILED"

@@ -1,0 +1,279 @@
+"""The CUDA kernels of engine_src/cuda, run on the CPU under a small emulation of the CUDA
+execution model (tests/cuda_emu/emu.h), against a float64 torch reference.
+
+The .cu sources are translated mechanically (kernel launches become emu::launch calls, dynamic
+shared memory an emulated buffer), built by g++ into a shared library and called through ctypes
+with CPU tensors. This checks index arithmetic, masking, the online softmax, the split-context
+merge and barrier placement without a GPU; it cannot see GPU-only problems (alignment faults,
+shared memory limits, timing). Skipped without g++ or the CUDA headers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DIR = ROOT / "engine_src" / "cuda"
+EMU_DIR = Path(__file__).resolve().parent / "cuda_emu"
+SOURCES = ["cache_kernels", "attention_decode", "attention_prefill"]
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.h DType
+# Max error allowed, relative to 1 + max |reference|: about two roundings of the output dtype.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def cuda_include() -> Path | None:
+    """The CUDA toolkit's include dir (nvcc may be a wrapper script outside the toolkit)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.insert(0, str(Path(nvcc).resolve().parents[1]))
+    for root in filter(None, candidates):
+        if (Path(root) / "include" / "cuda_runtime.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or cuda_include() is None or not sys.platform.startswith("linux"),
+    reason="needs g++, the CUDA headers and Linux (ucontext)",
+)
+
+
+def _translate(source: str) -> str:
+    """Rewrites the two CUDA-only constructs the host compiler cannot take."""
+    source, n = re.subn(
+        r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];",
+        r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_smem());",
+        source,
+    )
+    launch = r"([A-Za-z_]\w*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\("
+    source = re.sub(launch, r"emu::launch(\1, \2)(", source, flags=re.S)
+    assert "<<<" not in source, "a kernel launch was not translated"
+    return source
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    build = tmp_path_factory.mktemp("cuda_emu")
+    (build / "gen").mkdir()
+    for name in SOURCES:
+        (build / "gen" / f"{name}.cpp").write_text(_translate((CUDA_DIR / f"{name}.cu").read_text()))
+    out = build / "libemu.so"
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas",
+           "-Wno-unused-function", f"-I{cuda_include()}", f"-I{CUDA_DIR}", f"-I{EMU_DIR}", f"-I{build}",
+           str(EMU_DIR / "harness.cpp"), "-o", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-20000:]}"
+    return _bind(ctypes.CDLL(str(out)))
+
+
+def _bind(lib):
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.emu_reshape_and_cache.argtypes = [i32, p, p, p, p, p, i64, i32, i32, i32, i64, i64, i64, i64]
+    lib.emu_copy_blocks.argtypes = [p, p, i32, p, i64, i64]
+    lib.emu_decode_workspace_bytes.argtypes = [i32, i32, i32, i32]
+    lib.emu_decode_workspace_bytes.restype = ctypes.c_size_t
+    lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, p]
+    lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32]
+    return lib
+
+
+def ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def nan_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype):
+    """A cache of NaNs: any read of a slot no sequence owns poisons the result."""
+    return torch.full((num_blocks, num_kv_heads, block_size, head_dim), float("nan"), dtype=dtype)
+
+
+def paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype, table_pad=1):
+    """Random keys/values per sequence, scattered over shuffled cache blocks."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 3
+    free = torch.randperm(num_blocks).tolist()
+    key_cache = nan_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    value_cache = nan_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    tables = torch.full((len(seq_lens), max(blocks) + table_pad), -1, dtype=torch.int32)
+    keys, values = [], []
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        keys.append(k)
+        values.append(v)
+        for b in range(blocks[i]):
+            tables[i, b] = free.pop()
+        for t in range(n):
+            block = tables[i, t // block_size].item()
+            key_cache[block, :, t % block_size] = k[t]
+            value_cache[block, :, t % block_size] = v[t]
+    return key_cache, value_cache, tables, keys, values
+
+
+def reference(query, keys, values, positions, scale):
+    """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j]."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", query.double(), k) * scale
+    hidden = torch.arange(k.shape[0])[None, :] > torch.tensor(positions)[:, None]
+    probs = scores.masked_fill(hidden[None], float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", probs, v)
+
+
+def assert_close(got, want, dtype):
+    assert not torch.isnan(got).any(), "NaN in the output"
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOLERANCE[dtype] * (1 + want.abs().max().item()), f"max error {err:.3e}"
+
+
+def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad=1):
+    key_cache, value_cache, tables, keys, values = paged_sequences(
+        seq_lens, num_kv_heads, block_size, head_dim, dtype, table_pad)
+    num_seqs, scale = len(seq_lens), head_dim**-0.5
+    query = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    max_context = tables.shape[1] * block_size
+    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context)
+    workspace = torch.full((workspace_bytes // 4,), float("nan")) if workspace_bytes else None
+    rc = lib.emu_decode(
+        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
+        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, max_context, scale, ptr(workspace))
+    assert rc == 0
+    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale) for i, n in enumerate(seq_lens)]
+    want = torch.cat(want)
+    assert_close(out, want, dtype)
+    return workspace_bytes
+
+
+def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens,
+                strided_query=False):
+    key_cache, value_cache, tables, keys, values = paged_sequences(
+        seq_lens, num_kv_heads, block_size, head_dim, dtype)
+    num_tokens, scale = sum(query_lens), head_dim**-0.5
+    query = torch.randn(num_tokens, num_heads + 3 * strided_query, head_dim).to(dtype)[:, :num_heads]
+    out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=dtype)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    rc = lib.emu_prefill(
+        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
+        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
+        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale)
+    assert rc == 0
+    want = []
+    for i, (n, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        context = n - q_len
+        rows = query[starts[i]:starts[i + 1]]
+        want.append(reference(rows, keys[i], values[i], [context + j for j in range(q_len)], scale))
+    assert_close(out, torch.cat(want), dtype)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode(lib, dtype, head_dim):
+    torch.manual_seed(head_dim)
+    block_size = random.Random(head_dim).choice([8, 16, 32])
+    run_decode(lib, dtype, head_dim, block_size, 4, 2, [1, 7, 33, 70])
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad",
+    [
+        (torch.float16, 128, 16, 2, 1, [600, 3, 257, 1000], 40),  # MQA, table wider than needed
+        (torch.float32, 64, 8, 8, 2, [1300], 0),
+        (torch.bfloat16, 80, 32, 3, 3, [513, 512, 511], 5),  # partition edges
+    ],
+)
+def test_decode_split_context(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad):
+    torch.manual_seed(1)
+    workspace = run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad)
+    assert workspace > 0, "these shapes should split the context"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill(lib, dtype, head_dim):
+    torch.manual_seed(head_dim)
+    block_size = random.Random(head_dim + 1).choice([8, 16, 32])
+    # plain prefill, chunked prefill behind 17 cached tokens, a decode-like single token
+    run_prefill(lib, dtype, head_dim, block_size, 4, 2, [5, 40, 9], [5, 23, 1])
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens, strided",
+    [
+        (torch.float16, 64, 16, 14, 2, [50, 30, 12], [50, 0, 12], False),  # group 7, an empty query
+        (torch.float32, 128, 8, 40, 1, [20, 3], [4, 3], True),  # MQA group 40 > rows per tile
+        (torch.bfloat16, 96, 32, 4, 4, [130, 70, 1], [70, 33, 1], False),  # MHA, many key tiles
+        (torch.float32, 256, 16, 2, 1, [100, 45], [64, 45], False),  # fp32 head_dim 256: 4 rows per warp
+    ],
+)
+def test_prefill_shapes(
+    lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens, strided
+):
+    torch.manual_seed(2)
+    run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens, strided)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim, block_size, num_kv_heads, strided", [(80, 8, 2, False), (80, 8, 2, True),
+                                                                         (64, 16, 3, False)])
+def test_reshape_and_cache(lib, dtype, head_dim, block_size, num_kv_heads, strided):
+    torch.manual_seed(3)
+    num_blocks, num_tokens = 6, 11
+    key_cache = nan_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    value_cache = nan_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim).to(dtype)
+    key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads:2 * num_kv_heads]
+    if not strided:
+        key, value = key.contiguous(), value.contiguous()
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::3] = -1  # padding tokens are skipped
+    rc = lib.emu_reshape_and_cache(DTYPE_CODE[dtype], ptr(key), ptr(value), ptr(key_cache), ptr(value_cache),
+                                   ptr(slots), num_tokens, num_kv_heads, head_dim, block_size, key.stride(0),
+                                   key.stride(1), value.stride(0), value.stride(1))
+    assert rc == 0
+    by_slot = lambda cache: cache.permute(0, 2, 1, 3).reshape(num_blocks * block_size, num_kv_heads, head_dim)
+    keys_by_slot, values_by_slot = by_slot(key_cache), by_slot(value_cache)
+    kept = slots >= 0
+    assert torch.equal(keys_by_slot[slots[kept]], key[kept])
+    assert torch.equal(values_by_slot[slots[kept]], value[kept])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert torch.isnan(keys_by_slot[untouched].float()).all()
+    assert torch.isnan(values_by_slot[untouched].float()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks(lib, dtype):
+    torch.manual_seed(4)
+    layers = 3
+    key_caches = [torch.randn(8, 2, 16, 64).to(dtype) for _ in range(layers)]
+    value_caches = [torch.randn(8, 2, 16, 64).to(dtype) for _ in range(layers)]
+    expected = [c.clone() for c in key_caches + value_caches]
+    mapping = torch.tensor([[0, 5], [3, 1], [7, 2]], dtype=torch.int64)
+    for src, dst in mapping.tolist():
+        for cache in expected:
+            cache[dst] = cache[src]
+    key_ptrs = (ctypes.c_void_p * layers)(*[c.data_ptr() for c in key_caches])
+    value_ptrs = (ctypes.c_void_p * layers)(*[c.data_ptr() for c in value_caches])
+    block_bytes = key_caches[0][0].numel() * key_caches[0].element_size()
+    assert lib.emu_copy_blocks(key_ptrs, value_ptrs, layers, ptr(mapping), len(mapping), block_bytes) == 0
+    for got, want in zip(key_caches + value_caches, expected, strict=True):
+        assert torch.equal(got, want)
