@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from conftest import ARCHITECTURES
 
 from batchgen import LLM, SamplingParams
-
-from conftest import ARCHITECTURES
 
 PROMPT_LENS = [1, 3, 7, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 90, 120, 200]
 MAX_NEW = 24

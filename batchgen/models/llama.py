@@ -125,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes Hugging Face checkpoint names; fuses q/k/v and gate/up on the way in."""
         params = dict(self.named_parameters())
-        q, kv, ffn = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim, self.cfg.intermediate_size
+        cfg = self.cfg
+        q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         pieces = {  # checkpoint projection -> (fused parameter, first row, rows)
             "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
             "gate_proj": ("gate_up_proj", 0, ffn), "up_proj": ("gate_up_proj", ffn, ffn),
