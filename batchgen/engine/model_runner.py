@@ -33,7 +33,10 @@ class ModelRunner:
         self.block_size = shape.block_size
         pin = device.type == "cuda"
         self.device_caches = [self._allocate(num_device_blocks, device, False) for _ in range(shape.num_layers)]
-        self.cpu_caches = [self._allocate(num_cpu_blocks, torch.device("cpu"), pin) for _ in range(shape.num_layers)]
+        self.cpu_caches = (
+            [self._allocate(num_cpu_blocks, torch.device("cpu"), pin) for _ in range(shape.num_layers)]
+            if num_cpu_blocks else []
+        )
         for layer, (key_cache, value_cache) in zip(model.attention_layers(), self.device_caches, strict=True):
             layer.key_cache, layer.value_cache = key_cache, value_cache
 
