@@ -1,0 +1,377 @@
+"""Scheduler: continuous batching over the paged KV cache.
+
+Each step, in this order:
+1. running requests, oldest first: every sequence with one token left to compute decodes; if
+   its blocks cannot be had, the newest running request is preempted (swapped to the CPU pool
+   when the mode is "swap" and it has room, else dropped for recompute) until they can. A
+   request that cannot continue even with nothing else running is finished with an error.
+2. swapped requests come back, oldest first, before anything new is admitted (none in a step
+   that preempted).
+3. running sequences that are prefilling get chunks of the remaining token budget, oldest
+   first, so a huge prompt is spread over steps and never stalls decoding.
+4. waiting requests are admitted first come first served while blocks (less a watermark),
+   sequence slots and token budget allow; each gets all its blocks at admission and a first
+   chunk at once.
+
+Requests are kept in arrival order in every queue, so the newest is always the victim and the
+oldest always progresses: no preemption loop can starve it.
+
+The engine's loop: schedule() -> runner executes the output -> on_step_done(output) -> the
+engine appends each sampled token (ScheduledSeq.samples), forks the n samples after a prompt's
+prefill (fork), and finishes sequences (finish_seq), including at max_model_len: the scheduler
+never stops a sequence itself except with an error. abort() and finish_seq() belong between steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.block_manager import BlockManager, BlockStats
+from batchgen.engine.config import SchedulerConfig
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """Feed seq.token_ids[start:start + num_new_tokens] at positions start.. this step."""
+
+    seq: Sequence
+    group: SequenceGroup
+    num_new_tokens: int
+    start: int  # == seq.num_computed_tokens when scheduled
+    # The last token is fed: this step's logits give the sequence's next token. Fixed when
+    # scheduled, so it stays true after the engine appends that token.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == len(self.seq.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu id, device id)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device id, cpu id)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
+    ignored: list[SequenceGroup] = field(default_factory=list)  # given up on: group.error says why
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        moves = self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy
+        return not (self.scheduled or moves)
+
+
+@dataclass(kw_only=True)
+class SchedulerStats(BlockStats):
+    num_running: int  # requests
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    num_swap_preemptions: int
+    num_recompute_preemptions: int
+
+
+def _by_arrival(group: SequenceGroup) -> int:
+    return group.arrival
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_device_blocks, config.num_cpu_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # arrival order
+        self.swapped: list[SequenceGroup] = []  # arrival order
+        self._groups: dict[str, SequenceGroup] = {}
+        self._group_of: dict[int, SequenceGroup] = {}  # seq id -> its group
+        self._rejected: list[SequenceGroup] = []  # reported by the next schedule()
+        self._pending: SchedulerOutput | None = None
+        self._num_swap_preemptions = 0
+        self._num_recompute_preemptions = 0
+
+    # --- requests -------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"request id {group.request_id!r} is already scheduled")
+        if len(group.seqs) != 1 or group.seqs[0].status is not SequenceStatus.WAITING:
+            raise ValueError("a new request must hold exactly one waiting sequence")
+        self._groups[group.request_id] = group
+        self._group_of[group.seqs[0].seq_id] = group
+        error = self._rejection(group)
+        if error is None:
+            self.waiting.append(group)
+        else:
+            self._give_up(group, error, self._rejected)
+
+    def _rejection(self, group: SequenceGroup) -> str | None:
+        """Why the request can never run, whatever else happens; None if it can."""
+        cfg, length = self.config, len(group.seqs[0])
+        if length == 0:
+            return "prompt is empty"
+        if cfg.max_model_len is not None and length > cfg.max_model_len:
+            return f"prompt has {length} tokens, more than max_model_len {cfg.max_model_len}"
+        blocks = self.block_manager.blocks_for(length)
+        if blocks > cfg.num_device_blocks:
+            return (f"prompt has {length} tokens and needs {blocks} KV-cache blocks of {cfg.block_size} "
+                    f"tokens, more than the device pool holds ({cfg.num_device_blocks})")
+        if group.sampling_params.n > cfg.max_num_seqs:
+            return f"n={group.sampling_params.n} samples are more than max_num_seqs {cfg.max_num_seqs}"
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._rejected)
+
+    def fork(self, group: SequenceGroup, seq: Sequence, n: int) -> list[Sequence]:
+        """n children of seq sharing all its blocks; seq stays sample 0. Call after on_step_done."""
+        if self._pending is not None:
+            raise RuntimeError("fork() called before on_step_done() of the last step")
+        if seq.status is not SequenceStatus.RUNNING or self._group_of.get(seq.seq_id) is not group:
+            raise ValueError(f"sequence {seq.seq_id} is not running in request {group.request_id!r}")
+        if len(group.seqs) + n > max(group.sampling_params.n, 1):
+            raise ValueError(f"request {group.request_id!r} has n={group.sampling_params.n}: "
+                             f"cannot fork {n} more from {len(group.seqs)} sequence(s)")
+        children = []
+        for _ in range(n):
+            child = seq.spawn(sample_index=len(group.seqs))
+            self.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            self._group_of[child.seq_id] = group
+            children.append(child)
+        group.forked = True
+        return children
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished():
+            return
+        group = self._group_of[seq.seq_id]
+        status = seq.status
+        self._release(seq, reason)
+        if group.is_finished():
+            queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped,
+                     SequenceStatus.WAITING: self.waiting}[status]
+            queue.remove(group)
+            self._forget(group)
+
+    def abort(self, request_id: str) -> bool:
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.unfinished_seqs():
+            self.finish_seq(seq, "abort")
+        return True
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _forget(self, group: SequenceGroup) -> None:
+        del self._groups[group.request_id]
+        for seq in group.seqs:
+            self._group_of.pop(seq.seq_id, None)
+
+    def _give_up(self, group: SequenceGroup, error: str, report: list[SequenceGroup]) -> None:
+        """Finishes a group that is in no queue with an error, to be reported in `ignored`."""
+        group.error = error
+        for seq in group.unfinished_seqs():
+            self._release(seq, "abort")
+        self._forget(group)
+        report.append(group)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self._pending is not None:
+            raise RuntimeError("schedule() called again before on_step_done() of the last step")
+        out = SchedulerOutput(ignored=self._rejected)
+        self._rejected = []
+        self._tokens_left = self.config.max_num_batched_tokens
+        preempted = self._schedule_decodes(out)
+        self._seqs_left = self.config.max_num_seqs - sum(g.max_num_running_seqs() for g in self.running)
+        if not preempted:
+            self._swap_in(out)
+        self._schedule_prefill_chunks(out)
+        if not preempted and not self.swapped:
+            self._admit(out)
+        self._pending = out
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The runner has executed `out`: the fed tokens' K/V is in the cache now."""
+        if out is not self._pending:
+            raise RuntimeError("on_step_done() got an output that is not the last schedule()'s")
+        self._pending = None
+        for s in out.scheduled:
+            if s.seq.is_finished():
+                continue  # aborted meanwhile
+            assert s.seq.num_computed_tokens == s.start, f"sequence {s.seq.seq_id} moved under the runner"
+            s.seq.num_computed_tokens = s.end
+            self.block_manager.mark_computed(s.seq, s.start, s.end)
+
+    def _feed(self, out: SchedulerOutput, group: SequenceGroup, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        out.blocks_to_copy += self.block_manager.prepare_write(seq, start, start + num_tokens)
+        out.scheduled.append(ScheduledSeq(seq, group, num_tokens, start))
+        self._tokens_left -= num_tokens
+
+    def _decode_writes(self, group: SequenceGroup) -> list[tuple[Sequence, int, int]]:
+        writes = []
+        for seq in group.unfinished_seqs():
+            left = seq.num_uncomputed_tokens
+            if left == 0:
+                raise RuntimeError(f"sequence {seq.seq_id} of request {group.request_id!r} was sampled but "
+                                   "got no new token and was not finished")
+            if left == 1:
+                writes.append((seq, len(seq) - 1, len(seq)))
+        return writes
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> bool:
+        """Step 1. Returns whether anything was preempted."""
+        bm = self.block_manager
+        queue, kept, preempted = deque(self.running), [], False
+        while queue:
+            group = queue.popleft()
+            writes = self._decode_writes(group)
+            need = bm.num_blocks_to_write(writes)
+            while need > bm.num_free_device_blocks and queue:
+                self._preempt(queue.pop(), out)
+                preempted = True
+            if need > bm.num_free_device_blocks:
+                if kept:
+                    self._preempt(group, out)
+                    preempted = True
+                else:
+                    self._give_up(group, self._too_big(group, need, "continue"), out.ignored)
+                continue
+            for seq, _, _ in writes:
+                self._feed(out, group, seq, 1)
+            kept.append(group)
+        self.running = kept
+        return preempted
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Step 2."""
+        bm = self.block_manager
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.unfinished_seqs()
+            writes = self._decode_writes(group)
+            need = bm.num_blocks_to_swap(seqs) + bm.num_blocks_to_write(writes)
+            if not self._fits(need):
+                if self.running:
+                    return
+                self.swapped.pop(0)
+                self._give_up(group, self._too_big(group, need, "resume"), out.ignored)
+                continue
+            if group.max_num_running_seqs() > self._seqs_left or len(writes) > self._tokens_left:
+                return
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += bm.swap_in(seqs)
+            self._set_running(group, seqs)
+            for seq, _, _ in writes:
+                self._feed(out, group, seq, 1)
+
+    def _schedule_prefill_chunks(self, out: SchedulerOutput) -> None:
+        """Step 3: sequences with more than one token to compute (one-token ones decoded already)."""
+        for group in self.running:
+            for seq in group.unfinished_seqs():
+                if self._tokens_left == 0:
+                    return
+                if seq.num_uncomputed_tokens > 1:
+                    self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Step 4."""
+        bm = self.block_manager
+        while self.waiting and self._tokens_left > 0:
+            group = self.waiting[0]
+            seqs = group.unfinished_seqs()
+            need = bm.num_blocks_to_allocate(seqs)
+            if not self._fits(need):
+                if self.running:
+                    return
+                self.waiting.popleft()
+                verb = "resume" if group.num_preemptions else "start"
+                self._give_up(group, self._too_big(group, need, verb), out.ignored)
+                continue
+            if group.max_num_running_seqs() > self._seqs_left:
+                return
+            self.waiting.popleft()
+            for seq in seqs:
+                bm.allocate(seq)
+            self._set_running(group, seqs)
+            for seq in seqs:
+                if self._tokens_left == 0:
+                    break
+                self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
+
+    def _fits(self, need: int) -> bool:
+        """Admissions and swap-ins leave the watermark free, unless nothing else runs."""
+        reserve = self.config.watermark_blocks if self.running else 0
+        return need <= self.block_manager.num_free_device_blocks - reserve
+
+    def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, group, key=_by_arrival)
+        self._seqs_left -= group.max_num_running_seqs()
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm, seqs = self.block_manager, group.unfinished_seqs()
+        if self.config.preemption_mode == "swap" and bm.num_blocks_to_swap(seqs) <= bm.num_free_cpu_blocks:
+            out.blocks_to_swap_out += bm.swap_out(seqs)
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=_by_arrival)
+            self._num_swap_preemptions += 1
+        else:
+            # Recompute: the samples keep their tokens and are prefilled again (prompt and
+            # outputs), each on its own; prefix caching finds their freed full blocks again.
+            for seq in seqs:
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            self._requeue(group)
+            self._num_recompute_preemptions += 1
+        group.num_preemptions += 1
+        out.preempted.append(group)
+
+    def _requeue(self, group: SequenceGroup) -> None:
+        """Back into waiting at its arrival place: in front of all newer requests. Victims are
+        older than the requests that never ran, so the scan stops near the front."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < group.arrival:
+            i += 1
+        self.waiting.insert(i, group)
+
+    def _too_big(self, group: SequenceGroup, need: int, verb: str) -> str:
+        seqs, total = group.unfinished_seqs(), self.config.num_device_blocks
+        what = f"{len(seqs)} sequence(s) of up to {max(len(s) for s in seqs)} tokens"
+        if verb == "continue":
+            why = f"its {what} fill the device pool ({total} blocks) alone and need {need} more blocks"
+        else:
+            why = f"to {verb} its {what} it needs {need} free blocks, more than the device pool's {total}"
+        return f"out of KV-cache memory: {why}; give the KV cache more memory or lower n / max_tokens"
+
+    # --- reporting --------------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        blocks = self.block_manager.stats()
+        return SchedulerStats(
+            **vars(blocks),
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_running_seqs=sum(len(g.unfinished_seqs()) for g in self.running),
+            num_swap_preemptions=self._num_swap_preemptions,
+            num_recompute_preemptions=self._num_recompute_preemptions,
+        )

@@ -1,0 +1,121 @@
+"""Sequence (one sample being generated) and SequenceGroup (one request: a prompt and its samples)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.sampling_params import SamplingParams
+
+_fork_ids = itertools.count(1 << 48)  # ids for forked children, far from the engine's own ids
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no KV blocks; waits for (re-)admission
+    RUNNING = "running"  # block table holds device block ids
+    SWAPPED = "swapped"  # block table holds CPU block ids
+    FINISHED = "finished"  # blocks freed; finish_reason says why
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids are the prompt followed by the generated tokens.
+
+    num_computed_tokens counts the leading tokens whose K/V is in the cache; the scheduler
+    feeds the rest. The last token is normally not computed yet: it is fed in the next step,
+    whose logits give the following token.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int = -1  # -1: all of token_ids is prompt
+    sample_index: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Content hashes of the leading full blocks (prefix caching); kept by the block manager.
+    block_hashes: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __bool__(self) -> bool:  # a sequence object is never falsy, even with no tokens
+        return True
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def spawn(self, sample_index: int) -> Sequence:
+        """A copy with a new id, sharing nothing mutable; the block manager gives it its table."""
+        return Sequence(
+            seq_id=next(_fork_ids),
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            sample_index=sample_index,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs),
+            extra=dict(self.extra),
+            block_hashes=list(self.block_hashes),
+        )
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request. It starts with one sequence holding the prompt; after the prompt's prefill
+    the engine forks n-1 children from it (Scheduler.fork). The group is the unit the scheduler
+    admits, preempts, swaps and reports on."""
+
+    request_id: str
+    arrival: int  # admission order (FCFS); lower is older
+    sampling_params: SamplingParams
+    seqs: list[Sequence]
+    error: str | None = None  # why the scheduler gave up on the request
+    num_preemptions: int = 0
+    forked: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        first = self.seqs[0]
+        return first.token_ids[: first.num_prompt_tokens]
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group will hold on the device: n before the fork, the live ones after."""
+        unfinished = len(self.unfinished_seqs())
+        if not self.forked and self.sampling_params.n > 1:
+            return max(unfinished, self.sampling_params.n)
+        return unfinished
