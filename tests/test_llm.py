@@ -29,8 +29,9 @@ def hf_reference(model_dir, arch: str):
         prompts = make_prompts(hf.config.vocab_size)
         refs = []
         for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+            x = torch.tensor([p])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
             refs.append(out[0, len(p):].tolist())
         _hf_cache[arch] = (hf, prompts, refs)
     return _hf_cache[arch]

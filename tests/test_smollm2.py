@@ -32,15 +32,18 @@ def reference(smollm2_dir):
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     refs = []
     for p in ids:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+        x = torch.tensor([p])
+        # An explicit mask: the prompts contain <|im_end|>, which is also the pad token, and
+        # transformers would otherwise mask it out.
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
         refs.append(out[0, len(p):].tolist())
     return ids, refs
 
 
 @pytest.mark.parametrize("options", [
     {"enable_prefix_caching": True},
-    {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
+    {"enable_prefix_caching": False, "max_num_batched_tokens": 64, "max_num_seqs": 8},
     {"kv_cache_memory": 40 * 30 * 2 * 3 * 16 * 64 * 4, "preemption_mode": "swap"},
     {"kv_cache_memory": 40 * 30 * 2 * 3 * 16 * 64 * 4, "preemption_mode": "recompute"},
 ], ids=["prefix-cache", "chunked-no-cache", "swap", "recompute"])
