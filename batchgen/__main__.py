@@ -1,0 +1,5 @@
+"""``python -m batchgen`` is the ``batchgen`` command."""
+
+from .cli import main
+
+main()

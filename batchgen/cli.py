@@ -1,0 +1,150 @@
+"""The ``batchgen`` command: run, validate, status, slurm.
+
+User mistakes surface as ``JobError`` and are printed as one line each on stderr (no traceback);
+exit codes are listed in ``batchgen.job.errors``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, JobError, JobInvalid
+
+app = typer.Typer(
+    name="batchgen",
+    help="Offline LLM batch generation: a job file in, Parquet parts out; resumable and shardable.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """JobError -> its lines on stderr and its exit code; anything else is a bug: traceback, 70."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except JobInvalid as e:
+        for p in e.problems:
+            _err(f"batchgen: error: {p}")
+        raise typer.Exit(e.exit_code) from None
+    except JobError as e:
+        _err(f"batchgen: error: {e}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        _err("batchgen: aborted; finished parts are kept, run the same command again to resume")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:
+        traceback.print_exc()
+        _err(f"batchgen: internal or engine error: {type(e).__name__}: {e}")
+        _err("batchgen: finished rows were saved; run the same command again to resume")
+        raise typer.Exit(EXIT_ENGINE) from None
+
+
+@app.command()
+def run(
+    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    shard: Annotated[str | None, typer.Option(
+        "--shard", help="INDEX/COUNT, e.g. 0/8; default: job file, then SLURM_ARRAY_TASK_ID/COUNT.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Continue an output dir written with another job configuration.")] = False,
+    grace: Annotated[float, typer.Option(
+        "--grace", min=0, help="Seconds to let in-flight requests finish after SIGTERM/SIGINT.")] = 60.0,
+    engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
+) -> None:
+    """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
+    from .job.engine import load_factory
+    from .job.runner import Runner
+    from .job.shard import resolve_shard
+    from .job.validate import validate_job_file
+
+    with _user_errors():
+        factory = load_factory(engine)
+        spec = validate_job_file(job)
+        the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
+        result = Runner(spec, the_shard, factory, force=force, grace=grace).run()
+    if result.status == "interrupted":
+        _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished rows are saved, "
+             "run the same command again to resume")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def validate(job: Annotated[Path, typer.Argument(help="The job file (YAML).")]) -> None:
+    """Check a job file, its model path and its input files; list every problem."""
+    from .job.validate import validate_job_file
+
+    try:
+        validate_job_file(job)
+    except JobInvalid as e:
+        for p in e.problems:
+            _err(str(p))
+        _err(f"{len(e.problems)} problem{'s' if len(e.problems) != 1 else ''} in {job}")
+        raise typer.Exit(e.exit_code) from None
+    except JobError as e:
+        _err(f"batchgen: error: {e}")
+        raise typer.Exit(e.exit_code) from None
+    print("ok")
+
+
+@app.command()
+def status(
+    output_dir: Annotated[Path, typer.Argument(help="The job's output.dir.")],
+    no_input: Annotated[bool, typer.Option(
+        "--no-input", help="Do not read the input to count missing rows.")] = False,
+) -> None:
+    """Show rows done, errors and rows still missing, per shard."""
+    from .job.status import collect, render
+
+    with _user_errors():
+        if not output_dir.is_dir():
+            raise JobError(f"no such output dir: {output_dir}")
+        print(render(collect(output_dir, with_input=not no_input)))
+
+
+@app.command()
+def slurm(
+    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    array: Annotated[int, typer.Option("--array", help="Number of array tasks (= shards).")],
+    time: Annotated[str, typer.Option("--time", help="Time limit per task.")] = "04:00:00",
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs per task (0: none).")] = 1,
+    partition: Annotated[str | None, typer.Option("--partition")] = None,
+    account: Annotated[str | None, typer.Option("--account")] = None,
+    cpus_per_task: Annotated[int | None, typer.Option("--cpus-per-task")] = None,
+    mem: Annotated[str | None, typer.Option("--mem")] = None,
+    max_parallel: Annotated[int | None, typer.Option("--max-parallel", help="Tasks at once.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Where to write the script (default: the job file with .sbatch).")] = None,
+) -> None:
+    """Write an sbatch script running the job as a Slurm array, one shard per task."""
+    from .job.slurm import SlurmOptions, write_script
+    from .job.validate import validate_job_file
+
+    with _user_errors():
+        spec = validate_job_file(job)
+        opts = SlurmOptions(array=array, time=time, gpus=gpus, partition=partition, account=account,
+                            cpus_per_task=cpus_per_task, mem=mem, max_parallel=max_parallel)
+        path = write_script(spec, job.resolve(), opts, out)
+        print(f"wrote {path}; submit with: sbatch {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

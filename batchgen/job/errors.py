@@ -1,0 +1,45 @@
+"""Errors of the job layer and the exit codes the CLI maps them to.
+
+A ``JobError`` is a user mistake or an environment problem that deserves one clear line on
+stderr, never a traceback. Anything else escaping the job layer is a bug (or an engine failure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # user mistake: bad job file, missing input, unknown model, config mismatch, ...
+EXIT_USAGE = 2  # bad command line (click's own code)
+EXIT_ENGINE = 70  # the engine or batchgen itself failed (EX_SOFTWARE); finished rows are saved
+EXIT_LOCKED = 73  # another run holds this shard's lock; nothing was done
+EXIT_INTERRUPTED = 75  # stopped by SIGTERM/SIGINT (EX_TEMPFAIL); rerun the same command to resume
+
+
+class JobError(Exception):
+    """A problem the user can fix; its message is shown as is."""
+
+    exit_code = EXIT_ERROR
+
+
+class LockedError(JobError):
+    exit_code = EXIT_LOCKED
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validation problem, located by its path in the job file (``sampling.top_p``)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class JobInvalid(JobError):
+    """The job file has one or more problems; all of them are listed."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))

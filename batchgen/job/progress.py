@@ -1,0 +1,222 @@
+"""Progress of a run: a rich live display on a terminal, plain periodic lines in batch logs,
+and a summary at the end."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Protocol
+
+from .shard import Shard
+
+
+@dataclass
+class Snapshot:
+    """Counters of this run (rows include error rows); engine figures may be unknown (None)."""
+
+    rows: int = 0
+    samples: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    in_flight: int = 0
+    parts: int = 0
+    elapsed: float = 0.0
+    kv_cache_usage: float | None = None
+    preemptions: int | None = None
+    prefix_cache_hits: int | None = None
+    prefix_cache_queries: int | None = None
+
+
+@dataclass
+class Plan:
+    """What the run set out to do: its shard, rows already done, rows in the input (if known)."""
+
+    shard: Shard
+    done_before: int = 0
+    total: int | None = None  # rows of this shard in the input
+    exact: bool = True
+
+
+class Reporter(Protocol):
+    def start(self, plan: Plan) -> None: ...
+    def idle(self) -> None: ...
+    def update(self, snap: Snapshot, force: bool = False) -> None: ...
+    def message(self, text: str) -> None: ...
+    def finish(self, snap: Snapshot, status: str) -> None: ...
+
+
+def make_reporter(interval: float, stream: IO[str] | None = None) -> Reporter:
+    stream = stream or sys.stdout
+    isatty = getattr(stream, "isatty", lambda: False)
+    return LiveReporter(stream) if isatty() else PlainReporter(stream, interval)
+
+
+# --------------------------------------------------------------------------------- formatting
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def rate(count: float, elapsed: float) -> float:
+    return count / elapsed if elapsed > 0 else 0.0
+
+
+def rows_text(plan: Plan, snap: Snapshot) -> str:
+    done = plan.done_before + snap.rows
+    if plan.total is None:
+        return f"rows {done:,}"
+    approx = "" if plan.exact else "~"
+    pct = 100.0 * done / plan.total if plan.total else 100.0
+    return f"rows {done:,}/{approx}{plan.total:,} ({pct:.1f}%)"
+
+
+def eta(plan: Plan, snap: Snapshot) -> float | None:
+    if plan.total is None or snap.rows == 0:
+        return None
+    left = max(plan.total - plan.done_before - snap.rows, 0)
+    return left / rate(snap.rows, snap.elapsed)
+
+
+def status_line(plan: Plan, snap: Snapshot) -> str:
+    parts = [f"shard {plan.shard}", rows_text(plan, snap)]
+    if snap.errors:
+        parts.append(f"errors {snap.errors:,}")
+    parts.append(f"{rate(snap.output_tokens, snap.elapsed):,.1f} out tok/s")
+    if snap.kv_cache_usage is not None:
+        parts.append(f"kv {100 * snap.kv_cache_usage:.0f}%")
+    if snap.preemptions is not None:
+        parts.append(f"preemptions {snap.preemptions:,}")
+    parts.append(f"in flight {snap.in_flight}")
+    parts.append(f"elapsed {duration(snap.elapsed)}")
+    if plan.total is not None:
+        parts.append(f"eta {duration(eta(plan, snap))}")
+    return " | ".join(parts)
+
+
+def summary(plan: Plan, snap: Snapshot, status: str) -> str:
+    hit = ("n/a" if not snap.prefix_cache_queries
+           else f"{100.0 * (snap.prefix_cache_hits or 0) / snap.prefix_cache_queries:.1f}%")
+    tokens = snap.prompt_tokens + snap.output_tokens
+    return "\n".join([
+        f"batchgen: shard {plan.shard} {status}",
+        f"  rows         {snap.rows:,} this run ({snap.errors:,} errors), {snap.samples:,} samples, "
+        f"{snap.parts} parts written; {plan.done_before:,} done before",
+        f"  tokens       {snap.prompt_tokens:,} prompt, {snap.output_tokens:,} output",
+        f"  wall time    {duration(snap.elapsed)}; "
+        f"{rate(snap.output_tokens, snap.elapsed):,.1f} output tok/s, "
+        f"{rate(tokens, snap.elapsed):,.1f} tok/s in all",
+        f"  engine       {snap.preemptions if snap.preemptions is not None else 'n/a'} preemptions, "
+        f"prefix cache hit rate {hit}",
+    ])
+
+
+# ---------------------------------------------------------------------------------- reporters
+
+
+class PlainReporter:
+    """One line every ``interval`` seconds, for logs (stdout not a terminal)."""
+
+    def __init__(self, stream: IO[str], interval: float):
+        self.stream = stream
+        self.interval = interval
+        self.plan = Plan(Shard())
+        self._next = 0.0
+
+    def _print(self, text: str) -> None:
+        print(f"[batchgen {time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
+
+    def idle(self) -> None:
+        print(nothing_to_do(self.plan), file=self.stream, flush=True)
+
+    def start(self, plan: Plan) -> None:
+        self.plan = plan
+        self._next = time.monotonic() + self.interval
+        total = "unknown" if plan.total is None else f"{'' if plan.exact else '~'}{plan.total:,}"
+        self._print(f"shard {plan.shard}: {plan.done_before:,} rows done before, {total} rows in input")
+
+    def update(self, snap: Snapshot, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now >= self._next:
+            self._next = now + self.interval
+            self._print(status_line(self.plan, snap))
+
+    def message(self, text: str) -> None:
+        self._print(text)
+
+    def finish(self, snap: Snapshot, status: str) -> None:
+        print(summary(self.plan, snap, status), file=self.stream, flush=True)
+
+
+def nothing_to_do(plan: Plan) -> str:
+    return f"batchgen: shard {plan.shard} has nothing to do: all {plan.done_before:,} rows found are done"
+
+
+class LiveReporter:
+    """A rich live panel: bar of rows done, token rate, KV cache use, preemptions, ETA."""
+
+    def __init__(self, stream: IO[str], console: Any = None):
+        from rich.console import Console
+
+        self.console = console or Console(file=stream)
+        self.plan = Plan(Shard())
+        self._live: Any = None
+        self._last = 0.0
+
+    def idle(self) -> None:
+        self.finish(Snapshot(), "")
+        self.console.print(nothing_to_do(self.plan), markup=False, highlight=False)
+
+    def start(self, plan: Plan) -> None:
+        from rich.live import Live
+
+        self.plan = plan
+        self._live = Live(self._render(Snapshot()), console=self.console, refresh_per_second=4,
+                          transient=False)
+        self._live.start()
+
+    def _render(self, snap: Snapshot) -> Any:
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 1))
+        done = self.plan.done_before + snap.rows
+        total = self.plan.total
+        grid.add_row(ProgressBar(total=float(total) if total else None, completed=float(done), width=40),
+                     rows_text(self.plan, snap))
+        engine = [f"{rate(snap.output_tokens, snap.elapsed):,.1f} out tok/s"]
+        if snap.kv_cache_usage is not None:
+            engine.append(f"KV cache {100 * snap.kv_cache_usage:.0f}%")
+        if snap.preemptions is not None:
+            engine.append(f"preemptions {snap.preemptions:,}")
+        engine.append(f"in flight {snap.in_flight}")
+        grid.add_row("", " | ".join(engine))
+        timing = f"errors {snap.errors:,} | elapsed {duration(snap.elapsed)}"
+        if total is not None:
+            timing += f" | ETA {duration(eta(self.plan, snap))}"
+        grid.add_row("", timing)
+        return grid
+
+    def update(self, snap: Snapshot, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._live is not None and (force or now - self._last >= 0.25):
+            self._last = now
+            self._live.update(self._render(snap))
+
+    def message(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def finish(self, snap: Snapshot, status: str) -> None:
+        if self._live is not None:
+            self._live.update(self._render(snap))
+            self._live.stop()
+            self._live = None
+        if status:
+            self.console.print(summary(self.plan, snap, status), markup=False, highlight=False)

@@ -1,0 +1,276 @@
+"""Runs one shard of a job: input rows -> engine (bounded in flight) -> Parquet parts.
+
+Exactly-once comes from the writer (a row is done when its part exists) and the reader
+(skips done ids); the runner only has to never write a row twice within a run and to save
+finished rows before it exits for any reason except SIGKILL.
+
+Signals: the first SIGTERM/SIGINT stops admitting rows, saves what is finished and lets the
+in-flight requests finish for up to ``grace`` seconds; a second one drops them at once (they are
+redone next run); a third aborts immediately. An interrupted run exits with 75.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+from ..outputs import RequestOutput
+from . import saved
+from .engine import EngineFactory, build_engine
+from .errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
+from .lock import ShardLock
+from .params import ParamsBuilder, RowParamsError
+from .progress import Plan, Reporter, Snapshot, make_reporter
+from .reader import InputReader, Row
+from .shard import Shard
+from .spec import Job
+from .writer import PartWriter, error_rows, output_schema, recover, result_rows
+
+GRACE_FLUSH_SECONDS = 5.0  # while draining after a stop request, save finished rows this often
+STATS_SECONDS = 0.2
+
+
+class StopFlag:
+    """Counts SIGTERM/SIGINT; the run loop polls it (a handler must not do real work)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signal_name = ""
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        self.signal_name = signal.Signals(signum).name
+        if self.count >= 3:
+            raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    @contextmanager
+    def installed(self) -> Iterator[StopFlag]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        old = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+@dataclass
+class RunResult:
+    status: str  # "complete" | "interrupted" | "nothing to do"
+    plan: Plan
+    snapshot: Snapshot
+    signal_name: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.status == "interrupted" else EXIT_OK
+
+
+class Runner:
+    def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
+                 grace: float = 60.0, reporter: Reporter | None = None, stop: StopFlag | None = None):
+        self.job = job
+        self.shard = shard
+        self.engine_factory = engine_factory
+        self.force = force
+        self.grace = grace
+        self.reporter = reporter or make_reporter(job.spec.progress_interval)
+        self.stop = stop or StopFlag()
+
+    def run(self) -> RunResult:
+        with self.stop.installed():
+            return self._run()
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _run(self) -> RunResult:
+        job, shard = self.job, self.shard
+        out_dir = job.output_dir
+        reader = InputReader.for_job(job)
+        problems = reader.check()
+        if problems:
+            raise JobInvalid(problems)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobError(f"cannot create output dir {out_dir}: {e}") from None
+        with ShardLock(out_dir, shard):
+            saved.check_saved(out_dir, job, self.force)
+            rec = recover(out_dir, shard, job.config_hash, self.force)
+            saved.save(out_dir, job)
+            total, exact = reader.total_rows()
+            if total is not None and shard.count > 1:
+                total, exact = round(total / shard.count), False
+            plan = Plan(shard, done_before=len(rec.done), total=total, exact=exact)
+            rows = reader.rows(shard, rec.done)
+            first = next(rows, None)
+            if first is None:  # cron's common case: done before loading any model
+                self.reporter.start(plan)
+                self.reporter.idle()
+                return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
+            llm = build_engine(self.engine_factory, job)
+            self._check_engine(llm)
+            writer = PartWriter(
+                out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
+                job.spec.output.rows_per_part, rec.next_seq,
+                {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
+                 "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
+                 "batchgen.shard": str(shard)})
+            status = "failed"
+            snap = Snapshot()
+            self.reporter.start(plan)
+            try:
+                interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
+                status = "interrupted" if interrupted else "complete"
+            finally:
+                self.reporter.finish(snap, status)
+            for w in reader.warnings:
+                self.reporter.message(f"warning: {w}")
+            return RunResult(status, plan, snap, self.stop.signal_name, reader.warnings)
+
+    def _check_engine(self, llm: Any) -> None:
+        if self.job.spec.input.messages_column is None:
+            return
+        tok = getattr(llm, "tokenizer", None)
+        if tok is not None and not getattr(tok, "chat_template", None):
+            raise JobError(f"model {getattr(llm, 'model_name', '?')} has no chat template, so "
+                           "input.messages_column cannot be rendered; use input.prompt_column instead")
+
+    # ------------------------------------------------------------------------------------- loop
+
+    def _loop(self, llm: Any, rows: Iterator[Row], writer: PartWriter, snap: Snapshot) -> bool:
+        """Run until the input is done or a stop request is served; True if interrupted."""
+        start = last_stats = time.monotonic()
+        in_flight: dict[str, Row] = {}
+        counter = itertools.count()
+        builder = ParamsBuilder(self.job.spec.sampling)
+        max_in_flight = self.job.max_in_flight
+        exhausted = False
+        deadline: float | None = None
+        last_flush = start
+        try:
+            while True:
+                now = time.monotonic()
+                if self.stop.requested and deadline is None:
+                    deadline = now + self.grace
+                    self._save(writer, snap)
+                    last_flush = now
+                    self.reporter.message(
+                        f"{self.stop.signal_name or 'stop'} received: admitting no more rows, finishing "
+                        f"{len(in_flight)} in-flight requests (at most {self.grace:g}s)")
+                if deadline is not None:
+                    if not in_flight:
+                        break
+                    if self.stop.count >= 2 or now >= deadline:
+                        self.reporter.message(f"dropping {len(in_flight)} unfinished requests; "
+                                              "the next run redoes them")
+                        break
+                    if writer.pending and now - last_flush >= GRACE_FLUSH_SECONDS:
+                        self._save(writer, snap)
+                        last_flush = now
+                else:
+                    while not exhausted and len(in_flight) < max_in_flight and not self.stop.requested:
+                        row = next(rows, None)
+                        if row is None:
+                            exhausted = True
+                        else:
+                            self._admit(llm, row, next(counter), builder, in_flight, writer, snap)
+                    if not in_flight:
+                        if exhausted:
+                            break
+                        continue
+                outputs = llm.step()
+                for out in outputs:
+                    self._finish(out, in_flight, writer, snap)
+                if not outputs and in_flight and not llm.has_unfinished_requests():
+                    raise RuntimeError(f"the engine has no unfinished requests but {len(in_flight)} "
+                                       "were added and never returned")
+                if now - last_stats >= STATS_SECONDS:
+                    last_stats = now
+                    self._engine_stats(llm, snap)
+                    snap.in_flight = len(in_flight)
+                    snap.elapsed = now - start
+                    snap.parts = writer.parts_written
+                    self.reporter.update(snap)
+        except BaseException:
+            try:
+                self._save(writer, snap)
+            except Exception as e:  # keep the original error; this one is secondary
+                self.reporter.message(f"could not save the finished rows: {e}")
+            raise
+        else:
+            self._save(writer, snap)
+        finally:
+            self._engine_stats(llm, snap)
+            snap.in_flight = len(in_flight)
+            snap.elapsed = time.monotonic() - start
+        return deadline is not None and (bool(in_flight) or not exhausted)
+
+    @staticmethod
+    def _save(writer: PartWriter, snap: Snapshot) -> None:
+        writer.flush()
+        snap.parts = writer.parts_written
+
+    def _admit(self, llm: Any, row: Row, n: int, builder: ParamsBuilder, in_flight: dict[str, Row],
+               writer: PartWriter, snap: Snapshot) -> None:
+        if row.error:
+            self._record_error(row, row.error, writer, snap)
+            return
+        try:
+            params = builder.for_row(row.id, row.overrides)
+        except RowParamsError as e:
+            self._record_error(row, f"{row.where}: {e}", writer, snap)
+            return
+        request_id = f"r{n}"
+        try:
+            llm.add_request(request_id, row.prompt, params)
+        except (ValueError, TypeError) as e:
+            self._record_error(row, f"{row.where}: the engine rejected the request: {e}", writer, snap)
+            return
+        in_flight[request_id] = row
+
+    def _finish(self, out: RequestOutput, in_flight: dict[str, Row], writer: PartWriter,
+                snap: Snapshot) -> None:
+        row = in_flight.pop(out.request_id, None)
+        if row is None:  # not ours, or reported twice
+            return
+        if out.error or not out.outputs:
+            why = out.error or "the engine returned no samples"
+            self._record_error(row, f"{row.where}: {why}", writer, snap)
+            return
+        writer.add(result_rows(row, out))
+        snap.rows += 1
+        snap.samples += len(out.outputs)
+        snap.prompt_tokens += len(out.prompt_token_ids)
+        snap.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    @staticmethod
+    def _record_error(row: Row, message: str, writer: PartWriter, snap: Snapshot) -> None:
+        writer.add(error_rows(row, message))
+        snap.rows += 1
+        snap.errors += 1
+
+    @staticmethod
+    def _engine_stats(llm: Any, snap: Snapshot) -> None:
+        try:
+            stats = llm.stats()
+        except Exception:  # progress must never kill a run
+            return
+        snap.kv_cache_usage = stats.get("kv_cache_usage")
+        snap.preemptions = stats.get("num_preemptions")
+        snap.prefix_cache_hits = stats.get("prefix_cache_hits")
+        snap.prefix_cache_queries = stats.get("prefix_cache_queries")

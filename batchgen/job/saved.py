@@ -1,0 +1,61 @@
+"""The job configuration a run saves into its output dir (``_job.yaml`` as written, ``_job.json``
+resolved with its config hash), so ``batchgen status OUTPUT_DIR`` can find the input again and a
+later run with a different configuration is noticed. Names start with ``_`` so Parquet dataset
+readers skip them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import JobError
+from .spec import Job
+
+SAVED_JSON = "_job.json"
+SAVED_YAML = "_job.yaml"
+
+
+def read_saved(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / SAVED_JSON
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read {path}: {e}") from None
+
+
+def check_saved(out_dir: Path, job: Job, force: bool) -> None:
+    saved = read_saved(out_dir)
+    if saved is None or force or saved.get("config_hash") == job.config_hash:
+        return
+    raise JobError(
+        f"{out_dir} holds the output of another job configuration (config {saved.get('config_hash')}, "
+        f"this job {job.config_hash}; see {out_dir / SAVED_YAML}); use a new output.dir, or pass --force "
+        "to keep the rows already done and do the rest with the new configuration")
+
+
+def save(out_dir: Path, job: Job) -> None:
+    _write_atomic(out_dir / SAVED_YAML, job.text)
+    _write_atomic(out_dir / SAVED_JSON, json.dumps(job.saved_form(), indent=2, sort_keys=True) + "\n")
+
+
+def load_saved_job(out_dir: Path) -> Job:
+    saved = read_saved(out_dir)
+    if saved is None:
+        raise JobError(f"{out_dir} has no {SAVED_JSON}: not a batchgen output dir (or no run started yet)")
+    try:
+        return Job.from_saved(saved)
+    except (KeyError, ValueError) as e:
+        raise JobError(f"{out_dir / SAVED_JSON} is not usable: {e}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise JobError(f"cannot write {path}: {e}") from None

@@ -1,0 +1,387 @@
+"""The job file: a YAML document validated with pydantic into a ``JobSpec``.
+
+Validation collects every problem, each named by its path in the file (``sampling.top_p: ...``).
+Sampling rules are not repeated here: ``SamplingParams`` itself is asked, field by field.
+Checks that touch the file system (model directory, input files and columns) live in
+``validate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+import typing
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from ..sampling_params import SamplingParams
+from .errors import JobError, JobInvalid, Problem
+
+# Output columns a job can ask for; "token_counts" means num_prompt_tokens and num_output_tokens,
+# "logprobs" means the per-token top logprobs and cumulative_logprob.
+OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts")
+DEFAULT_OUTPUT_FIELDS = ["text", "finish_reason", "token_counts"]
+# Columns every part has; carried input columns may not use these names.
+RESERVED_COLUMNS = frozenset({
+    "id", "sample_index", "num_samples", "error", "text", "token_ids", "logprobs", "cumulative_logprob",
+    "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens",
+})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Section):
+    path: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = "auto"
+    block_size: PositiveInt = 16
+    kv_cache_memory: Any = "4GiB"  # bytes or "4GiB"; the engine checks sizes
+    swap_space: Any = "4GiB"
+    gpu_memory_utilization: float | None = None  # passed to the engine only when set
+    num_threads: PositiveInt | None = None  # passed to the engine only when set
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 2048
+    max_model_len: PositiveInt | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["swap", "recompute"] = "swap"
+    seed: int = 0
+
+    def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
+        """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory)."""
+        kw = self.model_dump()
+        kw.pop("path")
+        for optional in ("gpu_memory_utilization", "num_threads"):
+            if kw[optional] is None:
+                del kw[optional]
+        return {"model": str(model_path), **kw}
+
+
+class InputSpec(_Section):
+    paths: list[str] = Field(min_length=1)
+    format: Literal["parquet", "jsonl"] | None = None
+    id_column: str | None = None
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    carry_columns: list[str] = Field(default_factory=list)
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_path(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> InputSpec:
+        if (self.prompt_column is None) == (self.messages_column is None):
+            raise ValueError("set exactly one of prompt_column (text or token ids) or messages_column (chat)")
+        return self
+
+    @property
+    def source_column(self) -> str:
+        return self.prompt_column or self.messages_column or ""
+
+
+class _SamplingBase(_Section):
+    """Base of ``SamplingSpec``; the SamplingParams fields are added by ``create_model``."""
+
+    overrides: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("stop", mode="before", check_fields=False)
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    def params(self, **changes: Any) -> SamplingParams:
+        values = {k: getattr(self, k) for k in SamplingParams.field_names()}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _sampling_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(SamplingParams)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        if not f.init:
+            continue
+        ann = list[str] | None if f.name == "stop" else hints[f.name]
+        out[f.name] = (ann, f.default)
+    return out
+
+
+SamplingSpec = create_model("SamplingSpec", __base__=_SamplingBase, **_sampling_fields())
+
+
+class OutputSpec(_Section):
+    dir: str = Field(min_length=1)
+    rows_per_part: PositiveInt = 1000
+    fields: list[Literal["text", "token_ids", "logprobs", "finish_reason", "token_counts"]] = Field(
+        default_factory=lambda: list(DEFAULT_OUTPUT_FIELDS)
+    )
+
+
+class ShardSpec(_Section):
+    index: NonNegativeInt | None = None
+    count: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardSpec:
+        if self.index is not None and self.count is None:
+            raise ValueError("index needs count")
+        if self.index is not None and self.count is not None and self.index >= self.count:
+            raise ValueError(f"index must be < count ({self.count})")
+        return self
+
+
+class JobSpec(_Section):
+    model: ModelSpec
+    input: InputSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
+    output: OutputSpec
+    shard: ShardSpec = Field(default_factory=ShardSpec)
+    max_in_flight: PositiveInt | None = None  # default: 2 * model.max_num_seqs
+    progress_interval: PositiveFloat = 30.0
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path_only(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, str) else v
+
+    @field_validator("shard", mode="before")
+    @classmethod
+    def _shard_text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                i, n = (int(x) for x in v.split("/"))
+            except ValueError:
+                raise ValueError("must be INDEX/COUNT such as '0/4', or {index, count}") from None
+            return {"index": i, "count": n}
+        return v
+
+
+def resolve_path(base_dir: Path, p: str) -> Path:
+    """Relative paths in a job file are relative to the job file's directory."""
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+@dataclass
+class Job:
+    """A validated job: the spec plus where it came from (relative paths resolve against it)."""
+
+    spec: JobSpec
+    base_dir: Path
+    text: str = ""  # the job file as written; saved next to the outputs
+    source: Path | None = None
+
+    def resolve(self, p: str) -> Path:
+        return resolve_path(self.base_dir, p)
+
+    @property
+    def model_path(self) -> Path:
+        return self.resolve(self.spec.model.path)
+
+    @property
+    def output_dir(self) -> Path:
+        return self.resolve(self.spec.output.dir)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.spec.max_in_flight or 2 * self.spec.model.max_num_seqs
+
+    @cached_property
+    def config_hash(self) -> str:
+        """Hash of everything that changes what a row's output is.
+
+        Left out on purpose: input paths (so files can be added), shard, engine capacity knobs,
+        rows_per_part, max_in_flight, progress. A run refuses an output dir whose parts have
+        another hash unless forced.
+        """
+        s = self.spec
+        data = {
+            "model": {"path": str(self.model_path.resolve()), "dtype": s.model.dtype,
+                      "max_model_len": s.model.max_model_len},
+            "input": s.input.model_dump(exclude={"paths"}),
+            "sampling": s.sampling.model_dump(),
+            "output": {"fields": sorted(s.output.fields)},
+        }
+        if s.input.id_column is None:  # derived ids contain paths relative to the job file
+            data["id_base"] = str(self.base_dir)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def saved_form(self) -> dict[str, Any]:
+        """What a run stores in the output dir so ``batchgen status`` can find the input again."""
+        return {
+            "config_hash": self.config_hash,
+            "base_dir": str(self.base_dir),
+            "job_file": str(self.source) if self.source else None,
+            "spec": self.spec.model_dump(mode="json"),
+        }
+
+    @classmethod
+    def from_saved(cls, data: dict[str, Any]) -> Job:
+        return cls(spec=JobSpec.model_validate(data["spec"]), base_dir=Path(data["base_dir"]))
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def read_job_text(path: str | Path) -> str:
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobError(f"job file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError(f"cannot read job file {path}: {e}") from None
+
+
+def parse_yaml(text: str) -> dict[str, Any]:
+    """The job file as a dict; YAML errors become one problem with line and column."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e)
+        raise JobInvalid([Problem("", f"invalid YAML{where}: {what}")]) from None
+    if raw is None:
+        raise JobInvalid([Problem("", "the job file is empty")])
+    if not isinstance(raw, dict):
+        raise JobInvalid([Problem("", "the job file must be a mapping: model, input, sampling, output, ...")])
+    return raw
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file (schema only, see ``validate.py`` for files and columns)."""
+    path = Path(path)
+    return parse_job(read_job_text(path), path.resolve().parent, source=path.resolve())
+
+
+def parse_job(text: str, base_dir: Path, source: Path | None = None) -> Job:
+    raw = parse_yaml(text)
+    problems = spec_problems(raw)
+    if problems:
+        raise JobInvalid(problems)
+    return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source)
+
+
+def spec_problems(raw: dict[str, Any]) -> list[Problem]:
+    """Schema problems (pydantic) plus the rules pydantic cannot express, for every section."""
+    problems: list[Problem] = []
+    try:
+        JobSpec.model_validate(raw)
+    except ValidationError as e:
+        problems += [_problem(err) for err in e.errors()]
+    sampling = valid_part(SamplingSpec, raw.get("sampling") or {})
+    if sampling is not None:
+        problems += sampling_problems(sampling)
+    output = valid_part(OutputSpec, raw.get("output"))
+    wants_logprobs = output is not None and "logprobs" in output.fields
+    if wants_logprobs and sampling is not None and sampling.logprobs is None:
+        problems.append(Problem("output.fields", "'logprobs' needs sampling.logprobs "
+                                                 "(0: the sampled token's logprob only; k: also the top k)"))
+    inp = raw.get("input")
+    carry = inp.get("carry_columns") if isinstance(inp, dict) else None
+    for i, col in enumerate(carry if isinstance(carry, list) else []):
+        if col in RESERVED_COLUMNS:
+            problems.append(Problem(f"input.carry_columns[{i}]", f"{col!r} is an output column name"))
+    return problems
+
+
+def sampling_problems(spec: Any) -> list[Problem]:
+    """Ask SamplingParams about every field: on an error, note it, reset that field, try again."""
+    names = SamplingParams.field_names()
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+    values = {k: getattr(spec, k) for k in names}
+    problems: list[Problem] = []
+    for _ in range(len(names) + 1):
+        try:
+            SamplingParams(**values)
+            break
+        except (ValueError, TypeError) as e:
+            m = re.match(r"SamplingParams\.(\w+): (.*)$", str(e), re.DOTALL)
+            if not m or m.group(1) not in values or values[m.group(1)] == defaults[m.group(1)]:
+                problems.append(Problem("sampling", str(e)))
+                break
+            problems.append(Problem(f"sampling.{m.group(1)}", m.group(2)))
+            values[m.group(1)] = defaults[m.group(1)]
+    for key in spec.overrides:
+        if key not in names:
+            hint = _suggest(key, names)
+            problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
+    return problems
+
+
+def valid_part(model: type[BaseModel], raw: Any) -> Any:
+    """The section validated without its fields that have schema errors (already reported), so
+    the semantic checks still run on the rest; None when that is not possible."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        bad = {err["loc"][0] for err in e.errors() if err["loc"]}
+        try:
+            return model.model_validate({k: v for k, v in raw.items() if k not in bad})
+        except ValidationError:
+            return None
+
+
+def _loc_text(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _problem(err: Any) -> Problem:
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    if kind == "missing":
+        return Problem(_loc_text(loc), "required field is missing")
+    if kind == "extra_forbidden":
+        hint = _suggest(str(loc[-1]), _field_names_at(loc[:-1]))
+        return Problem(_loc_text(loc), f"unknown field{hint}")
+    msg = err["msg"].removeprefix("Value error, ")
+    msg = msg[:1].lower() + msg[1:]
+    value = err.get("input")
+    if isinstance(value, (str, int, float, bool)) and not kind.startswith("value_error"):
+        msg += f" (got {value!r})"
+    return Problem(_loc_text(loc), msg)
+
+
+def _field_names_at(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = JobSpec
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (valid: {', '.join(choices)})" if choices else ""

@@ -1,0 +1,123 @@
+"""``batchgen status OUTPUT_DIR``: rows done, errors and rows still missing, per shard.
+
+Needs only the output dir: the run saved its job there (``_job.json``), which tells where the
+input is, so missing rows are counted by reading the input ids (only the id column of Parquet).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .lock import LOCK_DIR, LOCK_RE, is_locked
+from .reader import InputReader
+from .saved import load_saved_job, read_saved
+from .shard import Shard, shard_of
+from .writer import list_parts, read_part
+
+
+@dataclass
+class ShardStatus:
+    shard: Shard
+    parts: int = 0
+    rows: int = 0
+    errors: int = 0
+    input_rows: int | None = None
+    missing: int | None = None
+    running: bool = False
+    started: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.running:
+            return "running"
+        if self.missing == 0:
+            return "done"
+        return "incomplete" if self.started else "not started"
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    config_hash: str
+    count: int
+    shards: list[ShardStatus] = field(default_factory=list)
+    other_parts: int = 0  # parts written under another shard count
+    duplicates: int = 0
+    input_error: str | None = None
+
+
+def collect(out_dir: Path, with_input: bool = True) -> Report:
+    job = load_saved_job(out_dir)
+    saved = read_saved(out_dir) or {}
+    parts = list_parts(out_dir)
+    locks = sorted((out_dir / LOCK_DIR).glob("shard-*.lock"), key=lambda p: p.stat().st_mtime)
+    lock_shards = {}
+    for p in locks:
+        m = LOCK_RE.match(p.name)
+        if m:
+            lock_shards[p] = Shard(int(m.group(1)), int(m.group(2)))
+    # The shard count of the newest run decides how missing rows are split.
+    count = (list(lock_shards.values())[-1].count if lock_shards
+             else max((pt.shard.count for pt in parts), default=1))
+    report = Report(out_dir, str(saved.get("config_hash", "?")), count)
+    per = {i: ShardStatus(Shard(i, count)) for i in range(count)}
+    seen: Counter[str] = Counter()
+    for part in parts:
+        ids, errors = read_part(part.path, with_errors=True)
+        id_list = ids.column("id").to_pylist()
+        seen.update(id_list)
+        if part.shard.count != count:
+            report.other_parts += 1
+            continue
+        st = per[part.shard.index]
+        st.parts += 1
+        st.rows += len(id_list)
+        st.errors += errors
+        st.started = True
+    report.duplicates = sum(1 for n in seen.values() if n > 1)
+    for path, sh in lock_shards.items():
+        if sh.count == count:
+            per[sh.index].started = True
+            per[sh.index].running = is_locked(path)
+    if with_input:
+        try:
+            reader = InputReader.for_job(job)
+            totals: Counter[int] = Counter()
+            missing: Counter[int] = Counter()
+            for row_id in reader.ids():
+                s = shard_of(row_id, count)
+                totals[s] += 1
+                if row_id not in seen:
+                    missing[s] += 1
+            for i, st in per.items():
+                st.input_rows, st.missing = totals[i], missing[i]
+        except Exception as e:  # the input may have moved; still show what is done
+            report.input_error = str(e).splitlines()[0]
+    report.shards = list(per.values())
+    return report
+
+
+def render(report: Report) -> str:
+    lines = [f"output  {report.out_dir}", f"config  {report.config_hash}", ""]
+    lines.append(f"{'shard':<12}{'parts':>7}{'rows done':>12}{'errors':>9}{'missing':>10}  state")
+    tot = ShardStatus(Shard())
+    for st in report.shards:
+        miss = "?" if st.missing is None else f"{st.missing:,}"
+        lines.append(f"{str(st.shard):<12}{st.parts:>7,}{st.rows:>12,}{st.errors:>9,}{miss:>10}  {st.state}")
+        tot.parts += st.parts
+        tot.rows += st.rows
+        tot.errors += st.errors
+    known = [st.missing for st in report.shards if st.missing is not None]
+    miss = f"{sum(known):,}" if len(known) == len(report.shards) else "?"
+    lines.append(f"{'total':<12}{tot.parts:>7,}{tot.rows:>12,}{tot.errors:>9,}{miss:>10}")
+    if report.other_parts:
+        lines.append(f"note: {report.other_parts} parts were written with another shard count "
+                     "(their rows count as done)")
+    if report.duplicates:
+        lines.append(f"warning: {report.duplicates} ids appear in more than one part "
+                     "(duplicate ids in the input?)")
+    if report.input_error:
+        lines.append(f"note: cannot read the input to count missing rows: {report.input_error}")
+    return "\n".join(lines)

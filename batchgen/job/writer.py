@@ -1,0 +1,244 @@
+"""Parquet part files: one row per (id, sample_index), written atomically, and read back on start.
+
+A part is written to a hidden temp file in the output dir, fsynced, renamed into place and the
+directory fsynced, so a part either exists whole or not at all. All samples of a request go into
+the same part, which makes "the id is in a part with all its samples" the definition of done:
+a run killed at any moment redoes exactly the rows that are in no part.
+
+Part names carry the shard and a sequence number (``part-00002-of-00008-000013.parquet``), so
+shards never collide; hidden (``.``) and ``_`` files are what Parquet readers skip, so the output
+dir stays readable as one dataset (``pyarrow.dataset.dataset(out_dir)``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..outputs import RequestOutput
+from .errors import JobError
+from .reader import Row
+from .shard import Shard
+
+PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.parquet$")
+META_HASH = b"batchgen.config_hash"
+META_MODEL = b"batchgen.model"
+META_VERSION = b"batchgen.version"
+META_SHARD = b"batchgen.shard"
+
+
+@dataclass(frozen=True)
+class PartName:
+    path: Path
+    shard: Shard
+    seq: int
+
+
+def part_name(shard: Shard, seq: int) -> str:
+    return f"part-{shard.tag}-{seq:06d}.parquet"
+
+
+def list_parts(out_dir: Path) -> list[PartName]:
+    if not out_dir.is_dir():
+        return []
+    parts = []
+    for p in out_dir.iterdir():
+        m = PART_RE.match(p.name)
+        if m:
+            parts.append(PartName(p, Shard(int(m.group(1)), int(m.group(2))), int(m.group(3))))
+    return sorted(parts, key=lambda x: (x.shard.count, x.shard.index, x.seq))
+
+
+def output_schema(fields: Iterable[str], carry: list[pa.Field]) -> pa.Schema:
+    fields = set(fields)
+    cols = [pa.field("id", pa.string(), nullable=False), pa.field("sample_index", pa.int32()),
+            pa.field("num_samples", pa.int32()), *carry]
+    if "text" in fields:
+        cols.append(pa.field("text", pa.string()))
+    if "token_ids" in fields:
+        cols.append(pa.field("token_ids", pa.list_(pa.int32())))
+    if "logprobs" in fields:
+        cols += [pa.field("cumulative_logprob", pa.float64()),
+                 pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32())))]
+    if "finish_reason" in fields:
+        cols += [pa.field("finish_reason", pa.string()), pa.field("stop_reason", pa.string())]
+    if "token_counts" in fields:
+        cols += [pa.field("num_prompt_tokens", pa.int32()), pa.field("num_output_tokens", pa.int32())]
+    cols.append(pa.field("error", pa.string()))
+    return pa.schema(cols)
+
+
+def result_rows(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
+    """One dict per sample; columns the schema does not have are dropped when the part is built."""
+    base = {"id": row.id, "num_samples": len(out.outputs), **row.carry}
+    rows = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        rows.append({
+            **base, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
+            "cumulative_logprob": c.cumulative_logprob, "logprobs": c.logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": None if c.stop_reason is None else str(c.stop_reason),
+            "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
+        })
+    return rows
+
+
+def error_rows(row: Row, message: str) -> list[dict[str, Any]]:
+    """A failed row is one output row (sample 0) with ``error`` set; it counts as done."""
+    return [{"id": row.id, "sample_index": 0, "num_samples": 1, **row.carry, "error": message}]
+
+
+# ------------------------------------------------------------------------------------ recovery
+
+
+@dataclass
+class Recovered:
+    done: set[str] = field(default_factory=set)
+    next_seq: int = 0
+    parts: int = 0
+    rows: int = 0
+    errors: int = 0
+
+
+def read_part(path: Path, with_errors: bool = False) -> tuple[pa.Table, int]:
+    """(ids with all their samples in this part, number of error rows); reads only 2-3 columns."""
+    cols = ["id", "num_samples", "error"] if with_errors else ["id", "num_samples"]
+    try:
+        t = pq.read_table(path, columns=cols)
+    except (OSError, pa.ArrowException) as e:
+        raise JobError(f"cannot read part {path}: {e}; move it away if it is not a batchgen part") from None
+    errors = t.num_rows - t.column("error").null_count if with_errors else 0
+    g = t.group_by("id").aggregate([("id", "count"), ("num_samples", "max")])
+    complete = g.filter(pc.equal(g.column("id_count"), g.column("num_samples_max")))
+    return complete.select(["id"]), errors
+
+
+def part_metadata(path: Path) -> dict[bytes, bytes]:
+    try:
+        return pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowException) as e:
+        raise JobError(f"cannot read part {path}: {e}") from None
+
+
+def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False) -> Recovered:
+    """What this shard already did: complete ids and the next part number.
+
+    Also reads parts written under another shard count (a re-sharded job), keeping the ids that
+    now belong to this shard, so re-sharding never duplicates rows. Deletes this shard's stale
+    temp files (the caller holds the shard lock, so no writer of ours is alive).
+    """
+    for p in out_dir.glob(f".part-{shard.tag}-*.tmp"):
+        p.unlink(missing_ok=True)
+    rec = Recovered()
+    for part in list_parts(out_dir):
+        same_count = part.shard.count == shard.count
+        if same_count and part.shard.index != shard.index:
+            continue
+        old = part_metadata(part.path).get(META_HASH, b"?").decode()
+        if old != config_hash and not force:
+            raise JobError(
+                f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
+                f"this job {config_hash}); use a new output.dir, or pass --force to keep its rows and "
+                "do the rest with the new configuration")
+        ids, _ = read_part(part.path)
+        id_list = ids.column("id").to_pylist()
+        if same_count:
+            rec.next_seq = max(rec.next_seq, part.seq + 1)
+            rec.parts += 1
+            rec.done.update(id_list)
+        else:
+            rec.done.update(i for i in id_list if shard.owns(i))
+    return rec
+
+
+# -------------------------------------------------------------------------------------- writing
+
+
+class PartWriter:
+    """Buffers finished requests and writes a part every ``rows_per_part`` of them."""
+
+    def __init__(self, out_dir: Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
+                 next_seq: int, metadata: dict[str, str]):
+        self.out_dir = out_dir
+        self.shard = shard
+        self.schema = schema
+        self.rows_per_part = rows_per_part
+        self.seq = next_seq
+        self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
+        self._buffer: list[dict[str, Any]] = []
+        self._requests = 0
+        self.parts_written = 0
+
+    @property
+    def pending(self) -> int:
+        return self._requests
+
+    def add(self, rows: list[dict[str, Any]]) -> Path | None:
+        """Add all rows (samples) of one finished request; flushes when the part is full."""
+        self._buffer.extend(rows)
+        self._requests += 1
+        return self.flush() if self._requests >= self.rows_per_part else None
+
+    def flush(self) -> Path | None:
+        """Write the buffered rows as the next part. Signals are held off meanwhile, so an abort
+        (third Ctrl-C) cannot land between the rename and the bookkeeping and write rows twice."""
+        if not self._buffer:
+            return None
+        with _signals_deferred():
+            return self._write_part()
+
+    def _write_part(self) -> Path:
+        meta = dict(self.metadata)
+        meta[b"batchgen.created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z").encode()
+        table = pa.Table.from_pylist(self._buffer, schema=self.schema.with_metadata(meta))
+        final = self.out_dir / part_name(self.shard, self.seq)
+        tmp = self.out_dir / f".{final.stem}.tmp"
+        try:
+            pq.write_table(table, tmp, compression="zstd")
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            fsync_dir(self.out_dir)
+        except OSError as e:
+            raise JobError(f"cannot write {final}: {e}") from None
+        self.seq += 1
+        self.parts_written += 1
+        self._buffer.clear()
+        self._requests = 0
+        return final
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

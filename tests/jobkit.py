@@ -1,0 +1,114 @@
+"""Helpers for the job-layer tests: model dirs, input files, job files, running the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import yaml
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+FAKE = "fake_llm:FakeLLM"
+
+
+def make_model(path: Path, **config: Any) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def prompts(n: int, start: int = 0) -> list[dict[str, Any]]:
+    return [{"id": f"q{i:04d}", "prompt": f"question number {i}", "topic": i % 3}
+            for i in range(start, start + n)]
+
+
+def write_jsonl(path: Path, records: list[Any], mode: str = "w") -> Path:
+    with open(path, mode, encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def write_parquet(path: Path, data: dict[str, Any] | pa.Table, row_group_size: int | None = None) -> Path:
+    table = data if isinstance(data, pa.Table) else pa.table(data)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def job_dict(**overrides: Any) -> dict[str, Any]:
+    job: dict[str, Any] = {
+        "model": {"path": "model"},
+        "input": {"paths": ["in.jsonl"], "id_column": "id", "prompt_column": "prompt",
+                  "carry_columns": ["topic"]},
+        "sampling": {"n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 6},
+        "output": {"dir": "out", "rows_per_part": 10,
+                   "fields": ["text", "token_ids", "finish_reason", "token_counts"]},
+        "progress_interval": 3600,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(job.get(key), dict):
+            job[key] = {**job[key], **value}
+        else:
+            job[key] = value
+    return job
+
+
+def setup_job(root: Path, rows: int = 30, name: str = "job.yaml", **overrides: Any) -> Path:
+    """A model dir, an ``in.jsonl`` of ``rows`` prompts and a job file, all in ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "model").exists():
+        make_model(root / "model")
+    if rows and not (root / "in.jsonl").exists():
+        write_jsonl(root / "in.jsonl", prompts(rows))
+    return write_job(root / name, job_dict(**overrides))
+
+
+def write_job(path: Path, job: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def cli(*args: str) -> Any:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def run(job: Path, *args: str) -> Any:
+    return cli("run", str(job), "--engine", FAKE, *args)
+
+
+def read_rows(out_dir: Path) -> list[dict[str, Any]]:
+    if not list(out_dir.glob("part-*.parquet")):
+        return []
+    return ds.dataset(out_dir, format="parquet").to_table().to_pylist()
+
+
+def outputs_by_key(out_dir: Path) -> dict[tuple[str, int], Any]:
+    """(id, sample_index) -> (text, error); asserts every key appears exactly once."""
+    rows = read_rows(out_dir)
+    counts = Counter((r["id"], r["sample_index"]) for r in rows)
+    dups = [k for k, c in counts.items() if c > 1]
+    assert not dups, f"duplicated (id, sample): {dups[:5]}"
+    return {(r["id"], r["sample_index"]): (r.get("text"), r["error"]) for r in rows}
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS_DIR)])
+    env["BATCHGEN_ENGINE"] = FAKE
+    env.update(extra)
+    return env
+
+
+def batchgen_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "batchgen", *map(str, args)]

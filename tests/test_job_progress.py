@@ -1,0 +1,72 @@
+"""Progress: plain lines at an interval in logs, a rich live display on terminals, the summary."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from rich.console import Console
+
+from batchgen.job.progress import LiveReporter, PlainReporter, Plan, Snapshot, make_reporter, summary
+from batchgen.job.shard import Shard
+
+SNAP = Snapshot(rows=50, samples=100, errors=2, prompt_tokens=1000, output_tokens=400, in_flight=8,
+                parts=5, elapsed=20.0, kv_cache_usage=0.42, preemptions=3, prefix_cache_hits=25,
+                prefix_cache_queries=100)
+
+
+def test_plain_lines_come_every_interval():
+    buf = io.StringIO()
+    rep = PlainReporter(buf, interval=0.05)
+    rep.start(Plan(Shard(1, 4), done_before=50, total=200, exact=False))
+    for _ in range(8):
+        rep.update(SNAP)
+        time.sleep(0.02)
+    lines = buf.getvalue().splitlines()
+    assert "shard 1/4: 50 rows done before, ~200 rows in input" in lines[0]
+    assert 2 <= len(lines) - 1 <= 5
+    line = lines[1]
+    for part in ("rows 100/~200 (50.0%)", "errors 2", "20.0 out tok/s", "kv 42%", "preemptions 3",
+                 "in flight 8", "elapsed 20s", "eta 40s"):
+        assert part in line, (part, line)
+
+
+def test_summary_has_the_figures():
+    text = summary(Plan(Shard(), done_before=7), SNAP, "complete")
+    for part in ("shard 0/1 complete", "50 this run (2 errors), 100 samples, 5 parts written; 7 done before",
+                 "1,000 prompt, 400 output", "wall time    20s", "20.0 output tok/s", "70.0 tok/s in all",
+                 "3 preemptions", "prefix cache hit rate 25.0%"):
+        assert part in text, (part, text)
+
+
+def test_live_display_on_a_terminal():
+    buf = io.StringIO()
+    rep = LiveReporter(buf, console=Console(file=buf, force_terminal=True, width=120))
+    rep.start(Plan(Shard(), total=100))
+    rep.update(SNAP, force=True)
+    rep.message("hello from the run")
+    rep.finish(SNAP, "complete")
+    out = buf.getvalue()
+    assert "rows 50/100 (50.0%)" in out and "KV cache 42%" in out and "ETA 20s" in out
+    assert "hello from the run" in out and "prefix cache hit rate 25.0%" in out
+
+
+def test_reporter_choice_follows_the_terminal():
+    assert isinstance(make_reporter(5, io.StringIO()), PlainReporter)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert isinstance(make_reporter(5, Tty()), LiveReporter)
+
+
+def test_run_logs_plain_progress_lines(tmp_path, monkeypatch):
+    from jobkit import run, setup_job
+
+    monkeypatch.setenv("FAKE_LLM_STEP_SLEEP", "0.01")
+    job = setup_job(tmp_path, rows=40, progress_interval=0.001, max_in_flight=4)
+    r = run(job)
+    assert r.exit_code == 0
+    progress = [line for line in r.stdout.splitlines() if "rows " in line and " | " in line]
+    assert progress and "out tok/s" in progress[-1]

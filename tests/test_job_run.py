@@ -1,0 +1,264 @@
+"""`batchgen run` end to end on the fake engine (in-process CLI): outputs, resume, shards, lock,
+new rows, config changes, bad input, engine failures, status, slurm."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from jobkit import (
+    FAKE,
+    cli,
+    job_dict,
+    make_model,
+    outputs_by_key,
+    prompts,
+    read_rows,
+    run,
+    setup_job,
+    write_job,
+    write_jsonl,
+    write_parquet,
+)
+
+from batchgen.job.errors import EXIT_ENGINE, EXIT_LOCKED
+from batchgen.job.lock import ShardLock
+from batchgen.job.shard import Shard
+
+
+def test_run_writes_every_id_and_sample_once(tmp_path):
+    job = setup_job(tmp_path, rows=30)
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert "shard 0/1 complete" in r.stdout and "30 this run (0 errors), 60 samples" in r.stdout
+    out = outputs_by_key(tmp_path / "out")
+    assert set(out) == {(f"q{i:04d}", s) for i in range(30) for s in range(2)}
+    rows = read_rows(tmp_path / "out")
+    assert {r["topic"] for r in rows} == {0, 1, 2}
+    assert all(r["num_output_tokens"] == len(r["token_ids"]) and r["num_prompt_tokens"] > 0 for r in rows)
+    assert all(r["finish_reason"] in ("stop", "length") and r["error"] is None for r in rows)
+    # the saved job and the metadata tell what produced the parts
+    saved = json.loads((tmp_path / "out" / "_job.json").read_text())
+    part = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
+    assert pq.read_schema(part).metadata[b"batchgen.config_hash"] == saved["config_hash"].encode()
+    # a rerun finds everything done and never loads the model
+    r = run(job)
+    assert r.exit_code == 0 and "nothing to do: all 30 rows found are done" in r.stdout
+
+
+def test_seeded_runs_are_reproducible_and_greedy_too(tmp_path):
+    texts = []
+    for k in range(2):
+        job = setup_job(tmp_path / f"r{k}", rows=12, output={"rows_per_part": 1 + 4 * k},
+                        max_in_flight=3 + 10 * k)
+        assert run(job).exit_code == 0
+        texts.append(outputs_by_key(tmp_path / f"r{k}" / "out"))
+    assert texts[0] == texts[1]  # batch composition and part size do not matter
+    job = setup_job(tmp_path / "g", rows=5, sampling={"temperature": 0, "seed": None, "n": 1})
+    assert run(job).exit_code == 0
+
+
+def test_three_shards_equal_one_unsharded_run(tmp_path):
+    whole = setup_job(tmp_path / "whole", rows=45)
+    assert run(whole).exit_code == 0
+    sharded = setup_job(tmp_path / "sharded", rows=45)
+    for i in range(3):
+        r = run(sharded, "--shard", f"{i}/3")
+        assert r.exit_code == 0, r.output
+        assert f"shard {i}/3 complete" in r.stdout
+    names = {p.name.split("-of-")[0] for p in (tmp_path / "sharded" / "out").glob("part-*.parquet")}
+    assert names == {"part-00000", "part-00001", "part-00002"}
+    assert outputs_by_key(tmp_path / "sharded" / "out") == outputs_by_key(tmp_path / "whole" / "out")
+
+
+def test_slurm_array_variables_pick_the_shard(tmp_path, monkeypatch):
+    job = setup_job(tmp_path, rows=20)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    r = run(job)
+    assert r.exit_code == 0 and "shard 1/2 complete" in r.stdout
+    assert {i for i, _ in outputs_by_key(tmp_path / "out")} == {
+        f"q{i:04d}" for i in range(20) if Shard(1, 2).owns(f"q{i:04d}")}
+
+
+def test_new_rows_and_files_are_the_only_work_of_a_rerun(tmp_path):
+    job = setup_job(tmp_path, rows=20, input={"paths": ["in*.jsonl"]})
+    assert run(job).exit_code == 0
+    before = {p.name for p in (tmp_path / "out").glob("part-*.parquet")}
+    write_jsonl(tmp_path / "in.jsonl", prompts(3, start=20), mode="a")
+    write_jsonl(tmp_path / "in2.jsonl", prompts(4, start=23))
+    r = run(job)
+    assert r.exit_code == 0 and "7 this run" in r.stdout and "20 done before" in r.stdout
+    new_parts = [p for p in (tmp_path / "out").glob("part-*.parquet") if p.name not in before]
+    new_ids = {r["id"] for p in new_parts for r in pq.read_table(p).to_pylist()}
+    assert new_ids == {f"q{i:04d}" for i in range(20, 27)}
+    assert len(outputs_by_key(tmp_path / "out")) == 27 * 2
+
+
+def test_second_run_of_a_shard_is_refused(tmp_path, monkeypatch):
+    job = setup_job(tmp_path, rows=5)
+    monkeypatch.setattr(ShardLock, "retry_seconds", 0.0)
+    with ShardLock(tmp_path / "out", Shard(0, 1)):
+        r = run(job)
+        assert r.exit_code == EXIT_LOCKED
+        assert r.stderr.startswith("batchgen: error: another batchgen run is already working on shard 0/1")
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert run(job, "--shard", "1/2").exit_code == 0  # other shards are not blocked
+    assert run(job).exit_code == 0  # released: the lock never goes stale
+
+
+def test_changed_config_is_refused_unless_forced(tmp_path):
+    job = setup_job(tmp_path, rows=10)
+    assert run(job).exit_code == 0
+    write_jsonl(tmp_path / "in.jsonl", prompts(2, start=10), mode="a")
+    changed = write_job(job, job_dict(sampling={"temperature": 0.3}))
+    r = run(changed)
+    assert r.exit_code == 1 and "another job configuration" in r.stderr and "--force" in r.stderr
+    r = run(changed, "--force")
+    assert r.exit_code == 0 and "2 this run" in r.stdout
+    assert len(outputs_by_key(tmp_path / "out")) == 12 * 2
+
+
+def test_bad_rows_are_recorded_and_counted(tmp_path):
+    make_model(tmp_path / "model", max_model_len=40)
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "ok", "prompt": "short", "mt": 2},
+        {"id": "long", "prompt": "x" * 100},
+        {"id": "empty", "prompt": ""},
+        '{"id": "broken"',
+        {"id": "badmt", "prompt": "fine", "mt": -3},
+        {"id": "strmt", "prompt": "fine", "mt": "many"},
+    ])
+    job = setup_job(tmp_path, rows=0, input={"carry_columns": []},
+                    sampling={"overrides": {"max_tokens": "mt"}})
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert "6 this run (5 errors)" in r.stdout
+    errors = {row["id"]: row["error"] for row in read_rows(tmp_path / "out") if row["error"]}
+    assert errors["long"] == "in.jsonl line 2: prompt is 100 tokens, more than max_model_len 40"
+    assert errors["empty"] == "in.jsonl line 3: field 'prompt': empty prompt"
+    assert errors["in.jsonl:3"].startswith("in.jsonl line 4: malformed JSON")
+    assert errors["badmt"].startswith("in.jsonl line 5: field 'mt' (sampling.max_tokens override): must be")
+    assert errors["strmt"].startswith("in.jsonl line 6: field 'mt' (sampling.max_tokens override): ")
+    ok = [row for row in read_rows(tmp_path / "out") if row["id"] == "ok"]
+    assert len(ok) == 2 and all(row["num_output_tokens"] <= 2 for row in ok)
+    assert run(job).exit_code == 0  # errors count as done: not retried
+    assert len(read_rows(tmp_path / "out")) == 2 + 5
+
+
+def test_chat_messages_and_parquet_input(tmp_path):
+    msgs = pa.array([[{"role": "user", "content": f"hi {i}"}] for i in range(6)],
+                    type=pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+    write_parquet(tmp_path / "chats.parquet", pa.table({"uid": list(range(6)), "msgs": msgs,
+                                                         "tags": [["a", "b"]] * 6}))
+    job = setup_job(tmp_path, rows=0, input={"paths": ["chats.parquet"], "id_column": "uid",
+                                              "prompt_column": None, "messages_column": "msgs",
+                                              "carry_columns": ["tags", "msgs"]})
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    rows = read_rows(tmp_path / "out")
+    assert sorted({row["id"] for row in rows}) == [str(i) for i in range(6)]
+    assert rows[0]["tags"] == ["a", "b"] and rows[0]["msgs"][0]["role"] == "user"
+    assert rows[0]["num_prompt_tokens"] > len("hi 0")  # rendered with the chat template
+
+
+def test_model_without_chat_template_is_a_job_error(tmp_path):
+    make_model(tmp_path / "model", chat_template=False)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "msgs": [{"role": "user", "content": "hi"}]}])
+    job = setup_job(tmp_path, rows=0, input={"prompt_column": None, "messages_column": "msgs",
+                                              "carry_columns": []})
+    r = run(job)
+    assert r.exit_code == 1
+    assert r.stderr.strip() == ("batchgen: error: model model has no chat template, so input.messages_column "
+                                "cannot be rendered; use input.prompt_column instead")
+
+
+@pytest.mark.parametrize("case", ["no-config", "missing-input", "missing-column", "bad-yaml", "bad-engine",
+                                  "missing-job"])
+def test_user_mistakes_are_one_line_without_traceback(tmp_path, case):
+    job = setup_job(tmp_path, rows=3)
+    args: list[str] = []
+    if case == "no-config":
+        (tmp_path / "model" / "config.json").unlink()
+        expected = "batchgen: error: cannot load model"
+    elif case == "missing-input":
+        (tmp_path / "in.jsonl").unlink()
+        expected = "batchgen: error: input.paths[0]: no input file matches"
+    elif case == "missing-column":
+        write_job(job, job_dict(input={"prompt_column": "question"}))
+        expected = "batchgen: error: input.prompt_column: column 'question' not found in in.jsonl"
+    elif case == "bad-yaml":
+        job.write_text("model: {path: model\n")
+        expected = "batchgen: error: invalid YAML at line 2"
+    elif case == "bad-engine":
+        args = ["--engine", "no_such_module:LLM"]
+        expected = "batchgen: error: cannot load engine factory 'no_such_module:LLM'"
+    else:
+        job = tmp_path / "nope.yaml"
+        expected = "batchgen: error: job file not found"
+    r = cli("run", job, *(args or ["--engine", FAKE]))
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert r.stdout == ""
+
+
+def test_engine_failure_keeps_finished_rows_and_rerun_completes(tmp_path, monkeypatch):
+    job = setup_job(tmp_path, rows=40, output={"rows_per_part": 4}, max_in_flight=4)
+    monkeypatch.setenv("FAKE_LLM_FAIL_AFTER", "25")
+    r = run(job)
+    assert r.exit_code == EXIT_ENGINE
+    assert "fake engine failure" in r.stderr and "run the same command again to resume" in r.stderr
+    partial = outputs_by_key(tmp_path / "out")
+    assert 0 < len(partial) < 80
+    monkeypatch.delenv("FAKE_LLM_FAIL_AFTER")
+    assert run(job).exit_code == 0
+    ref = setup_job(tmp_path / "ref", rows=40)
+    assert run(ref).exit_code == 0
+    assert outputs_by_key(tmp_path / "out") == outputs_by_key(tmp_path / "ref" / "out")
+
+
+def test_status_shows_shards_and_missing_rows(tmp_path):
+    job = setup_job(tmp_path, rows=30)
+    assert run(job, "--shard", "0/2").exit_code == 0
+    r = cli("status", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    lines = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line[:1].isdigit()}
+    owned0 = sum(Shard(0, 2).owns(f"q{i:04d}") for i in range(30))
+    assert lines["0/2"][1:] == [str(-(-owned0 // 10)), str(owned0), "0", "0", "done"]
+    assert lines["1/2"][2:] == ["0", "0", str(30 - owned0), "not", "started"]
+    assert cli("status", tmp_path / "nothing").exit_code == 1
+
+
+def test_slurm_script(tmp_path):
+    job = setup_job(tmp_path, rows=3)
+    r = cli("slurm", job, "--array", "8", "--time", "02:00:00", "--gpus", "2", "--partition", "gpu",
+            "--max-parallel", "4")
+    assert r.exit_code == 0, r.output
+    script = (tmp_path / "job.sbatch").read_text()
+    for line in ["#SBATCH --array=0-7%4", "#SBATCH --time=02:00:00", "#SBATCH --gpus=2",
+                 "#SBATCH --partition=gpu", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@120",
+                 f"#SBATCH --output={tmp_path / 'out' / '_logs'}/%x_%A_%a.out",
+                 'SHARD="${SLURM_ARRAY_TASK_ID}/8"', "scontrol requeue"]:
+        assert line in script, line
+    assert "run \"$JOB\" --shard \"$SHARD\"" in script and str(job) in script
+    assert (tmp_path / "out" / "_logs").is_dir()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert cli("slurm", job, "--array", "0").exit_code == 1
+    assert cli("slurm", job, "--array", "2", "--time", "soon").exit_code == 1
+
+
+def test_output_dir_inside_the_input_glob_is_not_input(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_parquet(tmp_path / "data" / "a.parquet", {"id": ["x", "y"], "prompt": ["p1", "p2"], "topic": [1, 2]})
+    job = setup_job(tmp_path, rows=0, input={"paths": ["data/**/*.parquet"]}, output={"dir": "data/out"})
+    assert run(job).exit_code == 0
+    write_parquet(tmp_path / "data" / "b.parquet", {"id": ["z"], "prompt": ["p3"], "topic": [3]})
+    r = run(job)
+    assert r.exit_code == 0 and "1 this run" in r.stdout
+    assert {k[0] for k in outputs_by_key(tmp_path / "data" / "out")} == {"x", "y", "z"}
