@@ -99,3 +99,9 @@ def test_invalid_sampling_params_name_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_wide_nucleus_is_not_cut_to_the_first_candidates():
+    logits = torch.zeros(300, 5000)  # flat: the 0.99 nucleus holds ~4950 tokens
+    rows = [row(SamplingParams(temperature=1.0, top_p=0.99), seed=s) for s in range(300)]
+    assert len(set(sample(logits, rows).token_ids)) > 250

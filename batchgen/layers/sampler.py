@@ -1,8 +1,9 @@
 """Turns the logits of one step into tokens, one row per sample, all rows at once.
 
-Randomness is per row, never per batch: each row draws from its own generator seeded by
-(request seed, sample index, output position), so a seeded sample gets the same tokens whatever
-else is in the batch, however the work is split into steps, and after a preemption.
+Randomness is per row, never per batch: each row draws with one uniform number computed from
+(request seed, sample index, output position), by inverting its cumulative distribution, so a
+seeded sample gets the same tokens whatever else is in the batch, however the work is split into
+steps, and after a preemption.
 """
 
 from __future__ import annotations
@@ -58,25 +59,49 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[r, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Masks (to -inf) what top-k, top-p and min-p exclude, row by row; logits are already scaled."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[1]
-    rank = torch.arange(vocab, device=logits.device)
-    drop = rank[None, :] >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
-    drop |= probs < min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+# Candidates kept by top-k/top-p/min-p are looked for among this many most likely tokens first
+# (a partial top-k is far cheaper than sorting the vocabulary); when a row's filter keeps all of
+# them, the search is redone with 8 times as many, up to the whole vocabulary.
+_CANDIDATES = 64
+
+
+def _uniform(row: SamplingRow) -> float:
+    """The row's one uniform number in [0, 1) for this position, from its seed alone."""
+    return (mix_seed(row.seed, row.sample_index, len(row.output_token_ids)) >> 10) / 2.0**53
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index i with cdf[i-1] <= u * total < cdf[i]: drawn with probability weights[i] / total."""
+    cdf = weights.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1).squeeze(1)
+
+
+def _sample_filtered(probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Draws from probs restricted by each row's top-k, top-p and min-p."""
+    device, vocab = probs.device, probs.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    k = min(vocab, max(_CANDIDATES, int(top_k.max())))
+    while True:
+        cand_probs, cand_ids = probs.topk(k, dim=-1)  # sorted, most likely first
+        rank = torch.arange(k, device=device)
+        keep = rank[None, :] < top_k[:, None]
+        keep &= cand_probs.cumsum(dim=-1) - cand_probs < top_p[:, None]
+        keep &= cand_probs >= min_p[:, None] * cand_probs[:, :1]
+        keep[:, 0] = True  # the most likely token always stays
+        if k == vocab or not keep[:, -1].any():
+            break
+        k = min(vocab, 8 * k)
+    picked = _inverse_cdf(cand_probs * keep, u)
+    return cand_ids.gather(1, picked[:, None]).squeeze(1)
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     """logits: float32 [len(rows), vocab]; modified in place."""
-    device, vocab = logits.device, logits.shape[1]
+    device = logits.device
     model_logprobs = logits.log_softmax(dim=-1)
     for r, row in enumerate(rows):
         if row.banned_token_ids:
@@ -86,24 +111,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     chosen = logits.argmax(dim=-1)
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=device)
         params = [rows[r].params for r in random_rows]
-        scaled = logits[idx] / torch.tensor([p.temperature for p in params], device=device)[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            scaled = _filter(scaled, top_k, top_p, min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(random_rows):
-            row = rows[r]
-            gen = torch.Generator(device=device).manual_seed(
-                mix_seed(row.seed, row.sample_index, len(row.output_token_ids))
-            )
-            noise[i].exponential_(generator=gen)
-        # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race).
-        chosen[idx] = (probs / noise).argmax(dim=-1)
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        probs = (logits[random_rows] / temperature[:, None]).softmax(dim=-1)
+        u = torch.tensor([_uniform(rows[r]) for r in random_rows], device=device, dtype=probs.dtype)
+        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
+        plain = sorted(set(range(len(params))) - set(filtered))
+        drawn = torch.empty(len(random_rows), dtype=torch.long, device=device)
+        if plain:
+            drawn[plain] = _inverse_cdf(probs[plain], u[plain])
+        if filtered:
+            drawn[filtered] = _sample_filtered(probs[filtered], [params[i] for i in filtered], u[filtered])
+        chosen[random_rows] = drawn
 
     token_ids = chosen.tolist()
     chosen_logprobs = model_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
