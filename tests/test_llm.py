@@ -212,3 +212,19 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "missing"))
+
+
+def test_incremental_api_and_abort(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(400, [10, 20, 30])):
+        llm.add_request(f"r{i}", prompt, params)
+    with pytest.raises(ValueError, match="already"):
+        llm.add_request("r0", [5, 6], params)
+    finished = llm.step()
+    llm.abort_request("r1")
+    while llm.has_unfinished_requests():
+        finished += llm.step()
+    assert sorted(o.request_id for o in finished) == ["r0", "r2"]
+    stats = llm.engine.scheduler.stats()
+    assert stats.used_device_blocks == 0 and stats.num_running == stats.num_waiting == 0

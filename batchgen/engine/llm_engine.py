@@ -153,7 +153,8 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self._requests:
+        """Drops a request between steps; it produces no output."""
+        if self._requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
