@@ -1,8 +1,8 @@
 // Torch-free interface of the CPU attention kernels.
 //
 // The kernel source (attention_impl.h) is compiled once per instruction set (kernels_scalar.cpp,
-// kernels_avx2.cpp, kernels_avx512.cpp), each copy in its own namespace so the copies never clash
-// at link time. isa.cpp picks one table at run time. No torch header is included on this side:
+// kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp), each copy in its own namespace
+// so the copies never clash at link time. isa.cpp picks one table at run time. No torch header is included on this side:
 // a torch header compiled under an AVX-512 target pragma could leak AVX-512 code into inline
 // functions that the rest of the library shares.
 #pragma once
@@ -21,10 +21,15 @@ struct F16 {
   uint16_t bits;
 };
 
-// One attention call: shapes and pointers shared by all of its tasks. Every tensor is contiguous.
+// One attention call: shapes and pointers shared by all of its tasks. Caches and block tables
+// are contiguous; query and out rows are head_dim contiguous elements at the given strides.
 struct AttnArgs {
   const void* query;            // [num_tokens, num_heads, head_dim]
+  int64_t query_token_stride;   // in elements
+  int64_t query_head_stride;
   void* out;                    // [num_tokens, num_heads, head_dim]
+  int64_t out_token_stride;
+  int64_t out_head_stride;
   const void* key_cache;        // [num_blocks, num_kv_heads, block_size, head_dim]
   const void* value_cache;      // same
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
@@ -78,6 +83,9 @@ const KernelTable& kernel_table();
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define BATCHGEN_HAVE_AVX512 1
 namespace avx512 {
+const KernelTable& kernel_table();
+}
+namespace avx512_bf16 {  // avx512 plus the bf16 dot product
 const KernelTable& kernel_table();
 }
 #endif

@@ -1,11 +1,11 @@
-// 16 floats in an AVX-512 register. Only compiled inside the target("avx512...") region of
-// kernels_avx512.cpp; the library calls it only when the processor reports AVX-512.
+// 16 floats in an AVX-512 register, in namespace BATCHGEN_ISA_NS. Only compiled inside the
+// target("avx512...") region of kernels_avx512.inc; used only when the processor has AVX-512.
 #pragma once
 #include <immintrin.h>
 
 #include "cpu/kernels.h"
 
-namespace batchgen::cpu::avx512 {
+namespace batchgen::cpu::BATCHGEN_ISA_NS {
 
 struct Vec {
   static constexpr int N = 16;
@@ -27,7 +27,24 @@ inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float first_lane(Vec a) { return _mm512_cvtss_f32(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+// Sums of four vectors: a and b go to ab[0], ab[1], c and d to cd[0], cd[1]. Cheaper than four
+// reduce_add calls: the shuffles and adds are shared between the vectors.
+inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {
+  // 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3], the same for c and d.
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xee));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(c.v, d.v, 0x44), _mm512_shuffle_f32x4(c.v, d.v, 0xee));
+  // Lane k holds four partial sums of input k (a, b, c, d).
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+  // Sum within each lane, then gather element 0 of every lane.
+  const __m512 w = _mm512_add_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 t = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m128 sums = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+  _mm_storel_pi(reinterpret_cast<__m64*>(ab), sums);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(cd), sums);
+}
+
 inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline Vec scale_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n
 
@@ -36,4 +53,21 @@ inline Vec zero_if_below(Vec value, Vec x, float limit) {
   return {_mm512_maskz_mov_ps(keep, value.v)};
 }
 
-}  // namespace batchgen::cpu::avx512
+#ifdef BATCHGEN_DOT_BF16
+// 32 bf16 values, an operand of the bf16 dot product (AVX512-BF16).
+struct BF16Pairs {
+  __m512i v;
+  // The first `count` (32 or 16) elements at p, zeros after them.
+  static BF16Pairs load(const BF16* p, int count) {
+    if (count == 32) return {_mm512_loadu_si512(p)};
+    return {_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+};
+
+// c + (a . b) per pair: lane i gains a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
+inline Vec dot_pairs(BF16Pairs a, BF16Pairs b, Vec c) {
+  return {_mm512_dpbf16_ps(c.v, reinterpret_cast<__m512bh&>(a.v), reinterpret_cast<__m512bh&>(b.v))};
+}
+#endif
+
+}  // namespace batchgen::cpu::BATCHGEN_ISA_NS

@@ -1,0 +1,127 @@
+"""Paged KV cache operations: the Python face of the batchgen._C kernels.
+
+Layouts and contracts are in engine_src/README.md. These wrappers run per layer per step, so they
+only allocate outputs; the C++ side checks dtypes, shapes, devices and index values and raises
+ValueError naming the offending argument. `batchgen.ops.reference` has a pure-torch version of
+every op with the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from batchgen import _C
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "batchgen._C (the C++ kernels) is not built or does not match this torch: run "
+        "`bash scripts/setup.sh`, or `pip install --no-build-isolation -e .` in the repository root"
+    ) from exc
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = [
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "allocate_kv_cache",
+    "copy_blocks",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` (int64, -1 skips)."""
+    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`)."""
+    if out is None:
+        out = torch.empty_like(query)
+    _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale))
+    return out
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat batch of query tokens `[num_tokens, num_heads, head_dim]`; the
+    tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it."""
+    if out is None:
+        out = torch.empty_like(query)
+    _C.paged_attention_prefill(
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
+    )
+    return out
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> None:
+    """Copy whole blocks within each layer's caches; `block_mapping` int64 `[n, 2]` of (src, dst).
+
+    The destinations must be distinct and must not be sources in the same call."""
+    _C.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks from cache `src` to cache `dst`, possibly on another device; `block_mapping` is an
+    int64 CPU tensor `[n, 2]` of (src, dst). Host caches swapped with CUDA ones should be pinned."""
+    _C.swap_blocks(src, dst, block_mapping)
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    pin_memory: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed (key_cache, value_cache) pair of shape `[num_blocks, num_kv_heads, block_size, head_dim]`.
+
+    `pin_memory` pins host caches for fast swaps with a GPU; without a CUDA device it is ignored."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} is not supported; supported: {SUPPORTED_BLOCK_SIZES}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; supported: {SUPPORTED_DTYPES}")
+    if num_blocks < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_blocks ({num_blocks}) and num_kv_heads ({num_kv_heads}) must be >= 1")
+    device = torch.device(device)
+    if pin_memory and device.type != "cpu":
+        raise ValueError(f"pin_memory applies to host caches only, got device {device}")
+    pin = pin_memory and torch.cuda.is_available()
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    value_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    return key_cache, value_cache

@@ -1,0 +1,106 @@
+"""Pure-torch reference of every op in batchgen.ops, with the same signatures.
+
+Written to be obviously correct, not fast: attention gathers each sequence's keys and values
+through its block table and computes softmax(q k^T * scale) v in float32 with an explicit causal
+mask. Tests compare the kernels against these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    # cache[blocks, :, offsets] has shape [n, num_kv_heads, head_dim], like key[keep].
+    key_cache[blocks, :, offsets] = key[keep]
+    value_cache[blocks, :, offsets] = value[keep]
+
+
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence as float32 `[seq_len, num_kv_heads, head_dim]`."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    used = -(-seq_len // block_size)
+    blocks = cache[block_table[:used].long()]  # [used, num_kv_heads, block_size, head_dim]
+    tokens = blocks.permute(0, 2, 1, 3).reshape(used * block_size, num_kv_heads, head_dim)
+    return tokens[:seq_len].float()
+
+
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float32 attention of query `[n, num_heads, head_dim]` over keys/values
+    `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i]."""
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", query.float(), keys) * scale
+    key_pos = torch.arange(keys.shape[0], device=keys.device)
+    scores = scores.masked_fill(key_pos[None, :] > positions[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        keys = gather_sequence(key_cache, block_tables[i], seq_len)
+        values = gather_sequence(value_cache, block_tables[i], seq_len)
+        last = torch.tensor([seq_len - 1], device=query.device)
+        out[i] = attend(query[i : i + 1], keys, values, last, scale)[0].to(out.dtype)
+    return out
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = starts[i], starts[i + 1]
+        if begin == end:
+            continue
+        keys = gather_sequence(key_cache, block_tables[i], seq_len)
+        values = gather_sequence(value_cache, block_tables[i], seq_len)
+        context = seq_len - (end - begin)
+        positions = torch.arange(context, seq_len, device=query.device)
+        out[begin:end] = attend(query[begin:end], keys, values, positions, scale).to(out.dtype)
+    return out
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> None:
+    for src, dst in block_mapping.tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    for src_block, dst_block in block_mapping.tolist():
+        dst[dst_block] = src[src_block].to(dst.device)

@@ -1,0 +1,263 @@
+// Python bindings of batchgen._C. Every op checks its arguments here (dtype, shape, device,
+// contiguity; a ValueError naming the argument) and then calls the CPU implementation (ops.h)
+// or, for CUDA tensors, the CUDA one (cuda_ops.h). Index values (slots, block ids, lengths) are
+// checked by the CPU implementations; block mappings, which live on the host, are checked here.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu/isa.h"
+#include "ops.h"
+#ifdef WITH_CUDA
+#include "cuda_ops.h"
+#endif
+
+namespace {
+
+using torch::Tensor;
+
+#ifdef WITH_CUDA
+#define BATCHGEN_CUDA_CALL(fn, ...) batchgen::cuda::fn(__VA_ARGS__)
+#else
+#define BATCHGEN_CUDA_CALL(fn, ...) \
+  TORCH_CHECK(false, #fn ": batchgen._C was built without CUDA (torch without CUDA or no nvcc at build time)")
+#endif
+
+bool supported_head_dim(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+bool supported_block_size(int64_t b) { return b == 8 || b == 16 || b == 32; }
+bool supported_dtype(const Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16 ||
+         t.scalar_type() == torch::kFloat16;
+}
+
+// True for CUDA tensors, false for CPU ones; any other device is an error.
+bool on_cuda(const char* op, const Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), op, ": tensors must be on CPU or CUDA, got ", t.device());
+  return t.is_cuda();
+}
+
+void check_rank(const char* op, const char* name, const Tensor& t, int64_t dim, const char* shape) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", shape, ", got shape ", t.sizes());
+}
+
+void check_tensor(const char* op, const char* name, const Tensor& t, int64_t dim, const char* shape) {
+  check_rank(op, name, t, dim, shape);
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// Rows of activations ([tokens, heads, head_dim]): any token and head strides, unit stride in
+// the last dimension (e.g. slices of a fused qkv projection).
+void check_rows(const char* op, const char* name, const Tensor& t, const char* shape) {
+  check_rank(op, name, t, 3, shape);
+  TORCH_CHECK_VALUE(t.stride(2) == 1, op, ": ", name,
+                    " must be contiguous in its last dimension, got strides ", t.strides());
+}
+
+void check_index(const char* op, const char* name, const Tensor& t, torch::ScalarType dtype, int64_t dim,
+                 const char* shape) {
+  check_tensor(op, name, t, dim, shape);
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& ref, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+                    ref.device());
+}
+
+void check_data(const char* op, const char* name, const Tensor& t, const Tensor& cache) {
+  TORCH_CHECK_VALUE(t.scalar_type() == cache.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+                    " but the cache has ", cache.scalar_type(), " (they must match)");
+  check_same_device(op, name, t, cache, "key_cache");
+}
+
+// key_cache and value_cache: [num_blocks, num_kv_heads, block_size, head_dim], equal, supported.
+void check_caches(const char* op, const Tensor& key_cache, const Tensor& value_cache) {
+  constexpr const char* shape = "[num_blocks, num_kv_heads, block_size, head_dim]";
+  check_tensor(op, "key_cache", key_cache, 4, shape);
+  check_tensor(op, "value_cache", value_cache, 4, shape);
+  TORCH_CHECK_VALUE(supported_dtype(key_cache), op, ": key_cache dtype ", key_cache.scalar_type(),
+                    " is not supported (float32, bfloat16, float16)");
+  TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache has dtype ",
+                    value_cache.scalar_type(), " but key_cache has ", key_cache.scalar_type());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, ": value_cache has shape ", value_cache.sizes(),
+                    " but key_cache has ", key_cache.sizes());
+  check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
+  TORCH_CHECK_VALUE(key_cache.size(1) >= 1, op, ": key_cache has no kv heads");
+  TORCH_CHECK_VALUE(supported_block_size(key_cache.size(2)), op, ": block_size (key_cache.shape[2]) ",
+                    key_cache.size(2), " is not supported (8, 16, 32)");
+  TORCH_CHECK_VALUE(supported_head_dim(key_cache.size(3)), op, ": head_dim (key_cache.shape[3]) ", key_cache.size(3),
+                    " is not supported (64, 80, 96, 128, 256)");
+}
+
+// query and out [num_tokens, num_heads, head_dim] against the caches; tables and lengths.
+void check_attention(const char* op, const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                     const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+  check_caches(op, key_cache, value_cache);
+  check_rows(op, "query", query, "[num_tokens, num_heads, head_dim]");
+  check_data(op, "query", query, key_cache);
+  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), op, ": query head_dim ", query.size(2),
+                    " differs from the cache's ", key_cache.size(3));
+  TORCH_CHECK_VALUE(query.size(1) >= 1 && query.size(1) % key_cache.size(1) == 0, op, ": num_heads (query.shape[1] = ",
+                    query.size(1), ") must be a positive multiple of num_kv_heads (", key_cache.size(1), ")");
+  check_rows(op, "out", out, "like query");
+  check_data(op, "out", out, key_cache);
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), op, ": out has shape ", out.sizes(), " but query has ",
+                    query.sizes());
+  check_index(op, "block_tables", block_tables, torch::kInt32, 2, "[num_seqs, max_blocks_per_seq]");
+  check_same_device(op, "block_tables", block_tables, key_cache, "key_cache");
+  check_index(op, "seq_lens", seq_lens, torch::kInt32, 1, "[num_seqs]");
+  check_same_device(op, "seq_lens", seq_lens, key_cache, "key_cache");
+  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), op, ": block_tables has ", block_tables.size(0),
+                    " rows but seq_lens has ", seq_lens.size(0), " sequences");
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+}
+
+// block_mapping int64 [n, 2] of (src, dst) pairs; when it is on the host, every id is checked.
+void check_block_mapping(const char* op, const Tensor& block_mapping, int64_t src_blocks, int64_t dst_blocks) {
+  check_index(op, "block_mapping", block_mapping, torch::kInt64, 2, "[n, 2] of (src, dst) block ids");
+  TORCH_CHECK_VALUE(block_mapping.size(1) == 2, op, ": block_mapping must have shape [n, 2], got ",
+                    block_mapping.sizes());
+  if (!block_mapping.is_cpu()) return;
+  const int64_t* map = block_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < block_mapping.size(0); ++i) {
+    TORCH_CHECK_VALUE(map[2 * i] >= 0 && map[2 * i] < src_blocks, op, ": block_mapping[", i, ", 0] = ", map[2 * i],
+                      " is not a source block (", src_blocks, " blocks)");
+    TORCH_CHECK_VALUE(map[2 * i + 1] >= 0 && map[2 * i + 1] < dst_blocks, op, ": block_mapping[", i,
+                      ", 1] = ", map[2 * i + 1], " is not a destination block (", dst_blocks, " blocks)");
+  }
+}
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  check_caches(op, key_cache, value_cache);
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"key", key}, {"value", value}}) {
+    check_rows(op, name, t, "[num_tokens, num_kv_heads, head_dim]");
+    check_data(op, name, t, key_cache);
+    TORCH_CHECK_VALUE(t.size(1) == key_cache.size(1) && t.size(2) == key_cache.size(3), op, ": ", name,
+                      " has shape ", t.sizes(), " but the cache has ", key_cache.size(1), " kv heads of head_dim ",
+                      key_cache.size(3));
+  }
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value has shape ", value.sizes(), " but key has ",
+                    key.sizes());
+  check_index(op, "slot_mapping", slot_mapping, torch::kInt64, 1, "[num_tokens]");
+  check_same_device(op, "slot_mapping", slot_mapping, key_cache, "key_cache");
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": slot_mapping has ", slot_mapping.size(0),
+                    " entries but key has ", key.size(0), " tokens");
+  if (on_cuda(op, key_cache)) {
+    BATCHGEN_CUDA_CALL(reshape_and_cache, key, value, key_cache, value_cache, slot_mapping);
+  } else {
+    batchgen::cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  }
+}
+
+void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+  const char* op = "paged_attention_decode";
+  check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK_VALUE(seq_lens.size(0) == query.size(0), op, ": seq_lens has ", seq_lens.size(0),
+                    " sequences but query has ", query.size(0), " (one query token per sequence)");
+  if (on_cuda(op, key_cache)) {
+    BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  } else {
+    batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  }
+}
+
+void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                             double scale) {
+  const char* op = "paged_attention_prefill";
+  check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  check_index(op, "query_start_loc", query_start_loc, torch::kInt32, 1, "[num_seqs + 1]");
+  check_same_device(op, "query_start_loc", query_start_loc, key_cache, "key_cache");
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, op, ": query_start_loc has ",
+                    query_start_loc.size(0), " entries but seq_lens has ", seq_lens.size(0),
+                    " sequences (need num_seqs + 1)");
+  if (on_cuda(op, key_cache)) {
+    BATCHGEN_CUDA_CALL(paged_attention_prefill, out, query, key_cache, value_cache, block_tables, seq_lens,
+                       query_start_loc, scale);
+  } else {
+    batchgen::cpu::paged_attention_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           query_start_loc, scale);
+  }
+}
+
+void copy_blocks(std::vector<Tensor>& key_caches, std::vector<Tensor>& value_caches, const Tensor& block_mapping) {
+  const char* op = "copy_blocks";
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), op, ": ", key_caches.size(), " key caches but ",
+                    value_caches.size(), " value caches");
+  if (key_caches.empty()) return;
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    check_caches(op, key_caches[i], value_caches[i]);
+    TORCH_CHECK_VALUE(key_caches[i].sizes() == key_caches[0].sizes() &&
+                          key_caches[i].scalar_type() == key_caches[0].scalar_type() &&
+                          key_caches[i].device() == key_caches[0].device(),
+                      op, ": the cache of layer ", i, " differs from layer 0 in shape, dtype or device");
+  }
+  const Tensor& first = key_caches[0];
+  check_block_mapping(op, block_mapping, first.size(0), first.size(0));
+  TORCH_CHECK_VALUE(block_mapping.is_cpu() || block_mapping.device() == first.device(), op,
+                    ": block_mapping must be on the host or on the caches' device (", first.device(), "), got ",
+                    block_mapping.device());
+  if (on_cuda(op, first)) {
+    BATCHGEN_CUDA_CALL(copy_blocks, key_caches, value_caches, block_mapping);
+  } else {
+    batchgen::cpu::copy_blocks(key_caches, value_caches, block_mapping);
+  }
+}
+
+void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
+  const char* op = "swap_blocks";
+  constexpr const char* shape = "[num_blocks, ...block shape]";
+  check_tensor(op, "src", src, 4, shape);
+  check_tensor(op, "dst", dst, 4, shape);
+  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type(), op, ": dst has dtype ", dst.scalar_type(),
+                    " but src has ", src.scalar_type());
+  TORCH_CHECK_VALUE(dst.sizes().slice(1) == src.sizes().slice(1), op, ": dst blocks have shape ",
+                    dst.sizes().slice(1), " but src blocks have ", src.sizes().slice(1));
+  check_block_mapping(op, block_mapping, src.size(0), dst.size(0));
+  TORCH_CHECK_VALUE(block_mapping.is_cpu(), op, ": block_mapping must be a CPU tensor, got ", block_mapping.device());
+  const bool src_cuda = on_cuda(op, src), dst_cuda = on_cuda(op, dst);
+  if (src_cuda || dst_cuda) {
+    BATCHGEN_CUDA_CALL(swap_blocks, src, dst, block_mapping);
+  } else {
+    batchgen::cpu::swap_blocks(src, dst, block_mapping);
+  }
+}
+
+bool has_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "batchgen paged KV cache kernels (see engine_src/README.md for layouts and contracts)";
+  m.def("reshape_and_cache", &reshape_and_cache, "Write key/value rows into the caches at slot_mapping",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+  m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"));
+  m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"));
+  m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
+        py::arg("value_caches"), py::arg("block_mapping"));
+  m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),
+        py::arg("dst"), py::arg("block_mapping"));
+  m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
+  m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
+        "The instruction set the CPU kernels use");
+  m.def("supported_cpu_isas", &batchgen::cpu::supported_isas, "Instruction sets usable on this processor");
+  m.def("set_cpu_isa", &batchgen::cpu::set_isa, "Switch the CPU kernels' instruction set (tests, benchmarks)",
+        py::arg("name"));
+}

@@ -1,0 +1,206 @@
+// Torch-facing CPU paged attention: checks the index values, cuts the call into tasks, runs them
+// on torch's intra-op threads with the kernels of the active instruction set (isa.h).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
+#include "ops.h"
+
+namespace batchgen::cpu {
+namespace {
+
+constexpr int64_t kPrefillRowsPerTask = 32;  // query rows (tokens x heads of a kv head) per prefill task
+constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more in the combine than they gain
+
+DType dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return DType::f32;
+    case torch::kBFloat16: return DType::bf16;
+    case torch::kFloat16: return DType::f16;
+    default: TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                   const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale) {
+  AttnArgs a;
+  a.query = query.data_ptr();
+  a.query_token_stride = query.stride(0);
+  a.query_head_stride = query.stride(1);
+  a.out = out.data_ptr();
+  a.out_token_stride = out.stride(0);
+  a.out_head_stride = out.stride(1);
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.max_blocks_per_seq = block_tables.size(1);
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(key_cache.size(1));
+  a.block_size = static_cast<int>(key_cache.size(2));
+  a.head_dim = static_cast<int>(key_cache.size(3));
+  a.scale = static_cast<float>(scale);
+  return a;
+}
+
+// Each length must be in [1, max_blocks_per_seq * block_size] and each block id a sequence
+// reads (its first ceil(len / block_size) table entries) must name a block of the cache.
+void check_lengths_and_blocks(const char* op, const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
+                              int64_t block_size, int64_t num_blocks) {
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    const int64_t len = lens[s];
+    TORCH_CHECK_VALUE(len >= 1 && len <= max_blocks * block_size, op, ": seq_lens[", s, "] = ", len,
+                      " is outside [1, max_blocks_per_seq * block_size = ", max_blocks * block_size, "]");
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = tables[s * max_blocks + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, op, ": block_tables[", s, ", ", b, "] = ", id,
+                        " is not a block of the cache (num_blocks = ", num_blocks, ")");
+    }
+  }
+}
+
+// Runs fn(task, scratch) for every task in [0, num_tasks) on torch's intra-op threads. Tasks are
+// handed out one at a time from a shared counter, so ragged lengths do not leave threads idle.
+template <typename Fn>
+void run_tasks(int64_t num_tasks, int64_t scratch_floats, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t task = next++; task < num_tasks; task = next++) fn(task, scratch.data());
+  });
+}
+
+// Tokens per decode split (a multiple of block_size). Splitting the keys of a sequence only pays
+// when there are too few (sequence, kv head) tasks to keep every thread busy.
+int64_t decode_split_tokens(int64_t num_tasks, int64_t max_len, int64_t block_size) {
+  const int64_t wanted_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+  if (num_tasks >= wanted_tasks || max_len <= kMinSplitTokens) return max_len;
+  const int64_t splits = (wanted_tasks + num_tasks - 1) / num_tasks;
+  const int64_t tokens = std::max((max_len + splits - 1) / splits, kMinSplitTokens);
+  return (tokens + block_size - 1) / block_size * block_size;
+}
+
+// out[s, h] from the per-split partial results (acc, max, sum) of the first `used` splits.
+template <typename T>
+void combine_splits(const torch::Tensor& partial, const int32_t* lens, int64_t split_tokens, torch::Tensor& out) {
+  const int64_t num_seqs = partial.size(0), num_heads = partial.size(1), splits = partial.size(2);
+  const int64_t D = out.size(2);
+  const float* part = partial.data_ptr<float>();
+  T* dst = out.data_ptr<T>();
+  const int64_t seq_stride = out.stride(0), head_stride = out.stride(1);
+  at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t used = (lens[row / num_heads] + split_tokens - 1) / split_tokens;
+      const float* p = part + row * splits * (D + 2);
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < used; ++i) m = std::max(m, p[i * (D + 2) + D]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float l = 0.0f;
+      for (int64_t i = 0; i < used; ++i) {
+        const float* split = p + i * (D + 2);
+        const float w = std::exp(split[D] - m);
+        l += w * split[D + 1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * split[d];
+      }
+      T* out_row = dst + row / num_heads * seq_stride + row % num_heads * head_stride;
+      for (int64_t d = 0; d < D; ++d) out_row[d] = static_cast<T>(acc[d] / l);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t block_size = key_cache.size(2);
+  check_lengths_and_blocks("paged_attention_decode", seq_lens, block_tables, block_size, key_cache.size(0));
+  if (num_seqs == 0) return;
+
+  const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
+  const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t kv_heads = args.num_kv_heads, group = args.num_heads / args.num_kv_heads;
+  const int64_t scratch = attend_scratch_floats(group, args.head_dim);
+  const int64_t max_len = *std::max_element(lens, lens + num_seqs);
+  const int64_t split_tokens = decode_split_tokens(num_seqs * kv_heads, max_len, block_size);
+  const int64_t splits = (max_len + split_tokens - 1) / split_tokens;
+
+  if (splits == 1) {
+    run_tasks(num_seqs * kv_heads, scratch, [&](int64_t i, float* buf) {
+      const int64_t seq = i / kv_heads, len = lens[seq];
+      const AttnTask task{seq, i % kv_heads, seq, 1, len - 1, 0, len, nullptr, 0};
+      attend(args, task, buf);
+    });
+    return;
+  }
+
+  const int64_t row = args.head_dim + 2;  // acc, max, sum
+  torch::Tensor partial = torch::empty({num_seqs, args.num_heads, splits, row}, query.options().dtype(torch::kFloat32));
+  float* part = partial.data_ptr<float>();
+  run_tasks(num_seqs * kv_heads * splits, scratch, [&](int64_t i, float* buf) {
+    const int64_t seq = i / (kv_heads * splits), kv_head = i / splits % kv_heads, split = i % splits;
+    const int64_t len = lens[seq], kv_begin = split * split_tokens;
+    if (kv_begin >= len) return;
+    float* dst = part + ((seq * args.num_heads + kv_head * group) * splits + split) * row;
+    const AttnTask task{seq, kv_head, seq, 1, len - 1, kv_begin, std::min(len, kv_begin + split_tokens), dst,
+                        splits * row};
+    attend(args, task, buf);
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits",
+                                  [&] { combine_splits<scalar_t>(partial, lens, split_tokens, out); });
+}
+
+void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale) {
+  const char* op = "paged_attention_prefill";
+  const int64_t num_seqs = seq_lens.size(0), num_tokens = query.size(0);
+  check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(starts[0] == 0 && starts[num_seqs] == num_tokens, op, ": query_start_loc must start at 0 and end at ",
+                    "the number of query tokens (", num_tokens, "), got ", starts[0], " .. ", starts[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= lens[s], op, ": sequence ", s, " has ", q_len,
+                      " query tokens (query_start_loc[", s + 1, "] - query_start_loc[", s, "]) but seq_lens[", s,
+                      "] = ", lens[s], "; need 0 <= query tokens <= seq_len");
+  }
+
+  const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
+  const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
+  const int64_t group = args.num_heads / args.num_kv_heads;
+  const int64_t tile = std::max<int64_t>(1, kPrefillRowsPerTask / group);  // query tokens per task
+  std::vector<AttnTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s], context = lens[s] - q_len;
+    for (int64_t j = 0; j < q_len; j += tile) {
+      for (int64_t h = 0; h < args.num_kv_heads; ++h) {
+        tasks.push_back({s, h, starts[s] + j, std::min(tile, q_len - j), context + j, 0, lens[s], nullptr, 0});
+      }
+    }
+  }
+  // Costliest first (a task's cost grows with the keys its last row reads), so the tail of the
+  // dynamic schedule is made of short tasks.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
+    return x.q_pos + x.q_count > y.q_pos + y.q_count;
+  });
+  run_tasks(static_cast<int64_t>(tasks.size()), attend_scratch_floats(tile * group, args.head_dim),
+            [&](int64_t i, float* buf) { attend(args, tasks[i], buf); });
+}
+
+}  // namespace batchgen::cpu

@@ -1,0 +1,364 @@
+// The paged attention kernel, written once against a `Vec` of floats and compiled once per
+// instruction set: kernels_<isa>.cpp defines BATCHGEN_ISA_NS, includes the matching vec_<isa>.h
+// and then this file. Everything but kernel_table() has internal linkage.
+//
+// A task (see AttnTask) copies its query rows to scratch memory and streams the K and V tiles of
+// its sequence block by block. Each tile serves groups of up to kGroup query rows at once (the
+// heads sharing a kv head, and for prefill several tokens), so a task reads K/V from memory
+// once. Softmax is online, in fp32: per row a running max m, a running sum l and an unnormalised
+// accumulator acc, rescaled whenever the max grows.
+#ifndef BATCHGEN_ISA_NS
+#error "define BATCHGEN_ISA_NS before including attention_impl.h"
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "cpu/dtype.h"
+#include "cpu/kernels.h"
+
+#define BATCHGEN_STRINGIFY_(x) #x
+#define BATCHGEN_STRINGIFY(x) BATCHGEN_STRINGIFY_(x)
+
+namespace batchgen::cpu::BATCHGEN_ISA_NS {
+namespace {
+
+constexpr int kGroup = 4;          // query rows sharing one pass over a K/V tile
+constexpr int kScoreStride = 32;   // >= the largest block size and a multiple of every Vec::N
+constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kScoreStride % Vec::N == 0, "score rows must hold whole vectors");
+
+// bf16 scores use the processor's bf16 dot product where the Vec has one (BATCHGEN_DOT_BF16):
+// the products of bf16 values are exact in fp32, so this only saves the conversion of K to
+// fp32. The queries then stay in bf16; otherwise they are converted to fp32 once per task.
+#ifdef BATCHGEN_DOT_BF16
+constexpr bool kHasDotBF16 = true;
+#else
+constexpr bool kHasDotBF16 = false;
+#endif
+template <typename T>
+constexpr bool kDotScores = kHasDotBF16 && std::is_same_v<T, BF16>;
+template <typename T>
+using QueryT = std::conditional_t<kDotScores<T>, BF16, float>;
+
+inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// exp(x) for x <= 0, relative error ~2e-7: exp(x) = 2^n * exp(r) with n = round(x / ln2) and
+// |r| <= ln2 / 2, where a degree-6 Taylor polynomial is accurate to float precision. ln2 is
+// split in two (Cody-Waite) so that x - n * ln2 stays exact.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec clamped = max(x, Vec::set1(kExpLow));
+  const Vec n = round_nearest(clamped * Vec::set1(1.44269504088896341f));
+  Vec r = fma(n, Vec::set1(-0.693359375f), clamped);
+  r = fma(n, Vec::set1(2.12194440e-4f), r);
+  Vec p = Vec::set1(1.0f / 720.0f);
+  p = fma(p, r, Vec::set1(1.0f / 120.0f));
+  p = fma(p, r, Vec::set1(1.0f / 24.0f));
+  p = fma(p, r, Vec::set1(1.0f / 6.0f));
+  p = fma(p, r, Vec::set1(0.5f));
+  p = fma(p, r, Vec::set1(1.0f));
+  p = fma(p, r, Vec::set1(1.0f));
+  return zero_if_below(scale_pow2(p, n), x, kExpLow);
+}
+
+// Copies the task's query rows (row r = token j * group + head g) to q, D elements each.
+template <typename T>
+void load_queries(const AttnArgs& a, const AttnTask& task, int group, QueryT<T>* q) {
+  const int D = a.head_dim;
+  for (int64_t j = 0; j < task.q_count; ++j) {
+    for (int g = 0; g < group; ++g) {
+      const T* src = static_cast<const T*>(a.query) + (task.q_begin + j) * a.query_token_stride +
+                     (task.kv_head * group + g) * a.query_head_stride;
+      QueryT<T>* dst = q + (j * group + g) * D;
+      if constexpr (kDotScores<T>) {
+        for (int i = 0; i < D; ++i) dst[i] = src[i];
+      } else {
+        for (int i = 0; i < D; i += Vec::N) Vec::load(src + i).store(dst + i);
+      }
+    }
+  }
+}
+
+// Walks the next tile's bytes a few cache lines at a time, interleaved with the work on the
+// current tile. Block ids are scattered, so the hardware prefetcher cannot guess where the next
+// tile starts; prefetching a whole tile at once instead (more requests than the core can keep
+// in flight) measured 1.5x slower than this steady trickle.
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+
+  void lines(int count) {
+    for (; count > 0 && next < end; --count, next += 64) __builtin_prefetch(next);
+  }
+};
+
+// The K and V tiles of one (block, kv head), and prefetchers for those of the next block.
+template <typename T>
+struct Tile {
+  const T* k;
+  const T* v;
+  Prefetcher next_k;
+  Prefetcher next_v;
+};
+
+inline int lines_for(int64_t bytes) { return static_cast<int>((bytes + 63) / 64); }
+
+// Tokens handled side by side by tile_scores and tile_values: enough independent FMA chains
+// (NG * tokens) to hide the FMA latency, few enough accumulators to stay in registers.
+template <int NG>
+constexpr int kTokenStep = NG <= 2 ? 4 : 2;
+
+// Sums acc[i][g] into s[g][t + i] (tokens t .. t + TS - 1, rows 0 .. NG - 1). Forced inline: as
+// a call it would take the accumulators through memory (GCC keeps it out of line otherwise).
+template <int TS, int NG>
+__attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG], int t, float* s) {
+  if constexpr (TS == 4) {
+    for (int g = 0; g < NG; ++g) {
+      float* row = s + g * kScoreStride + t;
+      reduce_add4(acc[0][g], acc[1][g], acc[2][g], acc[3][g], row, row + 2);
+    }
+  } else {
+    static_assert(TS == 2, "token steps of 2 or 4");
+    for (int g = 0; g < NG; g += 2) {
+      float unused[2];
+      const bool pair = g + 1 < NG;
+      reduce_add4(acc[0][g], acc[1][g], pair ? acc[0][g + 1] : Vec::zero(), pair ? acc[1][g + 1] : Vec::zero(),
+                  s + g * kScoreStride + t, pair ? s + (g + 1) * kScoreStride + t : unused);
+    }
+  }
+}
+
+// s[g][t] = q_g . k_t for the first n rows of the K tile, n rounded up to kTokenStep (rows that
+// exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
+template <typename T, int NG>
+void tile_scores(const float* q, Tile<T>& tile, int D, int n, float* s) {
+  constexpr int TS = kTokenStep<NG>;
+  const T* k = tile.k;
+  const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
+  for (int t = 0; t < n; t += TS) {
+    tile.next_k.lines(prefetch);
+    Vec acc[TS][NG];
+    for (int i = 0; i < TS; ++i)
+      for (int g = 0; g < NG; ++g) acc[i][g] = Vec::zero();
+    for (int c = 0; c < D; c += Vec::N) {
+      Vec x[TS];
+      for (int i = 0; i < TS; ++i) x[i] = Vec::load(k + (t + i) * D + c);
+      for (int g = 0; g < NG; ++g) {
+        const Vec qg = Vec::load(q + g * D + c);
+        for (int i = 0; i < TS; ++i) acc[i][g] = fma(qg, x[i], acc[i][g]);
+      }
+    }
+    store_scores<TS, NG>(acc, t, s);
+  }
+}
+
+#ifdef BATCHGEN_DOT_BF16
+// tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
+// step of 2 * Vec::N elements may be a half one.
+template <typename T, int NG>
+void tile_scores(const BF16* q, Tile<BF16>& tile, int D, int n, float* s) {
+  constexpr int TS = kTokenStep<NG>;
+  const BF16* k = tile.k;
+  const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
+  for (int t = 0; t < n; t += TS) {
+    tile.next_k.lines(prefetch);
+    Vec acc[TS][NG];
+    for (int i = 0; i < TS; ++i)
+      for (int g = 0; g < NG; ++g) acc[i][g] = Vec::zero();
+    for (int c = 0; c < D; c += 2 * Vec::N) {
+      const int count = D - c < 2 * Vec::N ? D - c : 2 * Vec::N;
+      BF16Pairs x[TS];
+      for (int i = 0; i < TS; ++i) x[i] = BF16Pairs::load(k + (t + i) * D + c, count);
+      for (int g = 0; g < NG; ++g) {
+        const BF16Pairs qg = BF16Pairs::load(q + g * D + c, count);
+        for (int i = 0; i < TS; ++i) acc[i][g] = dot_pairs(qg, x[i], acc[i][g]);
+      }
+    }
+    store_scores<TS, NG>(acc, t, s);
+  }
+}
+#endif
+
+// Online softmax step of one row over one tile: scales the raw scores, masks those at and past
+// `limit`, updates m and l, leaves the tile's probabilities exp(s - m) in s and returns the
+// factor by which the row's accumulator must be rescaled. `width` is the number of scores to
+// touch, a multiple of Vec::N.
+inline float softmax_update(float* s, int limit, int width, float scale, float& m, float& l) {
+  if (limit <= 0) {  // this row sees none of the tile (causal prefill)
+    for (int t = 0; t < width; ++t) s[t] = 0.0f;
+    return 1.0f;
+  }
+  const Vec vscale = Vec::set1(scale);
+  for (int c = 0; c < width; c += Vec::N) (Vec::load(s + c) * vscale).store(s + c);
+  for (int t = limit; t < width; ++t) s[t] = kNegInf;
+  Vec vmax = Vec::load(s);
+  for (int c = Vec::N; c < width; c += Vec::N) vmax = max(vmax, Vec::load(s + c));
+  const float tile_max = reduce_max(vmax);
+  const float m_new = tile_max > m ? tile_max : m;
+  const float correction = first_lane(exp_nonpositive(Vec::set1(m - m_new)));  // 0 on the first tile (m = -inf)
+  const Vec shift = Vec::set1(-m_new);
+  Vec sum = Vec::zero();
+  for (int c = 0; c < width; c += Vec::N) {
+    const Vec p = exp_nonpositive(Vec::load(s + c) + shift);
+    p.store(s + c);
+    sum = sum + p;
+  }
+  l = l * correction + reduce_add(sum);
+  m = m_new;
+  return correction;
+}
+
+// acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t, one output chunk at a time so that
+// the accumulators stay in registers: one per (row, token phase), summed at the end.
+template <typename T, int NG>
+void tile_values(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int n, float* acc) {
+  constexpr int TS = kTokenStep<NG>;
+  const T* v = tile.v;
+  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // the tile's bytes per chunk
+  for (int c = 0; c < D; c += Vec::N) {
+    tile.next_v.lines(prefetch);
+    Vec sum[TS][NG];
+    for (int g = 0; g < NG; ++g) {
+      sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
+      for (int i = 1; i < TS; ++i) sum[i][g] = Vec::zero();
+    }
+    int t = 0;
+    for (; t + TS <= n; t += TS) {
+      for (int i = 0; i < TS; ++i) {
+        const Vec x = Vec::load(v + (t + i) * D + c);
+        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(p[g * kScoreStride + t + i]), x, sum[i][g]);
+      }
+    }
+    for (; t < n; ++t) {
+      const Vec x = Vec::load(v + t * D + c);
+      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(p[g * kScoreStride + t]), x, sum[0][g]);
+    }
+    for (int g = 0; g < NG; ++g) {
+      Vec total = sum[0][g];
+      for (int i = 1; i < TS; ++i) total = total + sum[i][g];
+      total.store(acc + g * D + c);
+    }
+  }
+}
+
+// The per-row state of a task, in its scratch memory.
+template <typename T>
+struct Rows {
+  QueryT<T>* q;  // [rows][D]
+  float* acc;    // [rows][D]
+  float* m;      // [rows]
+  float* l;      // [rows]
+  float* s;      // [kGroup][kScoreStride], the scores of the row group at work
+};
+
+// Query rows r0 .. r0 + NG - 1 against one K/V tile; row g sees the tile's first limit[g] tokens.
+template <typename T, int NG>
+void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS, float scale) {
+  int n = 0;
+  for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
+  // The score loop may read K rows past n (inside the block, masked); the V loop reads valid rows
+  // only, as 0 * (garbage V, possibly NaN) would not be 0.
+  tile_scores<T, NG>(rows.q + r0 * D, tile, D, n, rows.s);
+  const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
+  float correction[NG];
+  for (int g = 0; g < NG; ++g) {
+    correction[g] =
+        softmax_update(rows.s + g * kScoreStride, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
+  }
+  tile_values<T, NG>(rows.s, correction, tile, D, BS, n, rows.acc + r0 * D);
+}
+
+template <typename T>
+void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS,
+                      float scale) {
+  switch (ng) {
+    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, D, BS, scale);
+    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, D, BS, scale);
+    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, D, BS, scale);
+    default: return attend_tile<T, 4>(rows, r0, limit, tile, D, BS, scale);
+  }
+}
+
+template <typename T>
+void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T>& rows) {
+  const int D = a.head_dim;
+  const int64_t count = task.q_count * group;
+  if (task.partial != nullptr) {
+    for (int64_t r = 0; r < count; ++r) {
+      float* dst = task.partial + r * task.partial_row_stride;
+      for (int i = 0; i < D; ++i) dst[i] = rows.acc[r * D + i];
+      dst[D] = rows.m[r];
+      dst[D + 1] = rows.l[r];
+    }
+    return;
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    T* dst = static_cast<T*>(a.out) + (task.q_begin + r / group) * a.out_token_stride +
+             (task.kv_head * group + r % group) * a.out_head_stride;
+    const float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
+    for (int i = 0; i < D; ++i) dst[i] = from_float<T>(rows.acc[r * D + i] * inv);
+  }
+}
+
+template <typename T>
+void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
+  const int D = a.head_dim;
+  const int BS = a.block_size;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int64_t count = task.q_count * group;
+  Rows<T> rows;  // q takes rows * D floats whatever its type (see attend_scratch_floats)
+  rows.q = reinterpret_cast<QueryT<T>*>(scratch);
+  rows.acc = scratch + count * D;
+  rows.m = rows.acc + count * D;
+  rows.l = rows.m + count;
+  rows.s = rows.l + count;
+  load_queries<T>(a, task, group, rows.q);
+  for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
+  for (int64_t r = 0; r < count; ++r) {
+    rows.m[r] = kNegInf;
+    rows.l[r] = 0.0f;
+  }
+
+  const int64_t tile_elems = int64_t{BS} * D;
+  const int64_t block_elems = a.num_kv_heads * tile_elems;
+  const T* k_head = static_cast<const T*>(a.key_cache) + task.kv_head * tile_elems;
+  const T* v_head = static_cast<const T*>(a.value_cache) + task.kv_head * tile_elems;
+  const int32_t* table = a.block_tables + task.seq * a.max_blocks_per_seq;
+  const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
+  const int64_t tile_bytes = tile_elems * int64_t{sizeof(T)};
+  for (int64_t start = task.kv_begin; start < kv_stop; start += BS) {
+    const int64_t block = table[start / BS];
+    Tile<T> tile{k_head + block * block_elems, v_head + block * block_elems, {}, {}};
+    if (start + BS < kv_stop) {
+      const int64_t next = table[start / BS + 1];
+      const char* next_k = reinterpret_cast<const char*>(k_head + next * block_elems);
+      const char* next_v = reinterpret_cast<const char*>(v_head + next * block_elems);
+      tile.next_k = {next_k, next_k + tile_bytes};
+      tile.next_v = {next_v, next_v + tile_bytes};
+    }
+    for (int64_t r0 = 0; r0 < count; r0 += kGroup) {
+      const int ng = static_cast<int>(min_i64(kGroup, count - r0));
+      int limit[kGroup];
+      int any = 0;
+      for (int i = 0; i < ng; ++i) {
+        const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
+        const int64_t visible = row_stop - start;
+        limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, BS));
+        any |= limit[i];
+      }
+      if (any != 0) attend_tile_rows<T>(ng, rows, r0, limit, tile, D, BS, a.scale);
+    }
+  }
+  write_rows<T>(a, task, group, rows);
+}
+
+constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS), {&attend<float>, &attend<BF16>, &attend<F16>}};
+
+}  // namespace
+
+const KernelTable& kernel_table() { return kTable; }
+
+}  // namespace batchgen::cpu::BATCHGEN_ISA_NS

@@ -1,0 +1,102 @@
+#include "cpu/isa.h"
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace batchgen::cpu {
+namespace {
+
+struct Candidate {
+  const KernelTable& (*table)();
+  bool (*supported)();
+};
+
+bool always() { return true; }
+
+#ifdef BATCHGEN_HAVE_AVX2
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+#ifdef BATCHGEN_HAVE_AVX512
+// Must cover the target list of kernels_avx512.cpp.
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+// Must cover the target list of kernels_avx512_bf16.cpp.
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#endif
+
+// Slowest first.
+const std::vector<Candidate>& candidates() {
+  static const std::vector<Candidate> list = {
+      {&scalar::kernel_table, &always},
+#ifdef BATCHGEN_HAVE_AVX2
+      {&avx2::kernel_table, &has_avx2},
+#endif
+#ifdef BATCHGEN_HAVE_AVX512
+      {&avx512::kernel_table, &has_avx512},
+      {&avx512_bf16::kernel_table, &has_avx512_bf16},
+#endif
+  };
+  return list;
+}
+
+const KernelTable* find_supported(const std::string& name) {
+  for (const Candidate& c : candidates()) {
+    if (name == c.table().name && c.supported()) return &c.table();
+  }
+  return nullptr;
+}
+
+std::atomic<const KernelTable*> active{nullptr};
+
+std::string supported_list() {
+  std::string joined;
+  for (const std::string& name : supported_isas()) joined += (joined.empty() ? "" : ", ") + name;
+  return joined;
+}
+
+const KernelTable* initial_choice() {
+  const char* env = std::getenv("BATCHGEN_CPU_ISA");
+  if (env != nullptr && *env != '\0') {
+    const KernelTable* chosen = find_supported(env);
+    TORCH_CHECK_VALUE(chosen != nullptr, "BATCHGEN_CPU_ISA=", env,
+                      " is not supported by this build and processor; supported: ", supported_list());
+    return chosen;
+  }
+  return find_supported(supported_isas().back());
+}
+
+}  // namespace
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const Candidate& c : candidates()) {
+    if (c.supported()) names.emplace_back(c.table().name);
+  }
+  return names;
+}
+
+const KernelTable& active_kernels() {
+  const KernelTable* table = active.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    table = initial_choice();
+    active.store(table, std::memory_order_release);
+  }
+  return *table;
+}
+
+void set_isa(const std::string& name) {
+  const KernelTable* chosen = find_supported(name);
+  TORCH_CHECK_VALUE(chosen != nullptr, "CPU instruction set '", name,
+                    "' is not supported by this build and processor; supported: ", supported_list());
+  active.store(chosen, std::memory_order_release);
+}
+
+}  // namespace batchgen::cpu

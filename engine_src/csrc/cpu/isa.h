@@ -1,0 +1,20 @@
+// Run-time choice of the instruction set the CPU attention kernels use.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+namespace batchgen::cpu {
+
+// The kernels in use. The first call picks the best set the processor supports, or the one
+// named by the environment variable BATCHGEN_CPU_ISA (scalar, avx2, avx512, avx512_bf16).
+const KernelTable& active_kernels();
+
+// Names of the sets this build has and this processor runs, slowest first.
+std::vector<std::string> supported_isas();
+
+// Switches the kernels in use (ValueError when `name` is not supported); for tests and benchmarks.
+void set_isa(const std::string& name);
+
+}  // namespace batchgen::cpu

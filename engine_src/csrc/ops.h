@@ -1,0 +1,28 @@
+// CPU implementations of the batchgen._C operations (contracts in engine_src/README.md).
+// bindings.cpp has checked dtypes, shapes, devices and layouts before calling (caches and index
+// tensors contiguous; query, key, value and out with a unit stride in their last dimension);
+// these functions check the values that index memory (slots, block ids, lengths, offsets).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace batchgen::cpu {
+
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+
+void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, double scale);
+
+void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+
+void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
+                 const torch::Tensor& block_mapping);
+
+void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping);
+
+}  // namespace batchgen::cpu

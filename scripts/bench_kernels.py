@@ -1,0 +1,191 @@
+"""Benchmark the paged attention kernels of batchgen._C against the pure-torch reference and
+against torch's scaled_dot_product_attention on the same K/V laid out contiguously [B, H, L, D].
+
+For each config it prints the time of each implementation and the K/V bandwidth of the kernel
+(bytes of K and V read, divided by time) next to the machine's copy bandwidth measured in the
+same run: a large tensor copy_, counted as bytes read + bytes written (STREAM "copy"
+convention). The ratio of the two is the kernel's share of the memory system.
+
+    python scripts/bench_kernels.py --quick
+    python scripts/bench_kernels.py --device cuda --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from batchgen import _C, ops
+from batchgen.ops import reference
+
+HEAD_CONFIGS = {"llama-gqa": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FULL_GRID = {
+    "decode": [(b, c) for b in (1, 8, 64, 256) for c in (128, 1024, 4096)],
+    "prefill": [(b, c) for b in (1, 4) for c in (128, 512, 2048)],
+}
+QUICK_GRID = {"decode": [(1, 1024), (64, 1024)], "prefill": [(1, 512)]}
+REFERENCE_MAX_SEQS = 8  # the reference loops over sequences in Python: skip it beyond this many
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn, device: torch.device, min_time: float = 0.3, min_reps: int = 5) -> float:
+    """Median seconds per call, after a warm-up call."""
+    fn()
+    sync(device)
+    times: list[float] = []
+    while len(times) < min_reps or sum(times) < min_time:
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        if len(times) >= 100:
+            break
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 512 << 20) -> float:
+    """GB/s of a large tensor copy, counting bytes read + bytes written."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), device)
+    return 2 * nbytes / seconds / 1e9
+
+
+def paged_inputs(batch, context, heads, dtype, device, block_size, q_len):
+    """Caches holding `batch` sequences of `context` tokens in shuffled blocks, queries for their
+    last q_len tokens, and the same K/V as contiguous [B, KVH, L, D] tensors for SDPA."""
+    num_heads, num_kv_heads, head_dim = heads
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    order = torch.randperm(num_blocks, device=device).int()
+    block_tables = order.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch * q_len, num_heads, head_dim, dtype=dtype, device=device)
+
+    def contiguous(cache):  # [B, KVH, L, D], the layout SDPA wants
+        per_seq = cache[block_tables.long()]  # [B, blocks, KVH, BS, D]
+        return per_seq.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)[:, :, :context]
+
+    dense = (contiguous(key_cache).contiguous(), contiguous(value_cache).contiguous())
+    return query, key_cache, value_cache, block_tables, seq_lens, dense
+
+
+def bench_config(kind, batch, context, heads_name, dtype_name, device, block_size, with_reference):
+    num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[heads_name]
+    dtype = DTYPES[dtype_name]
+    q_len = 1 if kind == "decode" else context
+    query, key_cache, value_cache, tables, lens, (k, v) = paged_inputs(
+        batch, context, HEAD_CONFIGS[heads_name], dtype, device, block_size, q_len
+    )
+    scale = head_dim**-0.5
+    out = torch.empty_like(query)
+    if kind == "decode":
+        args = (query, key_cache, value_cache, tables, lens, scale)
+        kernel = lambda: ops.paged_attention_decode(*args, out=out)
+        ref = lambda: reference.paged_attention_decode(*args)
+    else:
+        starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+        args = (query, key_cache, value_cache, tables, lens, starts, scale)
+        kernel = lambda: ops.paged_attention_prefill(*args, out=out)
+        ref = lambda: reference.paged_attention_prefill(*args)
+    q_dense = query.view(batch, q_len, num_heads, head_dim).transpose(1, 2)
+    sdpa = lambda: F.scaled_dot_product_attention(q_dense, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=True)
+
+    kv_bytes = 2 * k.numel() * k.element_size()
+    keys_seen = batch * (context if kind == "decode" else context * (context + 1) // 2)  # summed over queries
+    row = {"kind": kind, "batch": batch, "context": context, "heads": heads_name, "dtype": dtype_name,
+           "kv_mb": kv_bytes / 1e6}
+    row["kernel_ms"] = time_call(kernel, device) * 1e3
+    row["sdpa_ms"] = time_call(sdpa, device) * 1e3
+    row["reference_ms"] = time_call(ref, device, min_reps=1, min_time=0) * 1e3 if with_reference else None
+    row["gflops"] = 4 * num_heads * head_dim * keys_seen / row["kernel_ms"] / 1e6  # q.k and p.v, 2 flops a FMA
+    row["kv_gbps"] = kv_bytes / row["kernel_ms"] / 1e6 if kind == "decode" else None
+    return row
+
+
+def print_row(row, copy_gbps):
+    ref = f"{row['reference_ms']:10.2f}" if row["reference_ms"] is not None else f"{'-':>10}"
+    if row["kv_gbps"] is None:
+        bandwidth = f"{'-':>8} {'-':>7}"
+    else:
+        bandwidth = f"{row['kv_gbps']:8.1f} {100 * row['kv_gbps'] / copy_gbps:6.0f}%"
+    print(
+        f"{row['kind']:8} {row['heads']:13} {row['dtype']:5} {row['batch']:5} {row['context']:6} "
+        f"{row['kv_mb']:9.1f} {row['kernel_ms']:10.3f} {row['sdpa_ms']:10.3f} {ref} "
+        f"{row['sdpa_ms'] / row['kernel_ms']:8.1f}x {row['gflops']:8.1f} {bandwidth}",
+        flush=True,
+    )
+
+
+def print_header():
+    print(
+        f"{'kind':8} {'heads':13} {'dtype':5} {'batch':>5} {'ctx':>6} {'kv MB':>9} {'_C ms':>10} "
+        f"{'sdpa ms':>10} {'ref ms':>10} {'vs sdpa':>9} {'GFLOP/s':>8} {'KV GB/s':>8} {'%copy':>7}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--heads", nargs="*", default=sorted(HEAD_CONFIGS), choices=sorted(HEAD_CONFIGS))
+    parser.add_argument("--block-size", type=int, default=16, choices=ops.SUPPORTED_BLOCK_SIZES)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--isa", help="CPU instruction set of the kernels (scalar, avx2, avx512, avx512_bf16)")
+    parser.add_argument("--max-kv-gb", type=float, default=1.5, help="skip configs whose K/V is larger")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.isa:
+        _C.set_cpu_isa(args.isa)
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    copy_gbps = copy_bandwidth(device)
+    where = f"{torch.get_num_threads()} threads, kernels {_C.cpu_isa()}" if device.type == "cpu" else str(device)
+    print(f"device {device} ({where}); copy bandwidth {copy_gbps:.1f} GB/s (read + written)")
+    print("KV GB/s (decode): bytes of K and V read by the kernel per second; %copy: its share of the copy")
+    print("bandwidth; GFLOP/s: 4 * heads * head_dim flops per (query, key) pair; vs sdpa: SDPA time / _C time\n")
+    print_header()
+
+    rows = []
+    for kind, configs in grid.items():
+        for heads in args.heads:
+            _, num_kv_heads, head_dim = HEAD_CONFIGS[heads]
+            for batch, context in configs:
+                kv_gb = 2 * batch * context * num_kv_heads * head_dim * DTYPES[args.dtype].itemsize / 1e9
+                if kv_gb > args.max_kv_gb:
+                    continue
+                with_reference = batch <= REFERENCE_MAX_SEQS and (kind == "decode" or context <= 512)
+                row = bench_config(kind, batch, context, heads, args.dtype, device, args.block_size, with_reference)
+                print_row(row, copy_gbps)
+                rows.append(row)
+                copy_gbps = max(copy_gbps, copy_bandwidth(device))  # re-measured: the machine may be shared
+
+    print(f"\nsummary (copy bandwidth {copy_gbps:.1f} GB/s read + written, best of the run)")
+    print_header()
+    for row in rows:
+        print_row(row, copy_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "copy_gbps": copy_gbps, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Builders of random paged-KV test cases shared by the kernel tests and benchmarks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from batchgen.ops import reference
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (num_heads, num_kv_heads): MHA, GQA 4:1, MQA, SmolLM2-135M's 9:3.
+HEAD_CONFIGS = ((4, 4), (8, 2), (8, 1), (9, 3))
+UNUSED_BLOCK_ID = -7  # fills block-table entries past a sequence's end: never read, never checked
+
+DEVICES = (
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest allowed rel_err of a kernel against the reference."""
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, computed in float32."""
+    actual, expected = actual.float(), expected.float()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+@dataclass
+class PagedKV:
+    key_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], shuffled physical ids
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+
+
+def paged_kv(
+    lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+    spare_blocks: int = 3,
+) -> PagedKV:
+    """Caches holding random K/V for sequences of the given lengths in randomly permuted blocks.
+
+    Every slot that belongs to no sequence (tails of last blocks, spare blocks) holds NaN, so a
+    kernel that reads past a sequence's end shows up as NaN in its output."""
+    used = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(used) + spare_blocks
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), max(used) + 1), UNUSED_BLOCK_ID, dtype=torch.int32)
+    slots = []
+    taken = 0
+    for i, n in enumerate(lens):
+        blocks = order[taken : taken + used[i]]
+        taken += used[i]
+        tables[i, : used[i]] = blocks.int()
+        positions = torch.arange(n)
+        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
+    slot_mapping = torch.cat(slots)
+    kv_shape = (len(slot_mapping), num_kv_heads, head_dim)
+    keys = torch.randn(kv_shape, generator=gen).to(dtype)
+    values = torch.randn(kv_shape, generator=gen).to(dtype)
+    reference.reshape_and_cache(keys, values, key_cache, value_cache, slot_mapping)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return PagedKV(key_cache.to(device), value_cache.to(device), tables.to(device), seq_lens.to(device))
+
+
+def random_query(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: str, gen):
+    return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(device)
