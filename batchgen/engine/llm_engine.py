@@ -190,7 +190,7 @@ class LLMEngine:
             result = sample(logits, rows)
             for r, (req, seq) in enumerate(targets):
                 self._append(req, seq, result.token_ids[r], result.logprobs[r], result.top_logprobs[r], now)
-        for request_id in {g.request_id for g in self._finished_groups(out)}:
+        for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
             finished.append(self._finish_request(request_id))
         return finished
 
@@ -214,9 +214,6 @@ class LLMEngine:
         if decision is not None:
             req.stop_reasons[seq.seq_id] = decision.stop_reason
             self.scheduler.finish_seq(seq, decision.reason)
-
-    def _finished_groups(self, out) -> list[SequenceGroup]:
-        return [s.group for s in out.scheduled if s.group.is_finished()]
 
     def _finish_request(self, request_id: str) -> RequestOutput:
         req = self._requests.pop(request_id)
