@@ -83,7 +83,7 @@ def _sample_filtered(probs: torch.Tensor, params: list[SamplingParams], u: torch
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
-    k = min(vocab, max(_CANDIDATES, int(top_k.max())))
+    k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params if p.top_k > 0]))
     while True:
         cand_probs, cand_ids = probs.topk(k, dim=-1)  # sorted, most likely first
         rank = torch.arange(k, device=device)

@@ -1,0 +1,611 @@
+#!/usr/bin/env python
+"""Throughput benchmark: batchgen against transformers on the same workloads, and against the machine's limit.
+
+Engines: batchgen (`LLM`), transformers `generate` on static batches (left padding, rows grouped by max_tokens then
+prompt length, the best of several batch sizes), and transformers continuous batching (the manager behind
+`generate_batch`, fed per-request max_tokens). Workloads are chat prompts built deterministically from a seed:
+  mixed     prompts of 20-400 tokens, max_tokens from {16..256}, greedy, ignore_eos
+  parallel  prompts of ~400 tokens, n=8 samples of 64 tokens (temperature 0.8, top_p 0.95)
+  pressure  mixed with a KV cache of a quarter of mixed's peak need (must preempt; peers: mixed's numbers)
+The limit: F.linear GFLOP/s on the model's own layer shapes, turned into a tokens/s ceiling, set against batchgen's
+total tokens/s on mixed and its decode-only steps at batch 64-256.
+
+    .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
+    .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import multiprocessing
+import os
+import random
+import sys
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # batchgen from this checkout, installed or not
+BLOCK = 16
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+SETTINGS = {  # full and --quick sizes
+    False: dict(mixed=dict(count=200, lengths=(20, 400), max_tokens=(16, 32, 64, 128, 256)),
+                parallel=dict(count=32, lengths=(390, 410), max_tokens=(64,), n=8),
+                decode=dict(count=256, lengths=(32, 32), max_tokens=(16, 32, 48, 64)),
+                batch_sizes=(8, 16, 32, 64), gemm_ms=(64, 128, 256), gemm_time=0.3),
+    True: dict(mixed=dict(count=16, lengths=(20, 80), max_tokens=(4, 8, 16)),
+               parallel=dict(count=4, lengths=(60, 70), max_tokens=(8,), n=8),
+               decode=dict(count=64, lengths=(16, 16), max_tokens=(4, 8)),
+               batch_sizes=(8,), gemm_ms=(64,), gemm_time=0.02),
+}
+
+# --- workloads ---------------------------------------------------------------------------------------------------
+TOPICS = ["sourdough bread", "a binary search tree", "the French revolution", "compound interest", "tidal energy",
+          "learning the violin", "container shipping", "photosynthesis", "a job interview", "the rules of chess",
+          "training for a marathon", "database indexes", "composting at home", "black holes", "writing a cover letter",
+          "the Roman aqueducts", "a monthly budget", "machine translation", "growing tomatoes", "jet lag"]
+OPENERS = ["Can you explain {t} to me?", "I need help with {t}.", "Write a short note about {t}.",
+           "What are the common mistakes with {t}?", "Summarise what matters about {t}.",
+           "How should I start with {t}?"]
+SUBJECTS = ["I", "My team", "Our teacher", "A friend of mine", "My manager", "The book I read", "Last week we"]
+VERBS = ["tried to understand", "wrote about", "kept asking about", "read a long article on", "got confused by",
+         "spent an afternoon on", "wanted a clear example of", "argued about"]
+ENDINGS = ["and it did not work.", "so please keep it simple.", "but the steps were unclear.",
+           "and I would like a checklist.", "so give me concrete examples.", "and we need it by Friday."]
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return self.n * sum(self.max_tokens)
+
+    def kv_blocks(self) -> list[int]:
+        """Blocks each request holds when it finishes: the prompt's full blocks shared, the rest per sample."""
+        return [len(p) // BLOCK + self.n * math.ceil((len(p) % BLOCK + m) / BLOCK)
+                for p, m in zip(self.prompts, self.max_tokens, strict=True)]
+
+    def context_sum(self) -> int:
+        """Sum over all fed tokens of the positions each attends to (causal)."""
+        totals = [len(p) + m for p, m in zip(self.prompts, self.max_tokens, strict=True)]
+        return sum(self.n * t * (t + 1) // 2 for t in totals)
+
+
+def user_text(rng: random.Random, min_words: int) -> str:
+    parts = [rng.choice(OPENERS).format(t=rng.choice(TOPICS))]
+    while sum(len(p.split()) for p in parts) < min_words:
+        parts.append(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(TOPICS)} {rng.choice(ENDINGS)}")
+    return " ".join(parts)
+
+
+def chat_frames(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(head, tail) ids around a user message: with the template's default system prompt, then an empty one."""
+    frames = []
+    for system in ([], [{"role": "system", "content": ""}]):
+        messages = system + [{"role": "user", "content": "@@USER@@"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        head, tail = text.split("@@USER@@")
+        frames.append(tuple(tokenizer.encode(part, add_special_tokens=False) for part in (head, tail)))
+    return frames
+
+
+def chat_prompt(tokenizer, frames, rng: random.Random, length: int) -> list[int]:
+    """A chat prompt of exactly `length` token ids, in the first frame that leaves >= 4 tokens of content."""
+    head, tail = next((f for f in frames if len(f[0]) + len(f[1]) + 4 <= length), min(frames, key=lambda f: len(f[0])))
+    room = length - len(head) - len(tail)
+    content = tokenizer.encode(user_text(rng, room), add_special_tokens=False)[:room]
+    return (head + content + tail)[-length:]
+
+
+def make_workload(name: str, tokenizer, seed: int, count: int, lengths: tuple[int, int], max_tokens: tuple[int, ...],
+                  n: int = 1) -> Workload:
+    rng = random.Random(f"{name}-{seed}")
+    frames = chat_frames(tokenizer)
+    prompts = [chat_prompt(tokenizer, frames, rng, rng.randint(*lengths)) for _ in range(count)]
+    budget = [rng.choice(max_tokens) for _ in range(count)]
+    sampled = dict(temperature=0.8, top_p=0.95) if n > 1 else {}
+    return Workload(name, prompts, budget, n, **sampled)
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+class PeakRSS:
+    """Samples this process's resident memory in a thread; `peak_mb` and `start_mb` once the block ends."""
+
+    def __init__(self, interval: float = 0.05):
+        self.proc, self.interval, self._stop = psutil.Process(), interval, threading.Event()
+
+    def _rss(self) -> float:
+        return self.proc.memory_info().rss / 2**20
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_mb = max(self.peak_mb, self._rss())
+
+    def __enter__(self) -> PeakRSS:
+        self.start_mb = self.peak_mb = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self._rss())
+
+
+@dataclass
+class Run:
+    workload: str
+    engine: str
+    dtype: str
+    seconds: float
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    peak_rss_mb: float
+    start_rss_mb: float
+    extra: dict = field(default_factory=dict)
+
+    def rates(self) -> dict:
+        s = self.seconds
+        return dict(req_s=self.requests / s, out_tok_s=self.output_tokens / s,
+                    total_tok_s=(self.prompt_tokens + self.output_tokens) / s)
+
+    def record(self) -> dict:
+        return {**asdict(self), **self.rates()}
+
+
+class StepProfile:
+    """Wraps the engine's stages with timers and remembers each step's schedule (to find decode-only steps)."""
+
+    def __init__(self, llm):
+        self.totals: dict[str, float] = defaultdict(float)
+        self.last = None
+        engine = llm.engine
+        self._wrap(engine.scheduler, "schedule", "schedule", keep=True)
+        self._wrap(engine.runner, "execute", "execute")
+        self._wrap(engine.runner.model, "forward", "forward")
+        self._wrap(engine.runner.model, "compute_logits", "logits")
+        for layer in engine.runner.model.attention_layers():
+            self._wrap(layer, "forward", "attention")
+
+    def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.totals[key] += time.perf_counter() - t
+            if keep:
+                self.last = result
+            return result
+
+        setattr(obj, name, timed)
+
+    def is_decode_only(self) -> bool:
+        out = self.last
+        moves = out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy
+        return bool(out.scheduled) and not moves and all(s.num_new_tokens == 1 for s in out.scheduled)
+
+
+def isolated(isolate: bool, fn, *args):
+    """fn(*args) in a fresh (spawned) process, so that a run's peak RSS is its own and no run inherits another's
+    memory or warm caches; in this process when `isolate` is false."""
+    if not isolate:
+        return fn(*args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# --- engines -----------------------------------------------------------------------------------------------------
+def sampling_params(wl: Workload):
+    from batchgen import SamplingParams
+
+    return [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True, seed=i)
+            for i, m in enumerate(wl.max_tokens)]
+
+
+def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
+                 bytes_per_block: int) -> Run:
+    """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
+              swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
+              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads)
+    llm.generate([list(range(10, 26))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        for i, (prompt, params) in enumerate(zip(wl.prompts, sampling_params(wl), strict=True)):
+            llm.add_request(f"{wl.name}-{i}", prompt, params)
+        while llm.has_unfinished_requests():
+            t = time.perf_counter()
+            finished += llm.step()
+            if profile.is_decode_only():
+                decode_steps.append((len(profile.last.scheduled), time.perf_counter() - t))
+            s = llm.engine.scheduler.stats()
+            if s.used_device_blocks:
+                utilisation.append(s.slot_utilization)
+        seconds = time.perf_counter() - start
+    stats = llm.stats()
+    outputs = sum(len(c.token_ids) for r in finished for c in r.outputs)
+    extra = dict(slot_utilization=sum(utilisation) / max(1, len(utilisation)), peak_blocks=stats["peak_device_blocks"],
+                 kv_blocks=kv_blocks, preemptions=stats["num_preemptions"], swap_preemptions=stats["swap_preemptions"],
+                 prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
+                 stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps)
+    del llm, profile
+    gc.collect()
+    return Run(wl.name, "batchgen", dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
+               rss.peak_mb, rss.start_mb, extra)
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def sampling_kwargs(wl: Workload) -> dict:
+    if wl.temperature == 0:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=wl.temperature, top_p=wl.top_p, top_k=0)
+
+
+@torch.inference_mode()
+def load_hf(model_path: str, dtype: str, threads: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+    model.generate(input_ids=torch.arange(10, 26)[None], max_new_tokens=2, do_sample=False, pad_token_id=pad_id)
+    return model, pad_id
+
+
+@torch.inference_mode()
+def run_hf_static(model_path: str, wl: Workload, dtype: str, threads: int, batch_size: int, count: int) -> Run:
+    """transformers generate on static batches of `batch_size` rows (batch_size // n prompts), left padded, grouped
+    by (max_tokens, prompt length); each batch runs to its largest max_tokens, only asked-for tokens count."""
+    model, pad_id = load_hf(model_path, dtype, threads)
+    order = sorted(range(count), key=lambda i: (wl.max_tokens[i], len(wl.prompts[i])))
+    per_batch, computed = max(1, batch_size // wl.n), 0
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        for b in range(0, count, per_batch):
+            chunk = order[b : b + per_batch]
+            ids, mask = left_pad([wl.prompts[i] for i in chunk], pad_id)
+            steps = max(wl.max_tokens[i] for i in chunk)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                 num_return_sequences=wl.n, pad_token_id=pad_id, **sampling_kwargs(wl))
+            computed += out.numel()
+        seconds = time.perf_counter() - start
+    useful = sum(wl.n * (len(p) + m) for p, m in zip(wl.prompts[:count], wl.max_tokens[:count], strict=True))
+    return Run(wl.name, f"hf-static-{batch_size}", dtype, seconds, count, sum(map(len, wl.prompts[:count])),
+               wl.n * sum(wl.max_tokens[:count]), rss.peak_mb, rss.start_mb,
+               dict(batch_size=batch_size, padded_token_fraction=1 - useful / computed))
+
+
+def best_static(args, wl: Workload, dtype: str, sizes: tuple[int, ...]) -> Run:
+    """Each batch size on the first max(sizes) // n requests; the fastest then on the whole workload."""
+    subset = min(len(wl.prompts), max(1, max(sizes) // wl.n))
+    probes = [isolated(args.isolate, run_hf_static, args.model, wl, dtype, args.threads, size, subset)
+              for size in sizes]
+    best = max(probes, key=lambda r: r.rates()["total_tok_s"])
+    if subset < len(wl.prompts):
+        best = isolated(args.isolate, run_hf_static, args.model, wl, dtype, args.threads, best.extra["batch_size"],
+                        len(wl.prompts))
+    best.extra["probes"] = {p.extra["batch_size"]: round(p.rates()["total_tok_s"], 1) for p in probes}
+    best.extra["probe_requests"] = subset
+    return best
+
+
+@torch.inference_mode()
+def run_hf_continuous(model_path: str, wl: Workload, dtype: str, threads: int, kv_blocks: int) -> Run:
+    """transformers continuous batching (generate_batch's manager, so each request keeps its max_tokens), with
+    batchgen's KV budget, block size, token budget and sequence limit."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model, pad_id = load_hf(model_path, dtype, threads)
+    if not hasattr(model, "generate_batch"):
+        raise RuntimeError("this transformers has no generate_batch")
+    config = GenerationConfig(num_return_sequences=wl.n, eos_token_id=-1, pad_token_id=pad_id, **sampling_kwargs(wl))
+    cb = ContinuousBatchingConfig(page_size=BLOCK, num_blocks=kv_blocks, max_batch_tokens=2048,
+                                  max_requests_per_batch=256, seed=0)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb,
+                                                   block=True, timeout=10, warmup=False) as manager, PeakRSS() as rss:
+        start = time.perf_counter()
+        for i, prompt in enumerate(wl.prompts):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=wl.max_tokens[i], eos_token_id=-1)
+        while len(results) < wl.n * len(wl.prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("the continuous batching thread stopped")
+        seconds = time.perf_counter() - start
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    outputs = sum(len(r.generated_tokens) for r in results.values())
+    return Run(wl.name, "hf-continuous", dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
+               rss.peak_mb, rss.start_mb, dict(kv_blocks=kv_blocks))
+
+
+# --- the limit ---------------------------------------------------------------------------------------------------
+def layer_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each of the model's GEMMs, q/k/v and gate/up fused as batchgen runs them."""
+    q, kv = cfg.num_attention_heads * head_dim(cfg), cfg.num_key_value_heads * head_dim(cfg)
+    return {"qkv": (cfg.hidden_size, q + 2 * kv), "o": (q, cfg.hidden_size),
+            "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size),
+            "lm_head": (cfg.hidden_size, cfg.vocab_size)}
+
+
+@torch.inference_mode()
+def linear_gflops(m: int, k: int, n: int, dtype: torch.dtype, min_time: float) -> float:
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    for _ in range(10):
+        F.linear(x, w)
+    best = 0.0
+    for _ in range(5):  # the fastest of five windows: other work on the machine only slows a window down
+        reps, start = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - start < min_time / 5:
+            F.linear(x, w)
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def gemm_rates(shapes: dict, dtype: str, ms: tuple[int, ...], min_time: float, threads: int) -> dict:
+    """GFLOP/s per shape name and M."""
+    torch.set_num_threads(threads)
+    return {name: {m: linear_gflops(m, k, n, getattr(torch, dtype), min_time) for m in ms}
+            for name, (k, n) in shapes.items()}
+
+
+def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
+    """Tokens/s if every GEMM ran at its best measured rate: 2*K*N FLOPs per fed token for each layer projection,
+    the lm_head per sampled token, and 4*heads*head_dim FLOPs per layer per (query, key) pair at the best rate."""
+    best = {name: max(r.values()) * 1e9 for name, r in rates.items()}
+    per_layer = sum(2 * k * n / best[name] for name, (k, n) in shapes.items() if name != "lm_head")
+    k, n = shapes["lm_head"]
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim(cfg) / max(best.values())
+    seconds = fed * cfg.num_hidden_layers * per_layer + sampled * 2 * k * n / best["lm_head"] + context_sum * attention
+    return fed / seconds
+
+
+def stage_breakdown(totals: dict[str, float]) -> dict[str, float]:
+    """Exclusive seconds per stage of batchgen's step, from StepProfile's nested timers."""
+    t = defaultdict(float, totals)
+    return {"schedule": t["schedule"], "prepare+moves": t["execute"] - t["forward"] - t["logits"],
+            "attention": t["attention"], "gemm+other fwd": t["forward"] - t["attention"], "lm_head": t["logits"],
+            "sample+engine": t["step"] - t["schedule"] - t["execute"]}
+
+
+def decode_summary(steps: list[tuple[int, float]]) -> dict[str, float]:
+    """Decode-only tokens/s by running batch size: 64-127, 128-255, 256, and all of 64-256."""
+    buckets = {"64-127": (64, 127), "128-255": (128, 255), "256": (256, 256), "64-256": (64, 256)}
+    out = {}
+    for label, (lo, hi) in buckets.items():
+        picked = [(b, t) for b, t in steps if lo <= b <= hi]
+        if picked:
+            out[label] = sum(b for b, _ in picked) / sum(t for _, t in picked)
+    return out
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> list[Run]:
+    """mixed (when mixed or pressure is asked for), pressure, parallel, then the decode run, in that order."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    bytes_per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * head_dim(cfg) * itemsize
+
+    def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64) -> Run:
+        kv_blocks = kv_blocks or int(sum(wl.kv_blocks()) * 1.1) + 16  # all of it at once: no preemption
+        print(f"[{dtype}] batchgen {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks", flush=True)
+        return isolated(args.isolate, run_batchgen, args.model, wl, dtype, args.threads, kv_blocks, swap_blocks,
+                        bytes_per_block)
+
+    runs, mixed = [], workloads["mixed"]
+    if {"mixed", "pressure"} & set(args.workloads):
+        runs.append(run(mixed))
+    if "pressure" in args.workloads:
+        peak = runs[0].extra["peak_blocks"]
+        pressure = run(Workload(**{**asdict(mixed), "name": "pressure"}),
+                       kv_blocks=max(peak // 4, max(mixed.kv_blocks()) + 4), swap_blocks=peak)
+        if pressure.extra["preemptions"] == 0:
+            raise SystemExit(f"pressure: no preemption with {pressure.extra['kv_blocks']} KV blocks of {peak} peak")
+        runs.append(pressure)
+    if "parallel" in args.workloads:
+        runs.append(run(workloads["parallel"]))
+    return runs + [run(workloads["decode"])]
+
+
+def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run], settings: dict,
+                notes: list[str]) -> list[Run]:
+    """transformers static and continuous batching on mixed (also standing for pressure) and parallel."""
+    kv_of, runs = {r.workload: r.extra["kv_blocks"] for r in ours}, []
+    for name in [w for w in ("mixed", "parallel") if w in kv_of]:
+        print(f"[{dtype}] transformers static {name}: batch sizes {settings['batch_sizes']}", flush=True)
+        runs.append(best_static(args, workloads[name], dtype, settings["batch_sizes"]))
+        print(f"[{dtype}] transformers continuous {name}", flush=True)
+        try:
+            runs.append(isolated(args.isolate, run_hf_continuous, args.model, workloads[name], dtype, args.threads,
+                                 kv_of[name]))
+        except Exception as error:  # a peer failing must not lose batchgen's numbers
+            notes.append(f"{dtype} {name}: transformers continuous batching skipped: {error!r}")
+    for r in [r for r in runs if r.engine.startswith("hf-static")]:
+        notes.append(f"{dtype} {r.workload}: static batch sizes (rows) -> total tok/s on the first "
+                     f"{r.extra['probe_requests']} requests: {r.extra['probes']}; the best ran the whole workload")
+    return runs
+
+
+def the_limit(rates: dict, cfg, workloads: dict[str, Workload], ours: list[Run]) -> dict:
+    """Ceilings from the GEMM rates, and batchgen's mixed total and decode-only tokens/s as fractions of them."""
+    shapes, mixed, decode = layer_shapes(cfg), workloads["mixed"], workloads["decode"]
+    fed = mixed.prompt_tokens + mixed.output_tokens
+    pairs = zip(decode.prompts, decode.max_tokens, strict=True)
+    decode_context = sum(m * len(p) + m * (m + 1) / 2 for p, m in pairs) / sum(decode.max_tokens)
+    limit = dict(gemm_gflops=rates, shapes=shapes, mixed_mean_context=mixed.context_sum() / fed,
+                 mixed_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, fed, mixed.output_tokens, mixed.context_sum()),
+                 decode_mean_context=decode_context,
+                 decode_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, 1, 1, decode_context))
+    by_name = {r.workload: r for r in ours}
+    if "mixed" in by_name:
+        limit["batchgen_mixed_total_tok_s"] = by_name["mixed"].rates()["total_tok_s"]
+        limit["mixed_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_ceiling_tok_s"]
+    limit["batchgen_decode_tok_s"] = decode_summary(by_name["decode"].extra["decode_steps"])
+    limit["decode_fraction"] = {k: v / limit["decode_ceiling_tok_s"] for k, v in limit["batchgen_decode_tok_s"].items()}
+    return limit
+
+
+def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[Run], dict, list[str]]:
+    workloads = {name: make_workload(name, tokenizer, args.seed, **settings[name])
+                 for name in ("mixed", "parallel", "decode")}
+    print(f"[{dtype}] GEMM rates", flush=True)
+    rates = isolated(args.isolate, gemm_rates, layer_shapes(cfg), dtype, settings["gemm_ms"], settings["gemm_time"],
+                     args.threads)
+    ours, notes = bench_batchgen(args, dtype, cfg, workloads), []
+    limit = the_limit(rates, cfg, workloads, ours)
+    for run in ours:
+        run.extra["decode_steps"] = len(run.extra["decode_steps"])
+    peers = [] if args.skip_peers else bench_peers(args, dtype, workloads, ours, settings, notes)
+    return ours + peers, limit, notes
+
+
+def ratio_rows(runs: list[Run]) -> list[dict]:
+    """batchgen / peer per workload: throughput (requests and tokens are the same on both sides, so req/s, output
+    and total tok/s give one ratio) and peak RSS; pressure is compared with the peers' mixed runs."""
+    peers = defaultdict(dict)
+    for r in runs:
+        if r.engine != "batchgen":
+            peers[(r.workload, r.dtype)][r.engine.split("-")[1]] = r
+    rows = []
+    for r in runs:
+        if r.engine == "batchgen":
+            against = peers.get((r.workload if r.workload != "pressure" else "mixed", r.dtype), {})
+            rows.append(dict(workload=r.workload, dtype=r.dtype, **{
+                f"vs_{kind}": dict(throughput=r.rates()["total_tok_s"] / p.rates()["total_tok_s"],
+                                   peak_rss=r.peak_rss_mb / p.peak_rss_mb) for kind, p in against.items()}))
+    return rows
+
+
+def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
+    for dtype, c in ceilings.items():
+        print(f"\n== limit, {dtype}: F.linear GFLOP/s by M (tokens)")
+        for name, by_m in c["gemm_gflops"].items():
+            print(f"  {name:8s} {c['shapes'][name]!s:14s} " + "  ".join(f"M={m}: {g:7.1f}" for m, g in by_m.items()))
+        print(f"  ceiling mixed {c['mixed_ceiling_tok_s']:.0f} tok/s (mean context {c['mixed_mean_context']:.0f}), "
+              f"decode {c['decode_ceiling_tok_s']:.0f} tok/s (mean context {c['decode_mean_context']:.0f})")
+        if "mixed_fraction" in c:
+            print(f"  batchgen mixed {c['batchgen_mixed_total_tok_s']:.0f} tok/s = {c['mixed_fraction']:.1%}")
+        for label, rate in c["batchgen_decode_tok_s"].items():
+            print(f"  batchgen decode-only, batch {label}: {rate:.0f} tok/s = {c['decode_fraction'][label]:.1%}")
+    print("\n== where batchgen's time goes (seconds, share of the run)")
+    for r in [r for r in runs if r.engine == "batchgen"]:
+        stages = r.extra["stage_seconds"]
+        shares = ", ".join(f"{k} {v:.1f} ({v / r.seconds:.0%})" for k, v in stages.items())
+        print(f"  {r.workload:9s} {r.dtype:9s} {shares}")
+    if any(r.workload == "pressure" for r in runs):
+        print("note: pressure is compared with the peers' mixed runs (the same requests; they have no KV budget)")
+    for note in notes:
+        print(f"note: {note}")
+    header = f"{'workload':9s} {'engine':16s} {'dtype':9s} {'req/s':>7s} {'out tok/s':>9s} {'tot tok/s':>9s} " \
+             f"{'RSS MB':>7s} {'slot util':>9s} {'peak blk':>8s} {'preempt':>7s} {'pfx hits':>8s}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in runs:
+        rate, e = r.rates(), r.extra
+        util = f"{e['slot_utilization']:.1%}" if "slot_utilization" in e else "-"
+        print(f"{r.workload:9s} {r.engine:16s} {r.dtype:9s} {rate['req_s']:7.2f} {rate['out_tok_s']:9.1f} "
+              f"{rate['total_tok_s']:9.1f} {r.peak_rss_mb:7.0f} {util:>9s} {e.get('peak_blocks', '-')!s:>8s} "
+              f"{e.get('preemptions', '-')!s:>7s} {e.get('prefix_cache_hits', '-')!s:>8s}")
+    for row in [r for r in ratio_rows(runs) if len(r) > 2]:
+        cells = ", ".join(f"{k[3:]} x{v['throughput']:.2f} (RSS x{v['peak_rss']:.2f})"
+                          for k, v in row.items() if k.startswith("vs_"))
+        print(f"batchgen/peer throughput  {row['workload']:9s} {row['dtype']:9s} {cells}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bf16,fp32", help="comma list of bf16/bfloat16, fp32/float32")
+    parser.add_argument("--workloads", default="mixed,parallel,pressure")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-peers", action="store_true", help="batchgen and the limit only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every result here")
+    parser.add_argument("--no-isolate", dest="isolate", action="store_false",
+                        help="run every engine in this process (faster start; RSS then mixes the runs)")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="OMP_WAIT_POLICY=PASSIVE in the engines' processes: on cores shared with other work, "
+                             "spinning OpenMP barriers can stall a step for ~100 ms (not with --no-isolate)")
+    args = parser.parse_args(argv)
+    args.dtypes = [DTYPES[d.strip().lower()] for d in args.dtype.split(",")]
+    args.workloads = [w.strip() for w in args.workloads.split(",")]
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure"}
+    if unknown:
+        parser.error(f"unknown workloads: {sorted(unknown)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model is None:
+        from batchgen.models.smollm2 import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    if args.omp_passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by the spawned processes' OpenMP when it loads
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    cfg, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    settings = SETTINGS[args.quick]
+    runs, ceilings, notes = [], {}, []
+    for dtype in args.dtypes:
+        dtype_runs, ceilings[dtype], dtype_notes = bench_dtype(args, dtype, cfg, tokenizer, settings)
+        runs += dtype_runs
+        notes += dtype_notes
+    loads = [", ".join(f"{x:.1f}" for x in load) for load in (load_before, os.getloadavg())]
+    notes.append(f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end, "
+                 f"{psutil.cpu_count()} CPUs: other work on the machine slows every engine down")
+    report = dict(args=vars(args), torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
+                  runs=[r.record() for r in runs], ratios=ratio_rows(runs),
+                  ceilings=ceilings, notes=notes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    print_report(runs, ceilings, notes)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""scripts/bench.py: its workloads are deterministic and sized as asked, and a --quick pass runs end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import _tiny_tokenizer, build_tiny_model
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workloads_are_deterministic_and_in_range(bench):
+    tokenizer = _tiny_tokenizer()
+    head, tail = bench.chat_frames(tokenizer)[0]
+    for name, sizes in [("mixed", bench.SETTINGS[False]["mixed"]), ("parallel", bench.SETTINGS[False]["parallel"])]:
+        first = bench.make_workload(name, tokenizer, 3, **sizes)
+        again = bench.make_workload(name, tokenizer, 3, **sizes)
+        other = bench.make_workload(name, tokenizer, 4, **sizes)
+        assert (first.prompts, first.max_tokens) == (again.prompts, again.max_tokens)
+        assert first.prompts != other.prompts
+        assert len(first.prompts) == sizes["count"]
+        lo, hi = sizes["lengths"]
+        assert all(lo <= len(p) <= hi for p in first.prompts)
+        assert set(first.max_tokens) <= set(sizes["max_tokens"])
+        assert all(p[-len(tail):] == tail for p in first.prompts)  # ends ready for the assistant's answer
+    mixed = bench.make_workload("mixed", tokenizer, 0, **bench.SETTINGS[False]["mixed"])
+    assert len(set(mixed.max_tokens)) == 5 and len({len(p) for p in mixed.prompts}) > 100
+    parallel = bench.make_workload("parallel", tokenizer, 0, **bench.SETTINGS[False]["parallel"])
+    assert (parallel.n, parallel.temperature, parallel.top_p) == (8, 0.8, 0.95)
+
+
+def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "mixed,pressure",
+                "--json", str(out)])
+    report = json.loads(out.read_text())
+    engines = {(r["workload"], r["engine"]) for r in report["runs"]}
+    expected = {("mixed", "batchgen"), ("pressure", "batchgen"), ("decode", "batchgen"), ("mixed", "hf-static-8")}
+    assert expected <= engines
+    assert ("mixed", "hf-continuous") in engines or report["notes"]
+    for run in report["runs"]:
+        assert run["output_tokens"] > 0 and run["total_tok_s"] > 0 and run["peak_rss_mb"] > 0
+    pressure = next(r for r in report["runs"] if r["workload"] == "pressure")
+    assert pressure["extra"]["preemptions"] > 0
+    ceiling = report["ceilings"]["float32"]
+    assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
+    assert "batchgen/peer" in capsys.readouterr().out
