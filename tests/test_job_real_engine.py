@@ -17,7 +17,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _setup(root, model_dir, rows: int = 40, out: str = "out"):
+def _setup(root, model_dir, rows: int = 120, out: str = "out"):
     root.mkdir(parents=True, exist_ok=True)
     records = [{"id": f"r{i:03d}", "messages": [{"role": "user", "content": f"tell me about number {i}"}]}
                for i in range(rows)]
@@ -29,7 +29,8 @@ def _setup(root, model_dir, rows: int = 40, out: str = "out"):
                   "max_model_len": 256},
         "input": {"paths": ["in.jsonl"], "id_column": "id", "messages_column": "messages"},
         "sampling": {"n": 2, "temperature": 0.8, "top_p": 0.95, "seed": 11, "max_tokens": 24, "ignore_eos": True},
-        "output": {"dir": out, "rows_per_part": 4, "fields": ["text", "token_ids", "finish_reason", "token_counts"]},
+        "output": {"dir": out, "rows_per_part": 2, "fields": ["text", "token_ids", "finish_reason", "token_counts"]},
+        "max_in_flight": 8,  # rows stream through in waves, so a kill lands mid-run
         "progress_interval": 3600,
     }
     return write_job(root / "job.yaml", job)
@@ -47,18 +48,18 @@ def test_real_engine_job_errors_resume_and_shards(tmp_path, tiny_model_dirs):
     whole = _setup(tmp_path / "whole", model)
     _run(whole)
     reference = outputs_by_key(tmp_path / "whole" / "out")
-    assert len(reference) == 40 * 2 + 2
+    assert len(reference) == 120 * 2 + 2
     assert "max_model_len" in reference[("too-long", 0)][1]
     assert reference[("empty", 0)][1]
     assert all(err is None and text for key, (text, err) in reference.items() if key[0].startswith("r"))
 
-    # SIGKILL after the first parts land, then resume: exactly once, the same text.
+    # SIGKILL as soon as the first part lands, then resume: exactly once, the same text.
     killed = _setup(tmp_path / "killed", model)
     proc = subprocess.Popen(batchgen_cmd("run", killed), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     out_dir = tmp_path / "killed" / "out"
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(out_dir.glob("part-*.parquet"))) < 2 and proc.poll() is None:
+    while time.time() < deadline and not list(out_dir.glob("part-*.parquet")) and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
