@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +26,23 @@ DEVICES = (
         ],
     ),
 )
+
+
+@contextmanager
+def torch_threads(count: int):
+    """torch.set_num_threads(count) for the duration of the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def single_threaded():
+    """For the reference: its many tiny torch ops gain nothing from threads, and on a busy machine
+    each parallel region can wait a whole scheduler slice for its second thread."""
+    return torch_threads(1)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -79,7 +97,8 @@ def paged_kv(
     kv_shape = (len(slot_mapping), num_kv_heads, head_dim)
     keys = torch.randn(kv_shape, generator=gen).to(dtype)
     values = torch.randn(kv_shape, generator=gen).to(dtype)
-    reference.reshape_and_cache(keys, values, key_cache, value_cache, slot_mapping)
+    with single_threaded():
+        reference.reshape_and_cache(keys, values, key_cache, value_cache, slot_mapping)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     return PagedKV(key_cache.to(device), value_cache.to(device), tables.to(device), seq_lens.to(device))
 

@@ -27,7 +27,9 @@ from kernel_cases import (
     paged_kv,
     random_query,
     rel_err,
+    single_threaded,
     tolerance,
+    torch_threads,
 )
 
 from batchgen import _C, ops
@@ -88,7 +90,8 @@ def test_decode_matches_reference(device, isas, dtype, head_dim, block_size, hea
     kv = paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
     query = random_query(len(lens), num_heads, head_dim, dtype, device, gen)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
-    expected = reference.paged_attention_decode(*args)
+    with single_threaded():
+        expected = reference.paged_attention_decode(*args)
     check_on_isas(isas, lambda: ops.paged_attention_decode(*args), expected, dtype)
 
 
@@ -96,16 +99,18 @@ def test_decode_matches_reference(device, isas, dtype, head_dim, block_size, hea
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=case_id)
 def test_decode_long_contexts(device, isas, dtype, heads):
-    """Few sequences with long contexts (the CPU kernel splits them across threads) and a large
-    scale (peaked softmax, so the running max moves)."""
+    """Few sequences with long contexts (with two threads or more, the CPU kernel splits them into
+    parts and combines the parts) and a large scale (peaked softmax, so the running max moves)."""
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads = heads
     lens = [1500, 700, 1]
     kv = paged_kv(lens, num_kv_heads, 128, 16, dtype, device, gen)
     query = random_query(len(lens), num_heads, 128, dtype, device, gen)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.5)
-    expected = reference.paged_attention_decode(*args)
-    check_on_isas(isas, lambda: ops.paged_attention_decode(*args), expected, dtype)
+    with single_threaded():
+        expected = reference.paged_attention_decode(*args)
+    with torch_threads(max(2, torch.get_num_threads())):
+        check_on_isas(isas, lambda: ops.paged_attention_decode(*args), expected, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -115,9 +120,10 @@ def test_decode_strided_query_and_out(device, isas):
     kv = paged_kv([5, 40, 17], 2, 64, 16, torch.float32, device, gen)
     wide = random_query(3, 11, 64, torch.float32, device, gen)
     query = wide[:, 1:9]  # token stride 11 * 64
-    expected = reference.paged_attention_decode(
-        query.contiguous(), kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125
-    )
+    with single_threaded():
+        expected = reference.paged_attention_decode(
+            query.contiguous(), kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125
+        )
     out_storage = torch.zeros(8, 3, 64, device=device)
 
     def run():
@@ -183,7 +189,8 @@ def test_prefill_matches_reference(device, isas, dtype, head_dim, block_size, he
     gen = torch.Generator().manual_seed(4)
     query, kv, starts = prefill_batch(block_size, *heads, head_dim, dtype, device, gen)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, starts, head_dim**-0.5)
-    expected = reference.paged_attention_prefill(*args)
+    with single_threaded():
+        expected = reference.paged_attention_prefill(*args)
     check_on_isas(isas, lambda: ops.paged_attention_prefill(*args), expected, dtype)
 
 
@@ -195,7 +202,8 @@ def test_prefill_long_chunks(device, isas, heads):
     seqs = [(300, 130), (0, 250), (77, 64)]
     query, kv, starts = prefill_batch(16, *heads, 64, torch.bfloat16, device, gen, seqs)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, starts, 0.3)
-    expected = reference.paged_attention_prefill(*args)
+    with single_threaded():
+        expected = reference.paged_attention_prefill(*args)
     check_on_isas(isas, lambda: ops.paged_attention_prefill(*args), expected, torch.bfloat16)
 
 
@@ -243,10 +251,10 @@ def test_reshape_and_cache_matches_reference(device, dtype, head_dim, block_size
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,block_size", list(itertools.product(DTYPES, BLOCK_SIZES)), ids=case_id)
-def test_copy_blocks_matches_reference(device, dtype, block_size):
+@pytest.mark.parametrize("dtype,head_dim,block_size,heads", crossed_with_heads(), ids=case_id)
+def test_copy_blocks_matches_reference(device, dtype, head_dim, block_size, heads):
     gen = torch.Generator().manual_seed(8)
-    shape = (10, 2, block_size, 64)
+    shape = (10, heads[1], block_size, head_dim)
     layers = [[torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(2)] for _ in range(3)]
     mapping = torch.tensor([[0, 5], [3, 9], [3, 1], [7, 2]], dtype=torch.int64, device=device)
     expected = [[cache.clone() for cache in layer] for layer in layers]
@@ -266,11 +274,11 @@ SWAP_DEVICES = [
 
 
 @pytest.mark.parametrize("src_device,dst_device", SWAP_DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
-def test_swap_blocks_matches_reference(src_device, dst_device, dtype):
+@pytest.mark.parametrize("dtype,head_dim,block_size,heads", crossed_with_heads(), ids=case_id)
+def test_swap_blocks_matches_reference(src_device, dst_device, dtype, head_dim, block_size, heads):
     gen = torch.Generator().manual_seed(9)
-    src = torch.randn(6, 2, 16, 80, generator=gen).to(dtype).to(src_device)
-    dst = torch.randn(9, 2, 16, 80, generator=gen).to(dtype).to(dst_device)
+    src = torch.randn(6, heads[1], block_size, head_dim, generator=gen).to(dtype).to(src_device)
+    dst = torch.randn(9, heads[1], block_size, head_dim, generator=gen).to(dtype).to(dst_device)
     mapping = torch.tensor([[0, 8], [5, 0], [2, 3]], dtype=torch.int64)
     expected = dst.clone()
     reference.swap_blocks(src, expected, mapping)
@@ -285,6 +293,7 @@ def test_allocate_kv_cache():
     assert key_cache.shape == value_cache.shape == (7, 3, 16, 64)
     assert key_cache.dtype == torch.bfloat16 and not key_cache.any()
     assert key_cache.data_ptr() != value_cache.data_ptr()
+    assert key_cache.is_contiguous() and key_cache.data_ptr() % (2 << 20) == 0  # tiles never straddle pages
     for bad in [{"head_dim": 48}, {"block_size": 12}, {"dtype": torch.int8}, {"num_blocks": 0}]:
         args = {"num_blocks": 4, "num_kv_heads": 1, "block_size": 8, "head_dim": 64, "dtype": torch.float32}
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -241,19 +241,22 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  // The ops run without the GIL, so other Python threads (readers, writers) keep going meanwhile.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "batchgen paged KV cache kernels (see engine_src/README.md for layouts and contracts)";
   m.def("reshape_and_cache", &reshape_and_cache, "Write key/value rows into the caches at slot_mapping",
-        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        no_gil);
   m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("scale"), no_gil);
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), no_gil);
   m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
-        py::arg("value_caches"), py::arg("block_mapping"));
+        py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),
-        py::arg("dst"), py::arg("block_mapping"));
+        py::arg("dst"), py::arg("block_mapping"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

@@ -1,7 +1,8 @@
 // CPU implementations of the batchgen._C operations (contracts in engine_src/README.md).
 // bindings.cpp has checked dtypes, shapes, devices and layouts before calling (caches and index
 // tensors contiguous; query, key, value and out with a unit stride in their last dimension);
-// these functions check the values that index memory (slots, block ids, lengths, offsets).
+// these functions check the values that index memory (slots, block tables, lengths, query
+// offsets). Block mappings on the host (always so for swap_blocks) are checked by bindings.cpp.
 #pragma once
 #include <torch/extension.h>
 

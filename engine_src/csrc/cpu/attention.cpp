@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -18,6 +19,7 @@ namespace {
 
 constexpr int64_t kPrefillRowsPerTask = 32;  // query rows (tokens x heads of a kv head) per prefill task
 constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more in the combine than they gain
+constexpr int64_t kMinBytesPerWorker = 256 << 10;
 
 DType dtype_of(const torch::Tensor& t) {
   switch (t.scalar_type()) {
@@ -69,12 +71,19 @@ void check_lengths_and_blocks(const char* op, const torch::Tensor& seq_lens, con
   }
 }
 
-// Runs fn(task, scratch) for every task in [0, num_tasks) on torch's intra-op threads. Tasks are
-// handed out one at a time from a shared counter, so ragged lengths do not leave threads idle.
+// Threads worth waking for a call that reads kv_bytes of K and V: at most one per
+// kMinBytesPerWorker, as a thread's wake-up costs about as much as reading that much.
+int64_t useful_workers(int64_t kv_bytes) {
+  return std::clamp<int64_t>(kv_bytes / kMinBytesPerWorker, 1, at::get_num_threads());
+}
+
+// Runs fn(task, scratch) for every task in [0, num_tasks) on up to `workers` of torch's intra-op
+// threads. Tasks are handed out one at a time from a shared counter, so ragged lengths do not
+// leave threads idle.
 template <typename Fn>
-void run_tasks(int64_t num_tasks, int64_t scratch_floats, const Fn& fn) {
+void run_tasks(int64_t num_tasks, int64_t workers, int64_t scratch_floats, const Fn& fn) {
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  workers = std::min(workers, num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(scratch_floats);
     for (int64_t task = next++; task < num_tasks; task = next++) fn(task, scratch.data());
@@ -82,9 +91,9 @@ void run_tasks(int64_t num_tasks, int64_t scratch_floats, const Fn& fn) {
 }
 
 // Tokens per decode split (a multiple of block_size). Splitting the keys of a sequence only pays
-// when there are too few (sequence, kv head) tasks to keep every thread busy.
-int64_t decode_split_tokens(int64_t num_tasks, int64_t max_len, int64_t block_size) {
-  const int64_t wanted_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+// when there are too few (sequence, kv head) tasks to keep every worker busy.
+int64_t decode_split_tokens(int64_t num_tasks, int64_t workers, int64_t max_len, int64_t block_size) {
+  const int64_t wanted_tasks = workers == 1 ? 1 : 4 * workers;
   if (num_tasks >= wanted_tasks || max_len <= kMinSplitTokens) return max_len;
   const int64_t splits = (wanted_tasks + num_tasks - 1) / num_tasks;
   const int64_t tokens = std::max((max_len + splits - 1) / splits, kMinSplitTokens);
@@ -136,11 +145,13 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const int64_t kv_heads = args.num_kv_heads, group = args.num_heads / args.num_kv_heads;
   const int64_t scratch = attend_scratch_floats(group, args.head_dim);
   const int64_t max_len = *std::max_element(lens, lens + num_seqs);
-  const int64_t split_tokens = decode_split_tokens(num_seqs * kv_heads, max_len, block_size);
+  const int64_t total_len = std::accumulate(lens, lens + num_seqs, int64_t{0});
+  const int64_t workers = useful_workers(total_len * kv_heads * 2 * args.head_dim * query.element_size());
+  const int64_t split_tokens = decode_split_tokens(num_seqs * kv_heads, workers, max_len, block_size);
   const int64_t splits = (max_len + split_tokens - 1) / split_tokens;
 
   if (splits == 1) {
-    run_tasks(num_seqs * kv_heads, scratch, [&](int64_t i, float* buf) {
+    run_tasks(num_seqs * kv_heads, workers, scratch, [&](int64_t i, float* buf) {
       const int64_t seq = i / kv_heads, len = lens[seq];
       const AttnTask task{seq, i % kv_heads, seq, 1, len - 1, 0, len, nullptr, 0};
       attend(args, task, buf);
@@ -151,7 +162,7 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const int64_t row = args.head_dim + 2;  // acc, max, sum
   torch::Tensor partial = torch::empty({num_seqs, args.num_heads, splits, row}, query.options().dtype(torch::kFloat32));
   float* part = partial.data_ptr<float>();
-  run_tasks(num_seqs * kv_heads * splits, scratch, [&](int64_t i, float* buf) {
+  run_tasks(num_seqs * kv_heads * splits, workers, scratch, [&](int64_t i, float* buf) {
     const int64_t seq = i / (kv_heads * splits), kv_head = i / splits % kv_heads, split = i % splits;
     const int64_t len = lens[seq], kv_begin = split * split_tokens;
     if (kv_begin >= len) return;
@@ -172,8 +183,9 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(starts[0] == 0 && starts[num_seqs] == num_tokens, op, ": query_start_loc must start at 0 and end at ",
-                    "the number of query tokens (", num_tokens, "), got ", starts[0], " .. ", starts[num_seqs]);
+  TORCH_CHECK_VALUE(starts[0] == 0 && starts[num_seqs] == num_tokens, op,
+                    ": query_start_loc must start at 0 and end at the number of query tokens (", num_tokens,
+                    "), got ", starts[0], " .. ", starts[num_seqs]);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     TORCH_CHECK_VALUE(q_len >= 0 && q_len <= lens[s], op, ": sequence ", s, " has ", q_len,
@@ -186,11 +198,14 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   const int64_t group = args.num_heads / args.num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, kPrefillRowsPerTask / group);  // query tokens per task
   std::vector<AttnTask> tasks;
+  int64_t keys_read = 0;  // summed over tasks, each of which reads its keys and values once
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s], context = lens[s] - q_len;
     for (int64_t j = 0; j < q_len; j += tile) {
+      const int64_t count = std::min(tile, q_len - j);
+      keys_read += args.num_kv_heads * (context + j + count);
       for (int64_t h = 0; h < args.num_kv_heads; ++h) {
-        tasks.push_back({s, h, starts[s] + j, std::min(tile, q_len - j), context + j, 0, lens[s], nullptr, 0});
+        tasks.push_back({s, h, starts[s] + j, count, context + j, 0, lens[s], nullptr, 0});
       }
     }
   }
@@ -199,7 +214,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
     return x.q_pos + x.q_count > y.q_pos + y.q_count;
   });
-  run_tasks(static_cast<int64_t>(tasks.size()), attend_scratch_floats(tile * group, args.head_dim),
+  const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * query.element_size());
+  run_tasks(static_cast<int64_t>(tasks.size()), workers, attend_scratch_floats(tile * group, args.head_dim),
             [&](int64_t i, float* buf) { attend(args, tasks[i], buf); });
 }
 

@@ -29,20 +29,26 @@ constexpr int kGroup = 4;          // query rows sharing one pass over a K/V til
 constexpr int kScoreStride = 32;   // >= the largest block size and a multiple of every Vec::N
 constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its use K/V is prefetched
 static_assert(kScoreStride % Vec::N == 0, "score rows must hold whole vectors");
 
-// bf16 scores use the processor's bf16 dot product where the Vec has one (BATCHGEN_DOT_BF16):
-// the products of bf16 values are exact in fp32, so this only saves the conversion of K to
-// fp32. The queries then stay in bf16; otherwise they are converted to fp32 once per task.
+// bf16 caches use the processor's bf16 dot product where the Vec has one (BATCHGEN_DOT_BF16),
+// on pairs of elements: for the scores the pairs are adjacent elements of q and k, whose bf16
+// products are exact in fp32, so only the conversion of K is saved; for the values the pairs are
+// the same element of two V rows, weighted by the two probabilities rounded to bf16 (as flash
+// attention does on GPUs; the sums stay fp32), which halves the work. The queries then stay in
+// bf16; otherwise they are converted to fp32 once per task.
 #ifdef BATCHGEN_DOT_BF16
 constexpr bool kHasDotBF16 = true;
 #else
 constexpr bool kHasDotBF16 = false;
 #endif
 template <typename T>
-constexpr bool kDotScores = kHasDotBF16 && std::is_same_v<T, BF16>;
+constexpr bool kPairs = kHasDotBF16 && std::is_same_v<T, BF16>;
 template <typename T>
-using QueryT = std::conditional_t<kDotScores<T>, BF16, float>;
+using PairsTag = std::bool_constant<kPairs<T>>;
+template <typename T>
+using QueryT = std::conditional_t<kPairs<T>, BF16, float>;
 
 inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -73,7 +79,7 @@ void load_queries(const AttnArgs& a, const AttnTask& task, int group, QueryT<T>*
       const T* src = static_cast<const T*>(a.query) + (task.q_begin + j) * a.query_token_stride +
                      (task.kv_head * group + g) * a.query_head_stride;
       QueryT<T>* dst = q + (j * group + g) * D;
-      if constexpr (kDotScores<T>) {
+      if constexpr (kPairs<T>) {
         for (int i = 0; i < D; ++i) dst[i] = src[i];
       } else {
         for (int i = 0; i < D; i += Vec::N) Vec::load(src + i).store(dst + i);
@@ -95,7 +101,7 @@ struct Prefetcher {
   }
 };
 
-// The K and V tiles of one (block, kv head), and prefetchers for those of the next block.
+// The K and V tiles of one (block, kv head), and prefetchers for those of a block ahead.
 template <typename T>
 struct Tile {
   const T* k;
@@ -134,7 +140,7 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
 // s[g][t] = q_g . k_t for the first n rows of the K tile, n rounded up to kTokenStep (rows that
 // exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
 template <typename T, int NG>
-void tile_scores(const float* q, Tile<T>& tile, int D, int n, float* s) {
+void tile_scores(std::false_type /*pairs*/, const float* q, Tile<T>& tile, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const T* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
@@ -159,7 +165,7 @@ void tile_scores(const float* q, Tile<T>& tile, int D, int n, float* s) {
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
 template <typename T, int NG>
-void tile_scores(const BF16* q, Tile<BF16>& tile, int D, int n, float* s) {
+void tile_scores(std::true_type /*pairs*/, const BF16* q, Tile<BF16>& tile, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
@@ -211,38 +217,114 @@ inline float softmax_update(float* s, int limit, int width, float scale, float& 
   return correction;
 }
 
-// acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t, one output chunk at a time so that
-// the accumulators stay in registers: one per (row, token phase), summed at the end.
+// acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
+// accumulators of one output chunk stay in registers, one per (row, token phase).
 template <typename T, int NG>
-void tile_values(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int n, float* acc) {
+void values_chunk(const float* p, const float* correction, const T* v, int D, int n, int c, float* acc) {
   constexpr int TS = kTokenStep<NG>;
-  const T* v = tile.v;
+  Vec sum[TS][NG];
+  for (int g = 0; g < NG; ++g) {
+    sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
+    for (int i = 1; i < TS; ++i) sum[i][g] = Vec::zero();
+  }
+  int t = 0;
+  for (; t + TS <= n; t += TS) {
+    for (int i = 0; i < TS; ++i) {
+      const Vec x = Vec::load(v + (t + i) * D + c);
+      for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(p[g * kScoreStride + t + i]), x, sum[i][g]);
+    }
+  }
+  for (; t < n; ++t) {
+    const Vec x = Vec::load(v + t * D + c);
+    for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(p[g * kScoreStride + t]), x, sum[0][g]);
+  }
+  for (int g = 0; g < NG; ++g) {
+    Vec total = sum[0][g];
+    for (int i = 1; i < TS; ++i) total = total + sum[i][g];
+    total.store(acc + g * D + c);
+  }
+}
+
+// acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t for the NG rows of a row group.
+template <typename T, int NG>
+void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<T>& tile, int D, int BS,
+                 int n, float* acc) {
   const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // the tile's bytes per chunk
   for (int c = 0; c < D; c += Vec::N) {
     tile.next_v.lines(prefetch);
-    Vec sum[TS][NG];
-    for (int g = 0; g < NG; ++g) {
-      sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
-      for (int i = 1; i < TS; ++i) sum[i][g] = Vec::zero();
-    }
-    int t = 0;
-    for (; t + TS <= n; t += TS) {
-      for (int i = 0; i < TS; ++i) {
-        const Vec x = Vec::load(v + (t + i) * D + c);
-        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(p[g * kScoreStride + t + i]), x, sum[i][g]);
-      }
-    }
-    for (; t < n; ++t) {
-      const Vec x = Vec::load(v + t * D + c);
-      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(p[g * kScoreStride + t]), x, sum[0][g]);
-    }
-    for (int g = 0; g < NG; ++g) {
-      Vec total = sum[0][g];
-      for (int i = 1; i < TS; ++i) total = total + sum[i][g];
-      total.store(acc + g * D + c);
-    }
+    values_chunk<T, NG>(p, correction, tile.v, D, n, c, acc);
   }
 }
+
+#ifdef BATCHGEN_DOT_BF16
+constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pair path
+
+// tile_values on bf16 pairs: V rows t and t + 1 interleaved element by element, times the pair
+// (p_t, p_t+1) in bf16. The interleave works within 128-bit lanes, so the accumulators hold
+// each kPairChunk chunk permuted (see unpermute_pairs); a last half chunk (head_dim 80) goes
+// through values_chunk, in order.
+template <typename T, int NG>
+void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
+                 int n, float* acc) {
+  constexpr int TP = NG <= 2 ? 2 : 1;  // token pairs side by side, for independent chains
+  BF16 pb[NG][kScoreStride];           // p in bf16; zero past each row's limit, as p is
+  const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(p + g * kScoreStride + c), pb[g] + c);
+  const BF16* v = tile.v;
+  const int prefetch = lines_for(int64_t{BS} * kPairChunk * sizeof(BF16));
+  int c = 0;
+  for (; c + kPairChunk <= D; c += kPairChunk) {
+    tile.next_v.lines(prefetch);
+    Vec lo[TP][NG], hi[TP][NG];
+    for (int g = 0; g < NG; ++g) {
+      lo[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
+      hi[0][g] = Vec::load(acc + g * D + c + Vec::N) * Vec::set1(correction[g]);
+      for (int i = 1; i < TP; ++i) lo[i][g] = hi[i][g] = Vec::zero();
+    }
+    // One step: rows t, t + 1 (the second as zeros when t + 1 == n: V past n may be NaN).
+    auto step = [&](int i, int t) {
+      const BF16Pairs a = BF16Pairs::load(v + t * D + c, kPairChunk);
+      const BF16Pairs b = t + 1 < n ? BF16Pairs::load(v + (t + 1) * D + c, kPairChunk) : BF16Pairs::zero();
+      const BF16Pairs x_lo = interleave_lo(a, b), x_hi = interleave_hi(a, b);
+      for (int g = 0; g < NG; ++g) {
+        const BF16Pairs w = BF16Pairs::broadcast_pair(pb[g] + t);
+        lo[i][g] = dot_pairs(x_lo, w, lo[i][g]);
+        hi[i][g] = dot_pairs(x_hi, w, hi[i][g]);
+      }
+    };
+    int t = 0;
+    for (; t + 2 * TP <= n; t += 2 * TP)
+      for (int i = 0; i < TP; ++i) step(i, t + 2 * i);
+    for (; t < n; t += 2) step(0, t);
+    for (int g = 0; g < NG; ++g) {
+      Vec total_lo = lo[0][g], total_hi = hi[0][g];
+      for (int i = 1; i < TP; ++i) {
+        total_lo = total_lo + lo[i][g];
+        total_hi = total_hi + hi[i][g];
+      }
+      total_lo.store(acc + g * D + c);
+      total_hi.store(acc + g * D + c + Vec::N);
+    }
+  }
+  if (c < D) values_chunk<BF16, NG>(p, correction, v, D, n, c, acc);
+}
+
+// Restores the order of a row accumulated by the pair path: interleave_lo/hi leave, per 128-bit
+// lane L, elements 8L .. 8L + 3 of a chunk at 4L .. 4L + 3 and elements 8L + 4 .. 8L + 7 at
+// N + 4L .. N + 4L + 3.
+inline void unpermute_pairs(float* row, int D) {
+  for (int c = 0; c + kPairChunk <= D; c += kPairChunk) {
+    float chunk[kPairChunk];
+    for (int i = 0; i < Vec::N; ++i) {
+      const int natural = 8 * (i / 4) + i % 4;
+      chunk[natural] = row[c + i];
+      chunk[natural + 4] = row[c + Vec::N + i];
+    }
+    for (int i = 0; i < kPairChunk; ++i) row[c + i] = chunk[i];
+  }
+}
+#endif
 
 // The per-row state of a task, in its scratch memory.
 template <typename T>
@@ -261,14 +343,14 @@ void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& til
   for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
   // The score loop may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  tile_scores<T, NG>(rows.q + r0 * D, tile, D, n, rows.s);
+  tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile, D, n, rows.s);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float correction[NG];
   for (int g = 0; g < NG; ++g) {
     correction[g] =
         softmax_update(rows.s + g * kScoreStride, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
   }
-  tile_values<T, NG>(rows.s, correction, tile, D, BS, n, rows.acc + r0 * D);
+  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, n, rows.acc + r0 * D);
 }
 
 template <typename T>
@@ -286,6 +368,11 @@ template <typename T>
 void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T>& rows) {
   const int D = a.head_dim;
   const int64_t count = task.q_count * group;
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (kPairs<T>) {
+    for (int64_t r = 0; r < count; ++r) unpermute_pairs(rows.acc + r * D, D);
+  }
+#endif
   if (task.partial != nullptr) {
     for (int64_t r = 0; r < count; ++r) {
       float* dst = task.partial + r * task.partial_row_stride;
@@ -329,11 +416,14 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
   const int32_t* table = a.block_tables + task.seq * a.max_blocks_per_seq;
   const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
   const int64_t tile_bytes = tile_elems * int64_t{sizeof(T)};
+  // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
+  // request and the use: one tile for large tiles, several for small ones, which go faster.
+  const int64_t ahead = 2 * tile_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / (2 * tile_bytes);
   for (int64_t start = task.kv_begin; start < kv_stop; start += BS) {
     const int64_t block = table[start / BS];
     Tile<T> tile{k_head + block * block_elems, v_head + block * block_elems, {}, {}};
-    if (start + BS < kv_stop) {
-      const int64_t next = table[start / BS + 1];
+    if (start + ahead * BS < kv_stop) {
+      const int64_t next = table[start / BS + ahead];
       const char* next_k = reinterpret_cast<const char*>(k_head + next * block_elems);
       const char* next_v = reinterpret_cast<const char*>(v_head + next * block_elems);
       tile.next_k = {next_k, next_k + tile_bytes};

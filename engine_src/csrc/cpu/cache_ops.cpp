@@ -53,7 +53,7 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   });
 }
 
-// Block ids were checked by the caller (bindings.cpp), for every device.
+// Block ids were checked by the caller (bindings.cpp): CPU caches take a host block_mapping.
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping) {
   if (key_caches.empty()) return;

@@ -2,9 +2,9 @@
 //
 // The kernel source (attention_impl.h) is compiled once per instruction set (kernels_scalar.cpp,
 // kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp), each copy in its own namespace
-// so the copies never clash at link time. isa.cpp picks one table at run time. No torch header is included on this side:
-// a torch header compiled under an AVX-512 target pragma could leak AVX-512 code into inline
-// functions that the rest of the library shares.
+// so the copies never clash at link time; isa.cpp picks one table at run time. No torch header
+// is included on this side: a torch header compiled under an AVX-512 target pragma could leak
+// AVX-512 code into inline functions that the rest of the library shares.
 #pragma once
 #include <cstdint>
 

@@ -33,13 +33,13 @@ inline float reduce_add(Vec a) {
   return _mm_cvtss_f32(s);
 }
 
-inline float first_lane(Vec a) { return _mm256_cvtss_f32(a.v); }
 inline float reduce_max(Vec a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline float first_lane(Vec a) { return _mm256_cvtss_f32(a.v); }
 
 // Sums of four vectors: a and b go to ab[0], ab[1], c and d to cd[0], cd[1].
 inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {

@@ -27,8 +27,9 @@ inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
-inline float first_lane(Vec a) { return _mm512_cvtss_f32(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+inline float first_lane(Vec a) { return _mm512_cvtss_f32(a.v); }
+
 // Sums of four vectors: a and b go to ab[0], ab[1], c and d to cd[0], cd[1]. Cheaper than four
 // reduce_add calls: the shuffles and adds are shared between the vectors.
 inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {
@@ -40,7 +41,8 @@ inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {
   // Sum within each lane, then gather element 0 of every lane.
   const __m512 w = _mm512_add_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(1, 0, 3, 2)));
   const __m512 t = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m128 sums = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 sums = _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, t));
   _mm_storel_pi(reinterpret_cast<__m64*>(ab), sums);
   _mm_storeh_pi(reinterpret_cast<__m64*>(cd), sums);
 }
@@ -54,19 +56,37 @@ inline Vec zero_if_below(Vec value, Vec x, float limit) {
 }
 
 #ifdef BATCHGEN_DOT_BF16
-// 32 bf16 values, an operand of the bf16 dot product (AVX512-BF16).
+// 32 bf16 values, 16 pairs: an operand of the bf16 dot product (AVX512-BF16).
 struct BF16Pairs {
   __m512i v;
+
+  static BF16Pairs zero() { return {_mm512_setzero_si512()}; }
   // The first `count` (32 or 16) elements at p, zeros after them.
   static BF16Pairs load(const BF16* p, int count) {
     if (count == 32) return {_mm512_loadu_si512(p)};
     return {_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  // The pair p[0], p[1] in every lane.
+  static BF16Pairs broadcast_pair(const BF16* p) {
+    int32_t pair;
+    __builtin_memcpy(&pair, p, sizeof pair);
+    return {_mm512_set1_epi32(pair)};
+  }
 };
+
+// Pairs (a[i], b[i]) for the elements i = 8L .. 8L + 3 of each 128-bit lane L (lo) or
+// i = 8L + 4 .. 8L + 7 (hi).
+inline BF16Pairs interleave_lo(BF16Pairs a, BF16Pairs b) { return {_mm512_unpacklo_epi16(a.v, b.v)}; }
+inline BF16Pairs interleave_hi(BF16Pairs a, BF16Pairs b) { return {_mm512_unpackhi_epi16(a.v, b.v)}; }
 
 // c + (a . b) per pair: lane i gains a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
 inline Vec dot_pairs(BF16Pairs a, BF16Pairs b, Vec c) {
-  return {_mm512_dpbf16_ps(c.v, reinterpret_cast<__m512bh&>(a.v), reinterpret_cast<__m512bh&>(b.v))};
+  return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};
+}
+
+// x rounded to bf16 (nearest even) into dst[0 .. 16).
+inline void store_bf16(Vec x, BF16* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x.v));
 }
 #endif
 

@@ -49,12 +49,12 @@ inline float reduce_add(Vec a) {
   for (int i = 0; i < Vec::N; ++i) s += a.x[i];
   return s;
 }
-inline float first_lane(Vec a) { return a.x[0]; }
 inline float reduce_max(Vec a) {
   float m = a.x[0];
   for (int i = 1; i < Vec::N; ++i) m = a.x[i] > m ? a.x[i] : m;
   return m;
 }
+inline float first_lane(Vec a) { return a.x[0]; }
 // Sums of four vectors: a and b go to ab[0], ab[1], c and d to cd[0], cd[1].
 inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {
   ab[0] = reduce_add(a);
