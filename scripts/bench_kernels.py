@@ -1,10 +1,12 @@
 """Benchmark the paged attention kernels of batchgen._C against the pure-torch reference and
 against torch's scaled_dot_product_attention on the same K/V laid out contiguously [B, H, L, D].
 
-For each config it prints the time of each implementation and the K/V bandwidth of the kernel
-(bytes of K and V read, divided by time) next to the machine's copy bandwidth measured in the
-same run: a large tensor copy_, counted as bytes read + bytes written (STREAM "copy"
-convention). The ratio of the two is the kernel's share of the memory system.
+For each config it prints the time of each implementation and, for decode, the K/V bandwidth of
+the kernel (bytes of K and V read, divided by time) next to the machine's copy bandwidth: a
+large tensor copy_, counted as bytes read + bytes written (STREAM "copy" convention), timed in
+alternation with the kernel so that both see the same machine (on shared or virtual machines
+the memory bandwidth drifts). The ratio of the two is the kernel's share of the memory system.
+Every time is the fastest of several calls, the least disturbed one.
 
     python scripts/bench_kernels.py --quick
     python scripts/bench_kernels.py --device cuda --json out.json
@@ -39,27 +41,35 @@ def sync(device: torch.device) -> None:
 
 
 def time_call(fn, device: torch.device, min_time: float = 0.3, min_reps: int = 5) -> float:
-    """Seconds of the fastest call after a warm-up call: the least disturbed run on a shared machine
-    (all implementations and the copy bandwidth are timed the same way)."""
-    fn()
-    sync(device)
-    times: list[float] = []
-    while len(times) < min_reps or sum(times) < min_time:
-        start = time.perf_counter()
+    """Seconds of the fastest call, after a warm-up call."""
+    return time_interleaved([fn], device, min_time, min_reps)[0]
+
+
+def time_interleaved(fns, device: torch.device, min_time: float = 0.3, min_reps: int = 5) -> list[float]:
+    """Seconds of the fastest call of each function, calling them in turn (after a warm-up call)."""
+    for fn in fns:
         fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-        if len(times) >= 100:
-            break
-    return min(times)
+    sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    while len(times[0]) < 100 and (len(times[0]) < min_reps or sum(times[0]) < min_time):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            spent.append(time.perf_counter() - start)
+    return [min(spent) for spent in times]
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 512 << 20) -> float:
-    """GB/s of a large tensor copy, counting bytes read + bytes written."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), device)
-    return 2 * nbytes / seconds / 1e9
+class CopyProbe:
+    """A large tensor copy: one call moves `nbytes` (read + written, 2 * nbytes counted)."""
+
+    def __init__(self, device: torch.device, nbytes: int = 512 << 20):
+        self.src = torch.ones(nbytes // 4, device=device)
+        self.dst = torch.empty_like(self.src)
+        self.bytes_moved = 2 * nbytes
+
+    def __call__(self) -> None:
+        self.dst.copy_(self.src)
 
 
 def paged_inputs(batch, context, heads, dtype, device, block_size, q_len):
@@ -84,7 +94,7 @@ def paged_inputs(batch, context, heads, dtype, device, block_size, q_len):
     return query, key_cache, value_cache, block_tables, seq_lens, dense
 
 
-def bench_config(kind, batch, context, heads_name, dtype_name, device, block_size, with_reference):
+def bench_config(kind, batch, context, heads_name, dtype_name, device, block_size, with_reference, copy):
     num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[heads_name]
     dtype = DTYPES[dtype_name]
     q_len = 1 if kind == "decode" else context
@@ -109,7 +119,9 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
     keys_seen = batch * (context if kind == "decode" else context * (context + 1) // 2)  # summed over queries
     row = {"kind": kind, "batch": batch, "context": context, "heads": heads_name, "dtype": dtype_name,
            "kv_mb": kv_bytes / 1e6}
-    row["kernel_ms"] = time_call(kernel, device) * 1e3
+    kernel_s, copy_s = time_interleaved([kernel, copy], device)
+    row["kernel_ms"] = kernel_s * 1e3
+    row["copy_gbps"] = copy.bytes_moved / copy_s / 1e9
     row["sdpa_ms"] = time_call(sdpa, device) * 1e3
     row["reference_ms"] = time_call(ref, device, min_reps=1, min_time=0) * 1e3 if with_reference else None
     row["gflops"] = 4 * num_heads * head_dim * keys_seen / row["kernel_ms"] / 1e6  # q.k and p.v, 2 flops a FMA
@@ -117,16 +129,16 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
     return row
 
 
-def print_row(row, copy_gbps):
+def print_row(row):
     ref = f"{row['reference_ms']:10.2f}" if row["reference_ms"] is not None else f"{'-':>10}"
     if row["kv_gbps"] is None:
         bandwidth = f"{'-':>8} {'-':>7}"
     else:
-        bandwidth = f"{row['kv_gbps']:8.1f} {100 * row['kv_gbps'] / copy_gbps:6.0f}%"
+        bandwidth = f"{row['kv_gbps']:8.1f} {100 * row['kv_gbps'] / row['copy_gbps']:6.0f}%"
     print(
         f"{row['kind']:8} {row['heads']:13} {row['dtype']:5} {row['batch']:5} {row['context']:6} "
         f"{row['kv_mb']:9.1f} {row['kernel_ms']:10.3f} {row['sdpa_ms']:10.3f} {ref} "
-        f"{row['sdpa_ms'] / row['kernel_ms']:8.1f}x {row['gflops']:8.1f} {bandwidth}",
+        f"{row['sdpa_ms'] / row['kernel_ms']:8.1f}x {row['gflops']:8.1f} {row['copy_gbps']:8.1f} {bandwidth}",
         flush=True,
     )
 
@@ -134,7 +146,7 @@ def print_row(row, copy_gbps):
 def print_header():
     print(
         f"{'kind':8} {'heads':13} {'dtype':5} {'batch':>5} {'ctx':>6} {'kv MB':>9} {'_C ms':>10} "
-        f"{'sdpa ms':>10} {'ref ms':>10} {'vs sdpa':>9} {'GFLOP/s':>8} {'KV GB/s':>8} {'%copy':>7}"
+        f"{'sdpa ms':>10} {'ref ms':>10} {'vs sdpa':>9} {'GFLOP/s':>8} {'copy':>8} {'KV GB/s':>8} {'%copy':>7}"
     )
 
 
@@ -157,11 +169,12 @@ def main() -> None:
     if args.isa:
         _C.set_cpu_isa(args.isa)
     grid = QUICK_GRID if args.quick else FULL_GRID
-    copy_gbps = copy_bandwidth(device)
+    copy = CopyProbe(device)
     where = f"{torch.get_num_threads()} threads, kernels {_C.cpu_isa()}" if device.type == "cpu" else str(device)
-    print(f"device {device} ({where}); copy bandwidth {copy_gbps:.1f} GB/s (read + written)")
-    print("KV GB/s (decode): bytes of K and V read by the kernel per second; %copy: its share of the copy")
-    print("bandwidth; GFLOP/s: 4 * heads * head_dim flops per (query, key) pair; vs sdpa: SDPA time / _C time\n")
+    print(f"device {device} ({where})")
+    print("copy: GB/s of a 512 MiB tensor copy (read + written), timed in turn with the kernel; KV GB/s")
+    print("(decode): bytes of K and V read by the kernel per second; %copy: KV GB/s / copy; GFLOP/s:")
+    print("4 * heads * head_dim flops per (query, key) pair; vs sdpa: SDPA time / _C time\n")
     print_header()
 
     rows = []
@@ -173,18 +186,19 @@ def main() -> None:
                 if kv_gb > args.max_kv_gb:
                     continue
                 with_reference = batch <= REFERENCE_MAX_SEQS and (kind == "decode" or context <= 512)
-                row = bench_config(kind, batch, context, heads, args.dtype, device, args.block_size, with_reference)
-                print_row(row, copy_gbps)
+                row = bench_config(
+                    kind, batch, context, heads, args.dtype, device, args.block_size, with_reference, copy
+                )
+                print_row(row)
                 rows.append(row)
-                copy_gbps = max(copy_gbps, copy_bandwidth(device))  # re-measured: the machine may be shared
 
-    print(f"\nsummary (copy bandwidth {copy_gbps:.1f} GB/s read + written, best of the run)")
+    print("\nsummary")
     print_header()
     for row in rows:
-        print_row(row, copy_gbps)
+        print_row(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "copy_gbps": copy_gbps, "results": rows}, f, indent=2)
+            json.dump({"device": str(device), "where": where, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
