@@ -11,7 +11,6 @@ shared memory limits, timing). Skipped without g++ or the CUDA headers.
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import re
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cuda_compile import cuda_include
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "engine_src" / "cuda"
@@ -29,18 +29,6 @@ SOURCES = ["cache_kernels", "attention_decode", "attention_prefill"]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.h DType
 # Max error allowed, relative to 1 + max |reference|: about two roundings of the output dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def cuda_include() -> Path | None:
-    """The CUDA toolkit's include dir (nvcc may be a wrapper script outside the toolkit)."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.insert(0, str(Path(nvcc).resolve().parents[1]))
-    for root in filter(None, candidates):
-        if (Path(root) / "include" / "cuda_runtime.h").is_file():
-            return Path(root) / "include"
-    return None
 
 
 pytestmark = pytest.mark.skipif(
