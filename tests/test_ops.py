@@ -114,6 +114,25 @@ def test_decode_long_contexts(device, isas, dtype, heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=case_id)
+def test_decode_many_sequences(device, isas, dtype, heads):
+    """Sequences enough for several per thread: the CPU kernel then gives each task all the kv
+    heads of a sequence and walks its blocks through every head."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads = heads
+    lens = [1 + (37 * i) % 300 for i in range(24)]
+    kv = paged_kv(lens, num_kv_heads, 64, 16, dtype, device, gen)
+    query = random_query(len(lens), num_heads, 64, dtype, device, gen)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    with single_threaded():
+        expected = reference.paged_attention_decode(*args)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            check_on_isas(isas, lambda: ops.paged_attention_decode(*args), expected, dtype, f"threads={threads}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_strided_query_and_out(device, isas):
     """query and out may be views with any token and head strides (unit stride in head_dim)."""
     gen = torch.Generator().manual_seed(2)

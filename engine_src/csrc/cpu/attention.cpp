@@ -20,6 +20,7 @@ namespace {
 constexpr int64_t kPrefillRowsPerTask = 32;  // query rows (tokens x heads of a kv head) per prefill task
 constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more in the combine than they gain
 constexpr int64_t kMinBytesPerWorker = 256 << 10;
+constexpr int64_t kTasksPerWorker = 4;       // decode tasks per worker that balance ragged lengths
 
 DType dtype_of(const torch::Tensor& t) {
   switch (t.scalar_type()) {
@@ -93,7 +94,7 @@ void run_tasks(int64_t num_tasks, int64_t workers, int64_t scratch_floats, const
 // Tokens per decode split (a multiple of block_size). Splitting the keys of a sequence only pays
 // when there are too few (sequence, kv head) tasks to keep every worker busy.
 int64_t decode_split_tokens(int64_t num_tasks, int64_t workers, int64_t max_len, int64_t block_size) {
-  const int64_t wanted_tasks = workers == 1 ? 1 : 4 * workers;
+  const int64_t wanted_tasks = workers == 1 ? 1 : kTasksPerWorker * workers;
   if (num_tasks >= wanted_tasks || max_len <= kMinSplitTokens) return max_len;
   const int64_t splits = (wanted_tasks + num_tasks - 1) / num_tasks;
   const int64_t tokens = std::max((max_len + splits - 1) / splits, kMinSplitTokens);
@@ -142,18 +143,22 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t kv_heads = args.num_kv_heads, group = args.num_heads / args.num_kv_heads;
-  const int64_t scratch = attend_scratch_floats(group, args.head_dim);
+  const int64_t group = args.num_heads / args.num_kv_heads;
   const int64_t max_len = *std::max_element(lens, lens + num_seqs);
   const int64_t total_len = std::accumulate(lens, lens + num_seqs, int64_t{0});
-  const int64_t workers = useful_workers(total_len * kv_heads * 2 * args.head_dim * query.element_size());
-  const int64_t split_tokens = decode_split_tokens(num_seqs * kv_heads, workers, max_len, block_size);
+  const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * query.element_size());
+  // A task takes all kv heads of its sequence when there are sequences enough to keep the
+  // workers busy (reading whole blocks, see AttnTask), one kv head otherwise.
+  const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? args.num_kv_heads : 1;
+  const int64_t head_tasks = args.num_kv_heads / heads_per_task;  // per sequence
+  const int64_t scratch = attend_scratch_floats(heads_per_task * group, args.head_dim);
+  const int64_t split_tokens = decode_split_tokens(num_seqs * head_tasks, workers, max_len, block_size);
   const int64_t splits = (max_len + split_tokens - 1) / split_tokens;
 
   if (splits == 1) {
-    run_tasks(num_seqs * kv_heads, workers, scratch, [&](int64_t i, float* buf) {
-      const int64_t seq = i / kv_heads, len = lens[seq];
-      const AttnTask task{seq, i % kv_heads, seq, 1, len - 1, 0, len, nullptr, 0};
+    run_tasks(num_seqs * head_tasks, workers, scratch, [&](int64_t i, float* buf) {
+      const int64_t seq = i / head_tasks, len = lens[seq];
+      const AttnTask task{seq, i % head_tasks * heads_per_task, seq, 1, len - 1, 0, len, nullptr, 0, heads_per_task};
       attend(args, task, buf);
     });
     return;
@@ -162,13 +167,13 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const int64_t row = args.head_dim + 2;  // acc, max, sum
   torch::Tensor partial = torch::empty({num_seqs, args.num_heads, splits, row}, query.options().dtype(torch::kFloat32));
   float* part = partial.data_ptr<float>();
-  run_tasks(num_seqs * kv_heads * splits, workers, scratch, [&](int64_t i, float* buf) {
-    const int64_t seq = i / (kv_heads * splits), kv_head = i / splits % kv_heads, split = i % splits;
-    const int64_t len = lens[seq], kv_begin = split * split_tokens;
+  run_tasks(num_seqs * head_tasks * splits, workers, scratch, [&](int64_t i, float* buf) {
+    const int64_t seq = i / (head_tasks * splits), kv_head = i / splits % head_tasks * heads_per_task;
+    const int64_t split = i % splits, len = lens[seq], kv_begin = split * split_tokens;
     if (kv_begin >= len) return;
     float* dst = part + ((seq * args.num_heads + kv_head * group) * splits + split) * row;
     const AttnTask task{seq, kv_head, seq, 1, len - 1, kv_begin, std::min(len, kv_begin + split_tokens), dst,
-                        splits * row};
+                        splits * row, heads_per_task};
     attend(args, task, buf);
   });
   AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits",

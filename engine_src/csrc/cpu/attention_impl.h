@@ -29,7 +29,7 @@ constexpr int kGroup = 4;          // query rows sharing one pass over a K/V til
 constexpr int kScoreStride = 32;   // >= the largest block size and a multiple of every Vec::N
 constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of its use K/V is prefetched
+constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of its use K/V is prefetched
 static_assert(kScoreStride % Vec::N == 0, "score rows must hold whole vectors");
 
 // bf16 caches use the processor's bf16 dot product where the Vec has one (BATCHGEN_DOT_BF16),
@@ -70,20 +70,31 @@ inline Vec exp_nonpositive(Vec x) {
   return zero_if_below(scale_pow2(p, n), x, kExpLow);
 }
 
-// Copies the task's query rows (row r = token j * group + head g) to q, D elements each.
+// The query (and out) head of the task's row r: rows run over kv heads, then tokens, then the
+// heads sharing a kv head (see AttnTask).
+struct RowIndex {
+  int64_t token;
+  int64_t head;
+};
+inline RowIndex row_index(const AttnTask& task, int group, int64_t r) {
+  const int64_t per_kv_head = task.q_count * group;
+  const int64_t h = r / per_kv_head, within = r % per_kv_head;
+  return {task.q_begin + within / group, (task.kv_head + h) * group + within % group};
+}
+
+// Copies the task's query rows to q, D elements each.
 template <typename T>
 void load_queries(const AttnArgs& a, const AttnTask& task, int group, QueryT<T>* q) {
   const int D = a.head_dim;
-  for (int64_t j = 0; j < task.q_count; ++j) {
-    for (int g = 0; g < group; ++g) {
-      const T* src = static_cast<const T*>(a.query) + (task.q_begin + j) * a.query_token_stride +
-                     (task.kv_head * group + g) * a.query_head_stride;
-      QueryT<T>* dst = q + (j * group + g) * D;
-      if constexpr (kPairs<T>) {
-        for (int i = 0; i < D; ++i) dst[i] = src[i];
-      } else {
-        for (int i = 0; i < D; i += Vec::N) Vec::load(src + i).store(dst + i);
-      }
+  const int64_t count = task.kv_head_count * task.q_count * group;
+  for (int64_t r = 0; r < count; ++r) {
+    const RowIndex at = row_index(task, group, r);
+    const T* src = static_cast<const T*>(a.query) + at.token * a.query_token_stride + at.head * a.query_head_stride;
+    QueryT<T>* dst = q + r * D;
+    if constexpr (kPairs<T>) {
+      for (int i = 0; i < D; ++i) dst[i] = src[i];
+    } else {
+      for (int i = 0; i < D; i += Vec::N) Vec::load(src + i).store(dst + i);
     }
   }
 }
@@ -334,6 +345,8 @@ struct Rows {
   float* m;      // [rows]
   float* l;      // [rows]
   float* s;      // [kGroup][kScoreStride], the scores of the row group at work
+
+  Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
 
 // Query rows r0 .. r0 + NG - 1 against one K/V tile; row g sees the tile's first limit[g] tokens.
@@ -367,7 +380,7 @@ void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit,
 template <typename T>
 void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T>& rows) {
   const int D = a.head_dim;
-  const int64_t count = task.q_count * group;
+  const int64_t count = task.kv_head_count * task.q_count * group;
 #ifdef BATCHGEN_DOT_BF16
   if constexpr (kPairs<T>) {
     for (int64_t r = 0; r < count; ++r) unpermute_pairs(rows.acc + r * D, D);
@@ -383,8 +396,8 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
     return;
   }
   for (int64_t r = 0; r < count; ++r) {
-    T* dst = static_cast<T*>(a.out) + (task.q_begin + r / group) * a.out_token_stride +
-             (task.kv_head * group + r % group) * a.out_head_stride;
+    const RowIndex at = row_index(task, group, r);
+    T* dst = static_cast<T*>(a.out) + at.token * a.out_token_stride + at.head * a.out_head_stride;
     const float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
     for (int i = 0; i < D; ++i) dst[i] = from_float<T>(rows.acc[r * D + i] * inv);
   }
@@ -395,7 +408,9 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
-  const int64_t count = task.q_count * group;
+  const int64_t heads = task.kv_head_count;
+  const int64_t per_head = task.q_count * group;  // rows of one kv head
+  const int64_t count = heads * per_head;
   Rows<T> rows;  // q takes rows * D floats whatever its type (see attend_scratch_floats)
   rows.q = reinterpret_cast<QueryT<T>*>(scratch);
   rows.acc = scratch + count * D;
@@ -411,26 +426,32 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
 
   const int64_t tile_elems = int64_t{BS} * D;
   const int64_t block_elems = a.num_kv_heads * tile_elems;
-  const T* k_head = static_cast<const T*>(a.key_cache) + task.kv_head * tile_elems;
-  const T* v_head = static_cast<const T*>(a.value_cache) + task.kv_head * tile_elems;
+  const T* k_first = static_cast<const T*>(a.key_cache) + task.kv_head * tile_elems;
+  const T* v_first = static_cast<const T*>(a.value_cache) + task.kv_head * tile_elems;
   const int32_t* table = a.block_tables + task.seq * a.max_blocks_per_seq;
   const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
   const int64_t tile_bytes = tile_elems * int64_t{sizeof(T)};
+  const int64_t num_tiles = (kv_stop - task.kv_begin + BS - 1) / BS * heads;  // visited block by block
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
   // request and the use: one tile for large tiles, several for small ones, which go faster.
   const int64_t ahead = 2 * tile_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / (2 * tile_bytes);
-  for (int64_t start = task.kv_begin; start < kv_stop; start += BS) {
-    const int64_t block = table[start / BS];
-    Tile<T> tile{k_head + block * block_elems, v_head + block * block_elems, {}, {}};
-    if (start + ahead * BS < kv_stop) {
-      const int64_t next = table[start / BS + ahead];
-      const char* next_k = reinterpret_cast<const char*>(k_head + next * block_elems);
-      const char* next_v = reinterpret_cast<const char*>(v_head + next * block_elems);
+  auto tile_offset = [&](int64_t visit) {
+    return table[task.kv_begin / BS + visit / heads] * block_elems + visit % heads * tile_elems;
+  };
+  for (int64_t visit = 0; visit < num_tiles; ++visit) {
+    const int64_t start = task.kv_begin + visit / heads * BS, h = visit % heads;
+    const int64_t offset = tile_offset(visit);
+    Tile<T> tile{k_first + offset, v_first + offset, {}, {}};
+    if (visit + ahead < num_tiles) {
+      const int64_t next = tile_offset(visit + ahead);
+      const char* next_k = reinterpret_cast<const char*>(k_first + next);
+      const char* next_v = reinterpret_cast<const char*>(v_first + next);
       tile.next_k = {next_k, next_k + tile_bytes};
       tile.next_v = {next_v, next_v + tile_bytes};
     }
-    for (int64_t r0 = 0; r0 < count; r0 += kGroup) {
-      const int ng = static_cast<int>(min_i64(kGroup, count - r0));
+    const Rows<T> head_rows = rows.from(h * per_head, D);
+    for (int64_t r0 = 0; r0 < per_head; r0 += kGroup) {
+      const int ng = static_cast<int>(min_i64(kGroup, per_head - r0));
       int limit[kGroup];
       int any = 0;
       for (int i = 0; i < ng; ++i) {
@@ -439,7 +460,7 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
         limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, BS));
         any |= limit[i];
       }
-      if (any != 0) attend_tile_rows<T>(ng, rows, r0, limit, tile, D, BS, a.scale);
+      if (any != 0) attend_tile_rows<T>(ng, head_rows, r0, limit, tile, D, BS, a.scale);
     }
   }
   write_rows<T>(a, task, group, rows);
