@@ -105,3 +105,20 @@ def test_wide_nucleus_is_not_cut_to_the_first_candidates():
     logits = torch.zeros(300, 5000)  # flat: the 0.99 nucleus holds ~4950 tokens
     rows = [row(SamplingParams(temperature=1.0, top_p=0.99), seed=s) for s in range(300)]
     assert len(set(sample(logits, rows).token_ids)) > 250
+
+
+def test_seeded_row_is_independent_of_its_chunk():
+    """Rows are sampled in chunks, and a chunk searches wider candidate sets for its rows with wide
+    nuclei; neither may change what a seeded row draws."""
+    torch.manual_seed(1)
+    target = torch.randn(1, 3000) * 3
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=500, seed=11)
+    alone = sample(target.clone(), [row(params, seed=11)]).token_ids[0]
+    flat = torch.zeros(1, 3000)  # a nucleus of ~2850 tokens, searched with the largest candidate set
+    for position in (0, 7, 15, 16, 30):
+        batch = torch.randn(40, 3000) * 3
+        batch[position] = target[0]
+        batch[(position + 1) % 40] = flat[0]
+        rows = [row(SamplingParams(temperature=1.0, top_p=0.99), seed=s) for s in range(40)]
+        rows[position] = row(params, seed=11)
+        assert sample(batch, rows).token_ids[position] == alone, position

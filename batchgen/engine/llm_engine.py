@@ -15,6 +15,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.config import SchedulerConfig
+from batchgen.engine.host_memory import retain_freed_memory
 from batchgen.engine.model_runner import CacheShape, ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup
@@ -68,6 +69,8 @@ class LLMEngine:
         self.model_name = str(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.device = _pick_device(config.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.dtype = _pick_dtype(config.dtype, hf_config, self.device)
         self.max_model_len = self._max_model_len(hf_config)
         model = load_model(model_dir, hf_config, self.dtype, self.device, self.max_model_len)
