@@ -366,16 +366,23 @@ def layer_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 @torch.inference_mode()
 def linear_gflops(m: int, k: int, n: int, dtype: torch.dtype, min_time: float) -> float:
+    """The faster of `F.linear` and the packed GEMM batchgen runs (layers/linear.py)."""
+    from batchgen.layers.linear import PackedLinear, can_pack
+
     x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    for _ in range(10):
-        F.linear(x, w)
+    gemms = [lambda rows: F.linear(rows, w)]
+    if can_pack(w):
+        gemms.append(PackedLinear(w))
     best = 0.0
-    for _ in range(5):  # the fastest of five windows: other work on the machine only slows a window down
-        reps, start = 0, time.perf_counter()
-        while reps < 2 or time.perf_counter() - start < min_time / 5:
-            F.linear(x, w)
-            reps += 1
-        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
+    for gemm in gemms:
+        for _ in range(10):
+            gemm(x)
+        for _ in range(5):  # the fastest of five windows: other work on the machine only slows a window down
+            reps, start = 0, time.perf_counter()
+            while reps < 2 or time.perf_counter() - start < min_time / 5:
+                gemm(x)
+                reps += 1
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -454,6 +461,8 @@ def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run
     for name in [w for w in ("mixed", "parallel") if w in kv_of]:
         print(f"[{dtype}] transformers static {name}: batch sizes {settings['batch_sizes']}", flush=True)
         runs.append(best_static(args, workloads[name], dtype, settings["batch_sizes"]))
+        if "continuous" not in args.peers:
+            continue
         print(f"[{dtype}] transformers continuous {name}", flush=True)
         try:
             runs.append(isolated(args.isolate, run_hf_continuous, args.model, workloads[name], dtype, args.threads,
@@ -559,6 +568,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-peers", action="store_true", help="batchgen and the limit only")
+    parser.add_argument("--peers", default="static,continuous",
+                        help="transformers engines to run: static (generate on static batches), continuous "
+                             "(its continuous batching, the slowest to measure)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
@@ -569,6 +581,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.dtypes = [DTYPES[d.strip().lower()] for d in args.dtype.split(",")]
     args.workloads = [w.strip() for w in args.workloads.split(",")]
+    args.peers = [p.strip() for p in args.peers.split(",")]
+    if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
+        parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
     unknown = set(args.workloads) - {"mixed", "parallel", "pressure"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")

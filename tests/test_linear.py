@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.layers.linear import linear
+from batchgen.layers.linear import Linear, PackedLinear, linear, pack_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -13,3 +13,32 @@ def test_linear_rows_do_not_depend_on_batch_size(dtype):
         full = linear(x, weight)
         for rows in (1, 2, 3, 5, 17):
             assert torch.equal(linear(x[:rows], weight), full[:rows]), rows
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype):
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(960, 576, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(960, generator=gen).to(dtype)
+    packed = PackedLinear(weight, bias)
+    for _ in range(10):
+        x = torch.randn(64, 576, generator=gen).to(dtype)
+        full = packed(x)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        if dtype == torch.bfloat16:
+            assert torch.equal(full, expected)  # bitwise what F.linear gives
+        else:
+            torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-5)
+        for rows in (1, 2, 3, 5, 17):
+            assert torch.equal(packed(x[:rows]), full[:rows]), rows
+
+
+def test_pack_linears_replaces_every_projection():
+    model = torch.nn.Sequential(Linear(8, 16), torch.nn.Sequential(Linear(16, 4, bias=False)), torch.nn.ReLU())
+    x = torch.randn(3, 8)
+    expected = model(x)
+    assert pack_linears(model) == (2 if torch.backends.mkldnn.is_available() else 0)
+    if torch.backends.mkldnn.is_available():
+        assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
-from batchgen.layers.linear import Linear, linear
+from batchgen.layers.linear import Linear, PackedLinear, can_pack, linear, pack_linears
 from batchgen.layers.rotary import RotaryEmbedding
 
 
@@ -107,6 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._tied_head: PackedLinear | None = None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -119,8 +120,18 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._tied_head is not None:
+            return self._tied_head(hidden)
+        return linear(hidden, self.embed_tokens.weight)
+
+    def pack_weights(self) -> None:
+        """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
+        to the embedding gets a packed copy of its own: the embedding lookup needs the plain one."""
+        pack_linears(self)
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self._tied_head = PackedLinear(self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

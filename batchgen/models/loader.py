@@ -83,4 +83,6 @@ def load_model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
     model.load_weights(_checkpoint_tensors(model_dir))
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model
