@@ -16,7 +16,7 @@ from torch import nn
 
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
 from batchgen.layers.linear import Linear, PackedLinear, can_pack, linear, pack_linears
-from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.layers.rotary import Rope, RotaryEmbedding
 
 
 @dataclass
@@ -62,14 +62,18 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.cfg.num_heads, self.cfg.head_dim)
-        k = k.view(-1, self.cfg.num_kv_heads, self.cfg.head_dim)
-        v = v.reshape(-1, self.cfg.num_kv_heads, self.cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is None:  # q and k are side by side in qkv: one rotation for both
+            qk = self.rotary.rotate(qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
+                                                                             cfg.head_dim), *rope)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        else:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.rotary.rotate(self.q_norm(q.view(-1, cfg.num_heads, cfg.head_dim)), *rope)
+            k = self.rotary.rotate(self.k_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim)), *rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -93,8 +97,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -115,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.angles(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
