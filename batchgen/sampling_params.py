@@ -72,6 +72,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.init]

@@ -46,10 +46,12 @@ class RotaryEmbedding(nn.Module):
         """cos and sin of the positions' angles, [T, 1, D] in dtype: once per forward, for every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], any heads (q and k together, when they are side by side)."""
-        return x * cos + _rotate_half(x) * sin
+
+
+def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x: [T, H, D], any number of heads (q and k together), rotated by the step's angles."""
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

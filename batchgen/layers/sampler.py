@@ -46,8 +46,14 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def _with_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits itself when no row bans tokens or sets a penalty, else a copy with them applied."""
+    if not any(row.banned_token_ids or row.params.penalized for row in rows):
+        return logits
+    logits = logits.clone()
     for r, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[r, row.banned_token_ids] = float("-inf")
         p = row.params
         if p.presence_penalty or p.frequency_penalty:
             out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
@@ -57,6 +63,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
             picked = logits[r, seen]
             logits[r, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    return logits
 
 
 # Rows are sampled in chunks of this many: every temporary is then a few MB, which the allocator
@@ -112,7 +119,7 @@ def _sample_filtered(weights: torch.Tensor, params: list[SamplingParams], u: tor
 
 
 def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row of work (logits after bans and penalties, overwritten)."""
+    """Samples one token per row of work (logits after bans and penalties, a copy it overwrites)."""
     device = work.device
     params = [row.params for row in rows]
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=work.dtype)
@@ -120,28 +127,23 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # maximum 1 in every row
     u = torch.tensor([_uniform(row) for row in rows], device=device, dtype=work.dtype)
     filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
-    if not filtered:
-        return _inverse_cdf(weights, u)
-    drawn = torch.empty(len(rows), dtype=torch.long, device=device)
     plain = sorted(set(range(len(rows))) - set(filtered))
+    drawn = torch.empty(len(rows), dtype=torch.long, device=device)
     if plain:
         drawn[plain] = _inverse_cdf(weights[plain], u[plain])
-    drawn[filtered] = _sample_filtered(weights[filtered], [params[i] for i in filtered], u[filtered])
+    if filtered:
+        drawn[filtered] = _sample_filtered(weights[filtered], [params[i] for i in filtered], u[filtered])
     return drawn
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their log-probabilities under the model's distribution (before bans and penalties)."""
     log_total = torch.logsumexp(logits, dim=-1)
-    work = logits.clone()
-    for r, row in enumerate(rows):
-        if row.banned_token_ids:
-            work[r, row.banned_token_ids] = float("-inf")
-    _apply_penalties(work, rows)
-    chosen = work.argmax(dim=-1)
+    edited = _with_bans_and_penalties(logits, rows)
+    chosen = edited.argmax(dim=-1)
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
-    if random_rows:
-        chosen[random_rows] = _draw(work[random_rows], [rows[r] for r in random_rows])
+    if random_rows:  # indexing with a list copies the rows, which _draw then overwrites
+        chosen[random_rows] = _draw(edited[random_rows], [rows[r] for r in random_rows])
     return chosen, logits.gather(1, chosen[:, None]).squeeze(1) - log_total
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
 from batchgen.layers.linear import Linear, PackedLinear, can_pack, linear, pack_linears
-from batchgen.layers.rotary import Rope, RotaryEmbedding
+from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -59,22 +59,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, h = self.cfg, self.cfg.num_heads
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, h + cfg.num_kv_heads, cfg.head_dim)  # side by side
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is None:  # q and k are side by side in qkv: one rotation for both
-            qk = self.rotary.rotate(qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
-                                                                             cfg.head_dim), *rope)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        else:
-            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            q = self.rotary.rotate(self.q_norm(q.view(-1, cfg.num_heads, cfg.head_dim)), *rope)
-            k = self.rotary.rotate(self.k_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim)), *rope)
-        out = self.attn(q, k, v, meta)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = rotate(qk, rope)  # q and k in one pass
+        out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -90,10 +85,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -106,9 +101,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tied_head: PackedLinear | None = None
@@ -125,11 +120,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        if self._tied_head is not None:
-            return self._tied_head(hidden)
-        return linear(hidden, self.embed_tokens.weight)
+        head = self.lm_head if self.lm_head is not None else self._tied_head
+        return linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
 
     def pack_weights(self) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied

@@ -58,14 +58,8 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if out is None:
-        out = torch.empty_like(query)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        keys = gather_sequence(key_cache, block_tables[i], seq_len)
-        values = gather_sequence(value_cache, block_tables[i], seq_len)
-        last = torch.tensor([seq_len - 1], device=query.device)
-        out[i] = attend(query[i : i + 1], keys, values, last, scale)[0].to(out.dtype)
-    return out
+    one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out)
 
 
 def paged_attention_prefill(
