@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.layers.linear import Linear, PackedLinear, linear, pack_linears
+from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, linear, pack_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,3 +42,20 @@ def test_pack_linears_replaces_every_projection():
     if torch.backends.mkldnn.is_available():
         assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype):
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(2 * 384, 576, generator=gen) * 0.05).to(dtype)
+    fused = PackedSiluAndMul(weight)
+    for _ in range(5):
+        x = torch.randn(64, 576, generator=gen).to(dtype)
+        full = fused(x)
+        gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(full.float(), expected, rtol=tol, atol=tol)
+        for rows in (1, 2, 3, 5, 17):
+            assert torch.equal(fused(x[:rows]), full[:rows]), rows

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from batchgen import ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -24,7 +27,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of a step's positions: [T, 1, head_dim] each
+@dataclass(frozen=True)
+class Rope:
+    """What every layer needs to rotate a step's q and k: the tokens' positions and the table."""
+
+    positions: torch.Tensor  # int64 [T]
+    cos_sin: torch.Tensor  # [max_position, head_dim], cos then sin of each position's angles
 
 
 class RotaryEmbedding(nn.Module):
@@ -37,23 +45,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type not in ("default", None):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos and sin of the positions' angles, [T, 1, D] in dtype: once per forward, for every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def angles(self, positions: torch.Tensor) -> Rope:
+        return Rope(positions, self.cos_sin)
 
 
-
-def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """x: [T, H, D], any number of heads (q and k together), rotated by the step's angles."""
-    cos, sin = rope
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def rotate(x: torch.Tensor, rope: Rope) -> None:
+    """Rotates x `[T, H, D]` in place, any number of heads (q and k together), by the step's angles."""
+    ops.rotary_embedding(rope.positions, x, rope.cos_sin)

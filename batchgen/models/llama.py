@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
-from batchgen.layers.linear import Linear, PackedLinear, can_pack, linear, pack_linears
+from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, can_pack, linear, pack_linears
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
 
 
@@ -43,10 +44,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, adds x to it first (in place) and returns (norm, residual)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class Attention(nn.Module):
@@ -67,8 +72,10 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, h + cfg.num_kv_heads, cfg.head_dim)  # side by side
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = rotate(qk, rope)  # q and k in one pass
+            q, k = qk[:, :h], qk[:, h:]
+            ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps, out=q)
+            ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps, out=k)
+        rotate(qk, rope)  # q and k in one pass, in place
         out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -78,10 +85,18 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.packed_gate_up: PackedSiluAndMul | None = None  # replaces gate_up_proj once packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_gate_up is not None:
+            return self.down_proj(self.packed_gate_up(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def pack(self) -> None:
+        if can_pack(self.gate_up_proj.weight):
+            self.packed_gate_up = PackedSiluAndMul(self.gate_up_proj.weight)
+            del self.gate_up_proj
 
 
 class DecoderLayer(nn.Module):
@@ -92,9 +107,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the last sublayer's output, not yet added to the residual stream (vLLM's layout):
+        the add is fused into the next norm. The first layer gets the embeddings and no residual."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,11 +137,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.angles(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.angles(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self._tied_head
@@ -126,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
         to the embedding gets a packed copy of its own: the embedding lookup needs the plain one."""
+        for layer in self.layers:
+            layer.mlp.pack()
         pack_linears(self)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             self._tied_head = PackedLinear(self.embed_tokens.weight)

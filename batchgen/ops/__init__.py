@@ -1,9 +1,11 @@
-"""Paged KV cache operations: the Python face of the batchgen._C kernels.
+"""Paged KV cache and element-wise layer operations: the Python face of the batchgen._C kernels.
 
 Layouts and contracts are in engine_src/README.md. These wrappers run per layer per step, so they
 only allocate outputs; the C++ side checks dtypes, shapes, devices and index values and raises
 ValueError naming the offending argument. `batchgen.ops.reference` has a pure-torch version of
-every op with the same signature.
+every op with the same signature. The element-wise layer ops (RMSNorm, rotary) have CPU kernels
+for float32 and bfloat16 only; on other devices and for float16 they run the reference
+(plain torch, the arithmetic transformers uses).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "`bash scripts/setup.sh`, or `pip install --no-build-isolation -e .` in the repository root"
     ) from exc
 
+from batchgen.ops import reference  # noqa: E402 - after the clearer error above
+
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,9 +34,12 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "allocate_kv_cache",
     "copy_blocks",
+    "fused_add_rms_norm",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
     "swap_blocks",
 ]
 
@@ -82,6 +89,38 @@ def paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
     )
     return out
+
+
+def _has_kernel(x: torch.Tensor) -> bool:
+    return x.is_cpu and x.dtype != torch.float16
+
+
+def rms_norm(
+    input: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """transformers' RMSNorm of the rows of `input` (`[n, d]` or `[n, h, d]`); `out` may be `input`."""
+    if not _has_kernel(input):
+        return reference.rms_norm(input, weight, eps, out)
+    if out is None:
+        out = torch.empty_like(input)
+    _C.rms_norm(out, input, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: `residual += input`, then `input = rms_norm(residual)` (one pass on CPU)."""
+    if not _has_kernel(input):
+        return reference.fused_add_rms_norm(input, residual, weight, eps)
+    _C.fused_add_rms_norm(input, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotates `x` `[num_tokens, num_heads, head_dim]` in place (Llama's rotate-half layout); row t
+    by the angles of `positions[t]` (int64); `cos_sin_cache` `[max_position, head_dim]` (float32 or x.dtype)
+    holds cos then sin of the head_dim / 2 angles of each position."""
+    if not _has_kernel(x):
+        return reference.rotary_embedding(positions, x, cos_sin_cache)
+    _C.rotary_embedding(positions, x, cos_sin_cache)
 
 
 def copy_blocks(

@@ -98,3 +98,27 @@ def copy_blocks(
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     for src_block, dst_block in block_mapping.tolist():
         dst[dst_block] = src[src_block].to(dst.device)
+
+
+def rms_norm(
+    input: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalised in float32, rounded to the input dtype, times weight."""
+    x = input.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(input.dtype)
+    result = weight * normed
+    return result if out is None else out.copy_(result)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    residual.add_(input)
+    input.copy_(rms_norm(residual, weight, eps))
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """transformers' `x * cos + rotate_half(x) * sin` with cos and sin in x's dtype."""
+    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x.copy_(x * torch.cat([cos, cos], dim=-1) + rotated * torch.cat([sin, sin], dim=-1))
+

@@ -229,6 +229,71 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   }
 }
 
+// Activations of the element-wise layer ops: 2-D [n, d] or 3-D [n, h, d], unit stride in the
+// last dimension, float32 or bfloat16, on the host (batchgen.ops runs torch otherwise).
+void check_activation(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK_VALUE(t.dim() == 2 || t.dim() == 3, op, ": ", name, " must be 2-D [n, d] or 3-D [n, h, d], got shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, op, ": ", name, " must be contiguous in its last dimension, got strides ",
+                    t.strides());
+  TORCH_CHECK_VALUE(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, op, ": ", name,
+                    " dtype ", t.scalar_type(), " is not supported (float32, bfloat16)");
+  TORCH_CHECK_VALUE(t.is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
+}
+
+void check_like(const char* op, const char* name, const Tensor& t, const Tensor& ref, const char* ref_name) {
+  check_activation(op, name, t);
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes() && t.scalar_type() == ref.scalar_type(), op, ": ", name,
+                    " has shape ", t.sizes(), " and dtype ", t.scalar_type(), " but ", ref_name, " has ", ref.sizes(),
+                    " and ", ref.scalar_type());
+}
+
+void check_norm_weight(const char* op, const Tensor& weight, const Tensor& input, double eps) {
+  check_tensor(op, "weight", weight, 1, "[hidden]");
+  TORCH_CHECK_VALUE(weight.scalar_type() == input.scalar_type() && weight.size(0) == input.size(-1) &&
+                        weight.is_cpu(),
+                    op, ": weight must be a CPU ", input.scalar_type(), " vector of ", input.size(-1),
+                    " elements like input's last dimension, got ", weight.scalar_type(), " ", weight.sizes(), " on ",
+                    weight.device());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+}
+
+void rms_norm(Tensor& out, const Tensor& input, const Tensor& weight, double eps) {
+  const char* op = "rms_norm";
+  check_activation(op, "input", input);
+  check_like(op, "out", out, input, "input");
+  check_norm_weight(op, weight, input, eps);
+  batchgen::cpu::rms_norm(out, input, weight, eps);
+}
+
+void fused_add_rms_norm(Tensor& input, Tensor& residual, const Tensor& weight, double eps) {
+  const char* op = "fused_add_rms_norm";
+  check_activation(op, "input", input);
+  check_like(op, "residual", residual, input, "input");
+  check_norm_weight(op, weight, input, eps);
+  batchgen::cpu::fused_add_rms_norm(input, residual, weight, eps);
+}
+
+void rotary_embedding(const Tensor& positions, Tensor& x, const Tensor& cos_sin_cache) {
+  const char* op = "rotary_embedding";
+  check_activation(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() == 3, op, ": x must be 3-D [num_tokens, num_heads, head_dim], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(2) % 2 == 0 && x.size(2) <= 1024, op, ": head_dim must be even and <= 1024, got ",
+                    x.size(2));
+  check_index(op, "positions", positions, torch::kInt64, 1, "[num_tokens]");
+  TORCH_CHECK_VALUE(positions.is_cpu() && positions.size(0) == x.size(0), op, ": positions must be a CPU tensor of ",
+                    x.size(0), " entries (one per token of x), got ", positions.size(0), " on ", positions.device());
+  check_tensor(op, "cos_sin_cache", cos_sin_cache, 2, "[max_position, head_dim]");
+  TORCH_CHECK_VALUE(cos_sin_cache.is_cpu() && cos_sin_cache.size(1) == x.size(2) &&
+                        (cos_sin_cache.scalar_type() == torch::kFloat32 ||
+                         cos_sin_cache.scalar_type() == x.scalar_type()),
+                    op, ": cos_sin_cache must be a float32 or ", x.scalar_type(), " CPU tensor [max_position, ",
+                    x.size(2), "], got ", cos_sin_cache.scalar_type(), " ", cos_sin_cache.sizes(), " on ",
+                    cos_sin_cache.device());
+  batchgen::cpu::rotary_embedding(positions, x, cos_sin_cache);
+}
+
 bool has_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -257,6 +322,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),
         py::arg("dst"), py::arg("block_mapping"), no_gil);
+  m.def("rms_norm", &rms_norm, "out = weight * x / rms(x), rounded like transformers' RMSNorm", py::arg("out"),
+        py::arg("input"), py::arg("weight"), py::arg("eps"), no_gil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = rms_norm(residual), in place",
+        py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("eps"), no_gil);
+  m.def("rotary_embedding", &rotary_embedding, "Rotate x [tokens, heads, head_dim] in place (rotate-half layout)",
+        py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

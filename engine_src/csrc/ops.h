@@ -26,4 +26,12 @@ void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tens
 
 void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping);
 
+// Element-wise layer ops (cpu/layer_ops.cpp); rows are 2-D [n, d] or 3-D [n, h, d] with a unit
+// stride in the last dimension.
+void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps);
+
+void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+
+void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);
+
 }  // namespace batchgen::cpu
