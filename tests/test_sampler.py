@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from batchgen import ops
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.sampling_params import SamplingParams
 
@@ -122,3 +123,28 @@ def test_seeded_row_is_independent_of_its_chunk():
         rows = [row(SamplingParams(temperature=1.0, top_p=0.99), seed=s) for s in range(40)]
         rows[position] = row(params, seed=11)
         assert sample(batch, rows).token_ids[position] == alone, position
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_logsumexp_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(37, 49152, generator=gen) * 4).to(dtype)
+    logits[3, 100] = logits[3, 70000 % 49152] = logits[3].max() + 1  # a tie: the first index wins
+    logits[5, :30000] = float("-inf")  # banned tokens
+    logits[6] = float("-inf")  # nothing allowed: argmax 0, logsumexp -inf
+    logits[7, 1234] = float("nan")  # a NaN is the maximum, as for torch.argmax
+    argmax, log_total = ops.argmax_logsumexp(logits)
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    expected = torch.logsumexp(logits.float(), dim=-1)
+    assert log_total.dtype == torch.float32
+    torch.testing.assert_close(log_total, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+def test_bf16_logits_sample_like_their_float32_copy():
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(40, 5000, generator=gen) * 3).to(torch.bfloat16)
+    rows = [row(SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9), seed=i, banned=[7] * (i % 3 == 0))
+            for i in range(40)]
+    from_bf16, from_float = sample(logits, rows), sample(logits.float(), rows)
+    assert from_bf16.token_ids == from_float.token_ids
+    assert from_bf16.logprobs == pytest.approx(from_float.logprobs, rel=1e-5, abs=1e-5)

@@ -39,7 +39,6 @@ class ModelRunner:
         )
         for layer, (key_cache, value_cache) in zip(model.attention_layers(), self.device_caches, strict=True):
             layer.key_cache, layer.value_cache = key_cache, value_cache
-        self._logits = torch.empty(0, model.cfg.vocab_size, device=device)  # reused: see _float_logits
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
@@ -113,8 +112,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out) -> torch.Tensor | None:
-        """Runs one scheduler step; returns float32 logits, one row per scheduled entry that samples
-        (in scheduled order), or None when nothing samples."""
+        """Runs one scheduler step; returns logits in the model's dtype, one row per scheduled entry
+        that samples (in scheduled order), or None when nothing samples."""
         self._move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
             return None
@@ -124,13 +123,4 @@ class ModelRunner:
         if not rows:
             return None
         picked = hidden[torch.tensor(rows, device=self.device)]
-        return self._float_logits(self.model.compute_logits(picked))
-
-    def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits as float32 in a buffer kept across steps: at 256 rows of a 49k vocabulary it is 50 MB,
-        which the host allocator would map afresh (and page-fault through) on every step."""
-        if logits.dtype == torch.float32:
-            return logits
-        if self._logits.shape[0] < logits.shape[0]:
-            self._logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        return self._logits[: logits.shape[0]].copy_(logits)
+        return self.model.compute_logits(picked)

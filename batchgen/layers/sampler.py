@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen import ops
 from batchgen.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -46,11 +47,8 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _with_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits itself when no row bans tokens or sets a penalty, else a copy with them applied."""
-    if not any(row.banned_token_ids or row.params.penalized for row in rows):
-        return logits
-    logits = logits.clone()
+def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place, on a float32 copy of the rows' logits."""
     for r, row in enumerate(rows):
         if row.banned_token_ids:
             logits[r, row.banned_token_ids] = float("-inf")
@@ -63,7 +61,6 @@ def _with_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> t
             seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
             picked = logits[r, seen]
             logits[r, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    return logits
 
 
 # Rows are sampled in chunks of this many: every temporary is then a few MB, which the allocator
@@ -137,19 +134,26 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and their log-probabilities under the model's distribution (before bans and penalties)."""
-    log_total = torch.logsumexp(logits, dim=-1)
-    edited = _with_bans_and_penalties(logits, rows)
-    chosen = edited.argmax(dim=-1)
-    random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
-    if random_rows:  # indexing with a list copies the rows, which _draw then overwrites
-        chosen[random_rows] = _draw(edited[random_rows], [rows[r] for r in random_rows])
-    return chosen, logits.gather(1, chosen[:, None]).squeeze(1) - log_total
+    """Tokens and their log-probabilities under the model's distribution (before bans and penalties).
+
+    A plain greedy row needs only its argmax; the other rows are copied to float32 and edited."""
+    chosen, log_total = ops.argmax_logsumexp(logits)
+    edited_rows = [r for r, row in enumerate(rows)
+                   if not row.params.greedy or row.banned_token_ids or row.params.penalized]
+    if edited_rows:
+        edited = logits[edited_rows].float()  # a copy
+        _apply_bans_and_penalties(edited, [rows[r] for r in edited_rows])
+        picks = edited.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
+        if random_rows:  # indexing with a list copies the rows, which _draw then overwrites
+            picks[random_rows] = _draw(edited[random_rows], [rows[edited_rows[i]] for i in random_rows])
+        chosen[edited_rows] = picks
+    return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
-    """logits: float32 [len(rows), vocab], the model's; left as they are."""
+    """logits: [len(rows), vocab] in the model's dtype (float32 or bfloat16); left as they are."""
     chosen, logprobs = [], []
     for start in range(0, len(rows), _CHUNK_ROWS):
         tokens, lps = _sample_chunk(logits[start : start + _CHUNK_ROWS], rows[start : start + _CHUNK_ROWS])
@@ -161,7 +165,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
     if wanted:
         k = max(rows[r].params.logprobs for r in wanted)
-        values, indices = logits[wanted].log_softmax(dim=-1).topk(max(k, 1), dim=-1)
+        values, indices = logits[wanted].float().log_softmax(dim=-1).topk(max(k, 1), dim=-1)
         for i, r in enumerate(wanted):
             n = rows[r].params.logprobs
             entry = dict(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))

@@ -33,6 +33,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "allocate_kv_cache",
+    "argmax_logsumexp",
     "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention_decode",
@@ -121,6 +122,17 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
     if not _has_kernel(x):
         return reference.rotary_embedding(positions, x, cos_sin_cache)
     _C.rotary_embedding(positions, x, cos_sin_cache)
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` `[n, vocab]`: the index of its first maximum (int64) and
+    `logsumexp` (float32), read once from the model's own dtype."""
+    if not _has_kernel(logits):
+        return reference.argmax_logsumexp(logits)
+    argmax = torch.empty(logits.shape[0], dtype=torch.int64)
+    log_total = torch.empty(logits.shape[0], dtype=torch.float32)
+    _C.argmax_logsumexp(logits, argmax, log_total)
+    return argmax, log_total
 
 
 def copy_blocks(

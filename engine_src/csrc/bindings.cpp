@@ -294,6 +294,19 @@ void rotary_embedding(const Tensor& positions, Tensor& x, const Tensor& cos_sin_
   batchgen::cpu::rotary_embedding(positions, x, cos_sin_cache);
 }
 
+void argmax_logsumexp(const Tensor& logits, Tensor& argmax, Tensor& log_total) {
+  const char* op = "argmax_logsumexp";
+  check_activation(op, "logits", logits);
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [n, vocab], got shape ",
+                    logits.sizes());
+  check_index(op, "argmax", argmax, torch::kInt64, 1, "[n]");
+  check_index(op, "log_total", log_total, torch::kFloat32, 1, "[n]");
+  TORCH_CHECK_VALUE(argmax.is_cpu() && log_total.is_cpu() && argmax.size(0) == logits.size(0) &&
+                        log_total.size(0) == logits.size(0),
+                    op, ": argmax and log_total must be CPU tensors of ", logits.size(0), " entries");
+  batchgen::cpu::argmax_logsumexp(logits, argmax, log_total);
+}
+
 bool has_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -328,6 +341,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("eps"), no_gil);
   m.def("rotary_embedding", &rotary_embedding, "Rotate x [tokens, heads, head_dim] in place (rotate-half layout)",
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), no_gil);
+  m.def("argmax_logsumexp", &argmax_logsumexp, "Per row of logits: first argmax and logsumexp", py::arg("logits"),
+        py::arg("argmax"), py::arg("log_total"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

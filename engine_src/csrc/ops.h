@@ -34,4 +34,8 @@ void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const tor
 
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);
 
+// For each row of logits [n, vocab] (float32 or bfloat16): the index of its first maximum and
+// log(sum(exp(row))) in float32 (cpu/sampling_ops.cpp).
+void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch::Tensor& log_total);
+
 }  // namespace batchgen::cpu
