@@ -18,6 +18,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
+#include "cpu/layer_impl.h"  // the layer ops' row kernels, listed in the same table
 
 #define BATCHGEN_STRINGIFY_(x) #x
 #define BATCHGEN_STRINGIFY(x) BATCHGEN_STRINGIFY_(x)
@@ -466,7 +467,11 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
   write_rows<T>(a, task, group, rows);
 }
 
-constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS), {&attend<float>, &attend<BF16>, &attend<F16>}};
+constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
+                             {&attend<float>, &attend<BF16>, &attend<F16>},
+                             {&norm_row<float>, &norm_row<BF16>, nullptr},
+                             {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
+                             {&rotary_row<float>, &rotary_row<BF16>, nullptr}};
 
 }  // namespace
 

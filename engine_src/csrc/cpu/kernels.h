@@ -1,4 +1,4 @@
-// Torch-free interface of the CPU attention kernels.
+// Torch-free interface of the CPU attention and element-wise layer kernels.
 //
 // The kernel source (attention_impl.h) is compiled once per instruction set (kernels_scalar.cpp,
 // kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp), each copy in its own namespace
@@ -70,9 +70,17 @@ inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
   return 2 * rows * head_dim + 2 * rows + kScoreBuffer;
 }
 
+// Row kernels of the element-wise layer ops (layer_impl.h); float16 has none (nullptr).
+using NormRowFn = void (*)(const void* x, const void* weight, void* out, int64_t n, float eps);
+using AddNormRowFn = void (*)(void* x, void* residual, const void* weight, int64_t n, float eps);
+using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_t half);
+
 struct KernelTable {
   const char* name;
   AttendFn attend[kNumDTypes];  // indexed by DType
+  NormRowFn norm_row[kNumDTypes];
+  AddNormRowFn add_norm_row[kNumDTypes];
+  RotaryRowFn rotary_row[kNumDTypes];
 };
 
 namespace scalar {

@@ -1,0 +1,70 @@
+// Row kernels of the element-wise layer ops (layer_ops.cpp), compiled once per instruction set
+// with attention_impl.h, which includes this file and lists them in the kernel table. Plain
+// loops, vectorised by the compiler for the target at hand: AVX-512 runs the bf16 conversions,
+// which dominate these memory-light loops, twice as wide as the AVX2 baseline.
+//
+// Every intermediate that transformers rounds to the activation dtype is rounded here too
+// (round(w * round(x * inv_rms)), round(round(a * cos) - round(b * sin))), so bf16 results follow
+// transformers' own arithmetic rather than float32 math rounded once.
+#ifndef BATCHGEN_ISA_NS
+#error "define BATCHGEN_ISA_NS before including layer_impl.h"
+#endif
+
+#include <cmath>
+#include <cstdint>
+
+#include "cpu/dtype.h"
+#include "cpu/kernels.h"
+
+namespace batchgen::cpu::BATCHGEN_ISA_NS {
+namespace {
+
+template <typename T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// out = round(w * round(x * inv_rms(x))); out may be x.
+template <typename T>
+void norm_row(const void* x_, const void* w_, void* out_, int64_t n, float eps) {
+  const T* x = static_cast<const T*>(x_);
+  const T* w = static_cast<const T*>(w_);
+  T* out = static_cast<T*>(out_);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
+}
+
+// residual = round(residual + x), then x = norm(residual).
+template <typename T>
+void add_norm_row(void* x_, void* residual_, const void* w, int64_t n, float eps) {
+  T* x = static_cast<T*>(x_);
+  T* residual = static_cast<T*>(residual_);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+  norm_row<T>(residual, w, x, n, eps);
+}
+
+// x[:half], x[half:] -> round(round(a * cos) - round(b * sin)), round(round(b * cos) + round(a * sin)):
+// Llama's rotate-half layout, as transformers computes x * cos + rotate_half(x) * sin. cos and
+// sin hold the token's values already rounded to the activation dtype.
+template <typename T>
+void rotary_row(void* x_, const float* cos, const float* sin, int64_t half) {
+  T* x1 = static_cast<T*>(x_);
+  T* x2 = x1 + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = to_float(x1[i]), b = to_float(x2[i]);
+    x1[i] = from_float<T>(round_to<T>(a * cos[i]) - round_to<T>(b * sin[i]));
+    x2[i] = from_float<T>(round_to<T>(b * cos[i]) + round_to<T>(a * sin[i]));
+  }
+}
+
+}  // namespace
+}  // namespace batchgen::cpu::BATCHGEN_ISA_NS
