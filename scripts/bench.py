@@ -7,8 +7,8 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   mixed     prompts of 20-400 tokens, max_tokens from {16..256}, greedy, ignore_eos
   parallel  prompts of ~400 tokens, n=8 samples of 64 tokens (temperature 0.8, top_p 0.95)
   pressure  mixed with a KV cache of a quarter of mixed's peak need (must preempt; peers: mixed's numbers)
-The limit: F.linear GFLOP/s on the model's own layer shapes, turned into a tokens/s ceiling, set against batchgen's
-total tokens/s on mixed and its decode-only steps at batch 64-256.
+The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
+into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
@@ -527,7 +527,7 @@ def ratio_rows(runs: list[Run]) -> list[dict]:
 
 def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
     for dtype, c in ceilings.items():
-        print(f"\n== limit, {dtype}: F.linear GFLOP/s by M (tokens)")
+        print(f"\n== limit, {dtype}: GEMM GFLOP/s by M (tokens), the faster of F.linear and packed")
         for name, by_m in c["gemm_gflops"].items():
             print(f"  {name:8s} {c['shapes'][name]!s:14s} " + "  ".join(f"M={m}: {g:7.1f}" for m, g in by_m.items()))
         print(f"  ceiling mixed {c['mixed_ceiling_tok_s']:.0f} tok/s (mean context {c['mixed_mean_context']:.0f}), "
