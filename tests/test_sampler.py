@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from batchgen import ops
+from batchgen import _C, ops
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.sampling_params import SamplingParams
 
@@ -128,16 +128,22 @@ def test_seeded_row_is_independent_of_its_chunk():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_logsumexp_matches_torch(dtype):
     gen = torch.Generator().manual_seed(4)
-    logits = (torch.randn(37, 49152, generator=gen) * 4).to(dtype)
-    logits[3, 100] = logits[3, 70000 % 49152] = logits[3].max() + 1  # a tie: the first index wins
+    logits = (torch.randn(37, 49157, generator=gen) * 4).to(dtype)  # a vocabulary with a ragged tail
+    logits[3, 100] = logits[3, 20000] = logits[3].max() + 1  # a tie: the first index wins
     logits[5, :30000] = float("-inf")  # banned tokens
     logits[6] = float("-inf")  # nothing allowed: argmax 0, logsumexp -inf
     logits[7, 1234] = float("nan")  # a NaN is the maximum, as for torch.argmax
-    argmax, log_total = ops.argmax_logsumexp(logits)
-    assert torch.equal(argmax, logits.argmax(dim=-1))
     expected = torch.logsumexp(logits.float(), dim=-1)
-    assert log_total.dtype == torch.float32
-    torch.testing.assert_close(log_total, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+    active = _C.cpu_isa()
+    try:
+        for isa in _C.supported_cpu_isas():  # each instruction set's row kernel
+            _C.set_cpu_isa(isa)
+            argmax, log_total = ops.argmax_logsumexp(logits)
+            assert torch.equal(argmax, logits.argmax(dim=-1)), isa
+            assert log_total.dtype == torch.float32
+            torch.testing.assert_close(log_total, expected, rtol=1e-6, atol=1e-5, equal_nan=True, msg=isa)
+    finally:
+        _C.set_cpu_isa(active)
 
 
 def test_bf16_logits_sample_like_their_float32_copy():

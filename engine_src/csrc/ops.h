@@ -8,7 +8,12 @@
 
 #include <vector>
 
+#include "cpu/kernels.h"
+
 namespace batchgen::cpu {
+
+// The kernel table's index (DType) of a float32, bfloat16 or float16 tensor.
+DType dtype_of(const torch::Tensor& t);
 
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
                        torch::Tensor& value_cache, const torch::Tensor& slot_mapping);

@@ -22,15 +22,6 @@ constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more 
 constexpr int64_t kMinBytesPerWorker = 256 << 10;
 constexpr int64_t kTasksPerWorker = 4;       // decode tasks per worker that balance ragged lengths
 
-DType dtype_of(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return DType::f32;
-    case torch::kBFloat16: return DType::bf16;
-    case torch::kFloat16: return DType::f16;
-    default: TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
-  }
-}
-
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale) {
   AttnArgs a;
@@ -131,6 +122,15 @@ void combine_splits(const torch::Tensor& partial, const int32_t* lens, int64_t s
 }
 
 }  // namespace
+
+DType dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return DType::f32;
+    case torch::kBFloat16: return DType::bf16;
+    case torch::kFloat16: return DType::f16;
+    default: TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
+  }
+}
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,

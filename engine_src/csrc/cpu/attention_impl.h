@@ -1,6 +1,6 @@
 // The paged attention kernel, written once against a `Vec` of floats and compiled once per
 // instruction set: kernels_<isa>.cpp defines BATCHGEN_ISA_NS, includes the matching vec_<isa>.h
-// and then this file. Everything but kernel_table() has internal linkage.
+// and then kernel_table_impl.h, which includes this file. Everything has internal linkage.
 //
 // A task (see AttnTask) copies its query rows to scratch memory and streams the K and V tiles of
 // its sequence block by block. Each tile serves groups of up to kGroup query rows at once (the
@@ -18,10 +18,6 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
-#include "cpu/layer_impl.h"  // the layer ops' row kernels, listed in the same table
-
-#define BATCHGEN_STRINGIFY_(x) #x
-#define BATCHGEN_STRINGIFY(x) BATCHGEN_STRINGIFY_(x)
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
@@ -467,14 +463,5 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
   write_rows<T>(a, task, group, rows);
 }
 
-constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
-                             {&attend<float>, &attend<BF16>, &attend<F16>},
-                             {&norm_row<float>, &norm_row<BF16>, nullptr},
-                             {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
-                             {&rotary_row<float>, &rotary_row<BF16>, nullptr}};
-
 }  // namespace
-
-const KernelTable& kernel_table() { return kTable; }
-
 }  // namespace batchgen::cpu::BATCHGEN_ISA_NS

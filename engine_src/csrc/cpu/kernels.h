@@ -1,6 +1,7 @@
-// Torch-free interface of the CPU attention and element-wise layer kernels.
+// Torch-free interface of the CPU attention, element-wise layer and sampler kernels.
 //
-// The kernel source (attention_impl.h) is compiled once per instruction set (kernels_scalar.cpp,
+// The kernel sources (attention_impl.h and layer_impl.h, tabled by kernel_table_impl.h) are
+// compiled once per instruction set (kernels_scalar.cpp,
 // kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp), each copy in its own namespace
 // so the copies never clash at link time; isa.cpp picks one table at run time. No torch header
 // is included on this side: a torch header compiled under an AVX-512 target pragma could leak
@@ -70,10 +71,12 @@ inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
   return 2 * rows * head_dim + 2 * rows + kScoreBuffer;
 }
 
-// Row kernels of the element-wise layer ops (layer_impl.h); float16 has none (nullptr).
+// Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).
 using NormRowFn = void (*)(const void* x, const void* weight, void* out, int64_t n, float eps);
 using AddNormRowFn = void (*)(void* x, void* residual, const void* weight, int64_t n, float eps);
 using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_t half);
+// The sampler's summary of one row of logits: index of the first maximum, log(sum(exp(row))).
+using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, float* log_total);
 
 struct KernelTable {
   const char* name;
@@ -81,6 +84,7 @@ struct KernelTable {
   NormRowFn norm_row[kNumDTypes];
   AddNormRowFn add_norm_row[kNumDTypes];
   RotaryRowFn rotary_row[kNumDTypes];
+  SummariseRowFn summarise_row[kNumDTypes];
 };
 
 namespace scalar {

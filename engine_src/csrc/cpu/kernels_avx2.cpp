@@ -6,5 +6,5 @@
 #include "cpu/vec_avx2.h"
 
 #define BATCHGEN_ISA_NS avx2
-#include "cpu/attention_impl.h"
+#include "cpu/kernel_table_impl.h"
 #endif

@@ -3,4 +3,4 @@
 #include "cpu/vec_scalar.h"
 
 #define BATCHGEN_ISA_NS scalar
-#include "cpu/attention_impl.h"
+#include "cpu/kernel_table_impl.h"

@@ -1,7 +1,8 @@
-// Row kernels of the element-wise layer ops (layer_ops.cpp), compiled once per instruction set
-// with attention_impl.h, which includes this file and lists them in the kernel table. Plain
-// loops, vectorised by the compiler for the target at hand: AVX-512 runs the bf16 conversions,
-// which dominate these memory-light loops, twice as wide as the AVX2 baseline.
+// Row kernels of the element-wise layer ops (layer_ops.cpp) and of the sampler's row summary
+// (sampling_ops.cpp), compiled once per instruction set by kernel_table_impl.h after
+// attention_impl.h, whose vector exp the summary uses. Mostly plain loops, vectorised by the
+// compiler for the target at hand: AVX-512 runs the bf16 conversions, which dominate these
+// memory-light loops, twice as wide as the AVX2 baseline.
 //
 // Every intermediate that transformers rounds to the activation dtype is rounded here too
 // (round(w * round(x * inv_rms)), round(round(a * cos) - round(b * sin))), so bf16 results follow
@@ -12,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
@@ -64,6 +66,54 @@ void rotary_row(void* x_, const float* cos, const float* sin, int64_t half) {
     x1[i] = from_float<T>(round_to<T>(a * cos[i]) - round_to<T>(b * sin[i]));
     x2[i] = from_float<T>(round_to<T>(b * cos[i]) + round_to<T>(a * sin[i]));
   }
+}
+
+// The index of the first maximum of row[0 .. n) (the first NaN if there is one, as torch.argmax)
+// and log(sum(exp(row))), in two passes over a row that stays in cache.
+template <typename T>
+void summarise_row(const void* row_, int64_t n, int64_t* argmax, float* log_total) {
+  const T* row = static_cast<const T*>(row_);
+  float best = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(row[i]);
+    best = v > best ? v : best;
+    nan |= v != v;
+  }
+  // The first index holding `best` (or a NaN): chunks are tested whole, vectorised, then the one
+  // that has it is searched element by element.
+  constexpr int64_t kChunk = 64;
+  *argmax = 0;
+  for (int64_t c = 0, found = 0; c < n && !found; c += kChunk) {
+    const int64_t end = c + kChunk < n ? c + kChunk : n;
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = c; i < end; ++i) {
+      const float v = to_float(row[i]);
+      hit |= nan ? v != v : v == best;
+    }
+    for (int64_t i = c; hit && i < end; ++i) {
+      const float v = to_float(row[i]);
+      if (nan ? v != v : v == best) {
+        *argmax = i;
+        found = 1;
+        break;
+      }
+    }
+  }
+  if (nan || std::isinf(best)) {
+    *log_total = nan ? std::numeric_limits<float>::quiet_NaN() : best;
+    return;
+  }
+  const Vec shift = Vec::set1(-best);
+  Vec sum = Vec::zero();
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) sum = sum + exp_nonpositive(Vec::load(row + i) + shift);
+  float tail[Vec::N];
+  for (int j = 0; j < Vec::N; ++j) tail[j] = i + j < n ? to_float(row[i + j]) : -std::numeric_limits<float>::infinity();
+  sum = sum + exp_nonpositive(Vec::load(tail) + shift);  // exp(-inf) is 0
+  *log_total = best + std::log(reduce_add(sum));
 }
 
 }  // namespace

@@ -36,10 +36,6 @@ struct Rows {
   int64_t grain() const { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(cols, 1)); }
 };
 
-int dtype_index(const torch::Tensor& t) {
-  return static_cast<int>(t.scalar_type() == torch::kBFloat16 ? DType::bf16 : DType::f32);
-}
-
 template <typename T, typename Table>
 void rotary_impl(const int64_t* positions, const Rows& rows, const Table* table, RotaryRowFn rotate) {
   const int64_t half = rows.cols / 2;
@@ -60,7 +56,7 @@ void rotary_impl(const int64_t* positions, const Rows& rows, const Table* table,
 
 void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps) {
   const Rows in = Rows::of(input), to = Rows::of(out);
-  const NormRowFn norm = active_kernels().norm_row[dtype_index(input)];
+  const NormRowFn norm = active_kernels().norm_row[static_cast<int>(dtype_of(input))];
   const void* w = weight.data_ptr();
   at::parallel_for(0, in.count(), in.grain(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm(in.row(r), w, to.row(r), in.cols, static_cast<float>(eps));
@@ -69,7 +65,7 @@ void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tenso
 
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
   const Rows in = Rows::of(input), res = Rows::of(residual);
-  const AddNormRowFn add_norm = active_kernels().add_norm_row[dtype_index(input)];
+  const AddNormRowFn add_norm = active_kernels().add_norm_row[static_cast<int>(dtype_of(input))];
   const void* w = weight.data_ptr();
   at::parallel_for(0, in.count(), in.grain(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) add_norm(in.row(r), res.row(r), w, in.cols, static_cast<float>(eps));
@@ -86,7 +82,7 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const to
                       " is outside the cache's ", num_positions, " positions");
   }
   const Rows rows = Rows::of(x);
-  const RotaryRowFn rotate = active_kernels().rotary_row[dtype_index(x)];
+  const RotaryRowFn rotate = active_kernels().rotary_row[static_cast<int>(dtype_of(x))];
   const void* table = cos_sin_cache.data_ptr();
   const bool float_table = cos_sin_cache.scalar_type() == torch::kFloat32;
   if (x.scalar_type() == torch::kFloat32) {

@@ -1,0 +1,30 @@
+// The kernel table of one instruction set: the attention kernel (attention_impl.h) and the row
+// kernels of the layer ops and the sampler (layer_impl.h, which uses the former's vector exp),
+// compiled once per set. kernels_<isa>.cpp define BATCHGEN_ISA_NS, include the matching
+// vec_<isa>.h and then this file.
+#ifndef BATCHGEN_ISA_NS
+#error "define BATCHGEN_ISA_NS before including kernel_table_impl.h"
+#endif
+
+#include "cpu/attention_impl.h"
+#include "cpu/kernels.h"
+#include "cpu/layer_impl.h"
+
+#define BATCHGEN_STRINGIFY_(x) #x
+#define BATCHGEN_STRINGIFY(x) BATCHGEN_STRINGIFY_(x)
+
+namespace batchgen::cpu::BATCHGEN_ISA_NS {
+namespace {
+
+constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
+                             {&attend<float>, &attend<BF16>, &attend<F16>},
+                             {&norm_row<float>, &norm_row<BF16>, nullptr},
+                             {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
+                             {&rotary_row<float>, &rotary_row<BF16>, nullptr},
+                             {&summarise_row<float>, &summarise_row<BF16>, nullptr}};
+
+}  // namespace
+
+const KernelTable& kernel_table() { return kTable; }
+
+}  // namespace batchgen::cpu::BATCHGEN_ISA_NS
