@@ -59,3 +59,19 @@ def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype)
         torch.testing.assert_close(full.float(), expected, rtol=tol, atol=tol)
         for rows in (1, 2, 3, 5, 17):
             assert torch.equal(fused(x[:rows]), full[:rows]), rows
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an own lm_head, a tied one
+def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
+    """Parity tests pass packed or not; this one fails if loading stops packing."""
+    from transformers import AutoConfig
+
+    from batchgen.models.loader import load_model
+
+    path = tiny_model_dirs[arch]
+    model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
+    assert not [name for name, m in model.named_modules() if isinstance(m, Linear)]
+    assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
+    head = model.lm_head if model.lm_head is not None else model._tied_head
+    assert isinstance(head, PackedLinear)

@@ -39,13 +39,18 @@ def can_pack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W in oneDNN's blocked layout (an opaque mkldnn tensor). Inference only."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,11 +68,9 @@ class PackedSiluAndMul(nn.Module):
 
     def __init__(self, gate_up_weight: torch.Tensor):
         super().__init__()
-        weight = gate_up_weight.detach()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0] // 2
-        gate, up = weight[: self.out_features].contiguous(), weight[self.out_features :].contiguous()
-        self.gate = torch.ops.mkldnn._reorder_linear_weight(gate, _PACK_BATCH_HINT)
-        self.up = torch.ops.mkldnn._reorder_linear_weight(up, _PACK_BATCH_HINT)
+        self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
+        self.gate = _pack(gate_up_weight[: self.out_features])
+        self.up = _pack(gate_up_weight[self.out_features :])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()

@@ -143,8 +143,9 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     if edited_rows:
         edited = logits[edited_rows].float()  # a copy
         _apply_bans_and_penalties(edited, [rows[r] for r in edited_rows])
-        picks = edited.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
+        greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
+        picks = edited.argmax(dim=-1) if greedy_edited else torch.empty_like(chosen[edited_rows])
         if random_rows:  # indexing with a list copies the rows, which _draw then overwrites
             picks[random_rows] = _draw(edited[random_rows], [rows[edited_rows[i]] for i in random_rows])
         chosen[edited_rows] = picks

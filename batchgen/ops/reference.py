@@ -123,6 +123,5 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
     x.copy_(x * torch.cat([cos, cos], dim=-1) + rotated * torch.cat([sin, sin], dim=-1))
 
 
-
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), torch.logsumexp(logits.float(), dim=-1)
