@@ -199,25 +199,33 @@ void tile_scores(std::true_type /*pairs*/, const BF16* q, Tile<BF16>& tile, int 
 // Online softmax step of one row over one tile: scales the raw scores, masks those at and past
 // `limit`, updates m and l, leaves the tile's probabilities exp(s - m) in s and returns the
 // factor by which the row's accumulator must be rescaled. `width` is the number of scores to
-// touch, a multiple of Vec::N.
+// touch, a multiple of Vec::N. The scaled scores stay in registers; the rescale factor, a scalar
+// exp, is only computed when the running max grows, which becomes rare after the first tiles.
 inline float softmax_update(float* s, int limit, int width, float scale, float& m, float& l) {
   if (limit <= 0) {  // this row sees none of the tile (causal prefill)
     for (int t = 0; t < width; ++t) s[t] = 0.0f;
     return 1.0f;
   }
+  constexpr int kMaxVecs = kScoreStride / Vec::N;
+  const int vecs = width / Vec::N;
   const Vec vscale = Vec::set1(scale);
-  for (int c = 0; c < width; c += Vec::N) (Vec::load(s + c) * vscale).store(s + c);
-  for (int t = limit; t < width; ++t) s[t] = kNegInf;
-  Vec vmax = Vec::load(s);
-  for (int c = Vec::N; c < width; c += Vec::N) vmax = max(vmax, Vec::load(s + c));
+  Vec x[kMaxVecs];
+  for (int i = 0; i < vecs; ++i) x[i] = Vec::load(s + i * Vec::N) * vscale;
+  if (limit < width) {  // the last tile of a row
+    for (int i = 0; i < vecs; ++i) x[i].store(s + i * Vec::N);
+    for (int t = limit; t < width; ++t) s[t] = kNegInf;
+    for (int i = 0; i < vecs; ++i) x[i] = Vec::load(s + i * Vec::N);
+  }
+  Vec vmax = x[0];
+  for (int i = 1; i < vecs; ++i) vmax = max(vmax, x[i]);
   const float tile_max = reduce_max(vmax);
   const float m_new = tile_max > m ? tile_max : m;
-  const float correction = first_lane(exp_nonpositive(Vec::set1(m - m_new)));  // 0 on the first tile (m = -inf)
+  const float correction = m_new == m ? 1.0f : std::exp(m - m_new);  // 0 on the first tile (m = -inf)
   const Vec shift = Vec::set1(-m_new);
   Vec sum = Vec::zero();
-  for (int c = 0; c < width; c += Vec::N) {
-    const Vec p = exp_nonpositive(Vec::load(s + c) + shift);
-    p.store(s + c);
+  for (int i = 0; i < vecs; ++i) {
+    const Vec p = exp_nonpositive(x[i] + shift);
+    p.store(s + i * Vec::N);
     sum = sum + p;
   }
   l = l * correction + reduce_add(sum);
