@@ -2,11 +2,13 @@
 // instruction set: kernels_<isa>.cpp defines BATCHGEN_ISA_NS, includes the matching vec_<isa>.h
 // and then kernel_table_impl.h, which includes this file. Everything has internal linkage.
 //
-// A task (see AttnTask) copies its query rows to scratch memory and streams the K and V tiles of
-// its sequence block by block. Each tile serves groups of up to kGroup query rows at once (the
-// heads sharing a kv head, and for prefill several tokens), so a task reads K/V from memory
-// once. Softmax is online, in fp32: per row a running max m, a running sum l and an unnormalised
-// accumulator acc, rescaled whenever the max grows.
+// A task (see AttnTask) copies its query rows to scratch memory and streams the K and V of its
+// sequence in tiles of kTileKeys keys (one or more cache blocks of one kv head). Each tile serves
+// groups of up to kGroup query rows at once (the heads sharing a kv head, and for prefill several
+// tokens), so a task reads K/V from memory once. Softmax is online, in fp32: per row a running
+// max m, a running sum l and an unnormalised accumulator acc, rescaled whenever the max grows.
+// Its per-tile cost (reductions, the max's dependency chain, the accumulator's rescale) is why a
+// tile spans 32 keys rather than one 16-token block: prefill 1.2x faster.
 #ifndef BATCHGEN_ISA_NS
 #error "define BATCHGEN_ISA_NS before including attention_impl.h"
 #endif
@@ -24,6 +26,8 @@ namespace {
 
 constexpr int kGroup = 4;          // query rows sharing one pass over a K/V tile
 constexpr int kScoreStride = 32;   // >= the largest block size and a multiple of every Vec::N
+constexpr int kTileKeys = kScoreStride;  // keys per softmax step, a multiple of every block size
+constexpr int kMaxTileBlocks = kTileKeys / 8;  // blocks of the smallest size in a tile
 constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of its use K/V is prefetched
@@ -109,13 +113,20 @@ struct Prefetcher {
   }
 };
 
-// The K and V tiles of one (block, kv head), and prefetchers for those of a block ahead.
+// The K and V of one (block, kv head), and prefetchers for those of a block ahead.
 template <typename T>
-struct Tile {
+struct BlockKV {
   const T* k;
   const T* v;
   Prefetcher next_k;
   Prefetcher next_v;
+};
+
+// The blocks of one tile: keys b * BS .. (b + 1) * BS - 1 of the tile are block[b]'s rows.
+template <typename T>
+struct Tile {
+  BlockKV<T> block[kMaxTileBlocks];
+  int count;
 };
 
 inline int lines_for(int64_t bytes) { return static_cast<int>((bytes + 63) / 64); }
@@ -145,10 +156,10 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
   }
 }
 
-// s[g][t] = q_g . k_t for the first n rows of the K tile, n rounded up to kTokenStep (rows that
+// s[g][t] = q_g . k_t for the first n rows of a block's K, n rounded up to kTokenStep (rows that
 // exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
 template <typename T, int NG>
-void tile_scores(std::false_type /*pairs*/, const float* q, Tile<T>& tile, int D, int n, float* s) {
+void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const T* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
@@ -173,7 +184,7 @@ void tile_scores(std::false_type /*pairs*/, const float* q, Tile<T>& tile, int D
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
 template <typename T, int NG>
-void tile_scores(std::true_type /*pairs*/, const BF16* q, Tile<BF16>& tile, int D, int n, float* s) {
+void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
@@ -216,8 +227,8 @@ inline float softmax_update(float* s, int limit, int width, float scale, float& 
     for (int t = limit; t < width; ++t) s[t] = kNegInf;
     for (int i = 0; i < vecs; ++i) x[i] = Vec::load(s + i * Vec::N);
   }
-  Vec vmax = x[0];
-  for (int i = 1; i < vecs; ++i) vmax = max(vmax, x[i]);
+  Vec vmax = Vec::set1(kNegInf);
+  for (int i = 0; i < vecs; ++i) vmax = max(vmax, x[i]);
   const float tile_max = reduce_max(vmax);
   const float m_new = tile_max > m ? tile_max : m;
   const float correction = m_new == m ? 1.0f : std::exp(m - m_new);  // 0 on the first tile (m = -inf)
@@ -234,25 +245,33 @@ inline float softmax_update(float* s, int limit, int width, float scale, float& 
 }
 
 // acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
-// accumulators of one output chunk stay in registers, one per (row, token phase).
+// accumulators of one output chunk stay in registers, one per (row, token phase), across the
+// tile's blocks. `prefetch` lines of each block's next V go out per chunk.
 template <typename T, int NG>
-void values_chunk(const float* p, const float* correction, const T* v, int D, int n, int c, float* acc) {
+void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int n, int c, int prefetch,
+                  float* acc) {
   constexpr int TS = kTokenStep<NG>;
   Vec sum[TS][NG];
   for (int g = 0; g < NG; ++g) {
     sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
     for (int i = 1; i < TS; ++i) sum[i][g] = Vec::zero();
   }
-  int t = 0;
-  for (; t + TS <= n; t += TS) {
-    for (int i = 0; i < TS; ++i) {
-      const Vec x = Vec::load(v + (t + i) * D + c);
-      for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(p[g * kScoreStride + t + i]), x, sum[i][g]);
+  for (int b = 0; b * BS < n; ++b) {
+    tile.block[b].next_v.lines(prefetch);
+    const T* v = tile.block[b].v;
+    const float* pb = p + b * BS;
+    const int nb = min_i64(BS, n - b * BS);
+    int t = 0;
+    for (; t + TS <= nb; t += TS) {
+      for (int i = 0; i < TS; ++i) {
+        const Vec x = Vec::load(v + (t + i) * D + c);
+        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kScoreStride + t + i]), x, sum[i][g]);
+      }
     }
-  }
-  for (; t < n; ++t) {
-    const Vec x = Vec::load(v + t * D + c);
-    for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(p[g * kScoreStride + t]), x, sum[0][g]);
+    for (; t < nb; ++t) {
+      const Vec x = Vec::load(v + t * D + c);
+      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(pb[g * kScoreStride + t]), x, sum[0][g]);
+    }
   }
   for (int g = 0; g < NG; ++g) {
     Vec total = sum[0][g];
@@ -265,11 +284,8 @@ void values_chunk(const float* p, const float* correction, const T* v, int D, in
 template <typename T, int NG>
 void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<T>& tile, int D, int BS,
                  int n, float* acc) {
-  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // the tile's bytes per chunk
-  for (int c = 0; c < D; c += Vec::N) {
-    tile.next_v.lines(prefetch);
-    values_chunk<T, NG>(p, correction, tile.v, D, n, c, acc);
-  }
+  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // a block's bytes per chunk
+  for (int c = 0; c < D; c += Vec::N) values_chunk<T, NG>(p, correction, tile, D, BS, n, c, prefetch, acc);
 }
 
 #ifdef BATCHGEN_DOT_BF16
@@ -287,32 +303,35 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(p + g * kScoreStride + c), pb[g] + c);
-  const BF16* v = tile.v;
   const int prefetch = lines_for(int64_t{BS} * kPairChunk * sizeof(BF16));
   int c = 0;
   for (; c + kPairChunk <= D; c += kPairChunk) {
-    tile.next_v.lines(prefetch);
     Vec lo[TP][NG], hi[TP][NG];
     for (int g = 0; g < NG; ++g) {
       lo[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
       hi[0][g] = Vec::load(acc + g * D + c + Vec::N) * Vec::set1(correction[g]);
       for (int i = 1; i < TP; ++i) lo[i][g] = hi[i][g] = Vec::zero();
     }
-    // One step: rows t, t + 1 (the second as zeros when t + 1 == n: V past n may be NaN).
-    auto step = [&](int i, int t) {
-      const BF16Pairs a = BF16Pairs::load(v + t * D + c, kPairChunk);
-      const BF16Pairs b = t + 1 < n ? BF16Pairs::load(v + (t + 1) * D + c, kPairChunk) : BF16Pairs::zero();
-      const BF16Pairs x_lo = interleave_lo(a, b), x_hi = interleave_hi(a, b);
-      for (int g = 0; g < NG; ++g) {
-        const BF16Pairs w = BF16Pairs::broadcast_pair(pb[g] + t);
-        lo[i][g] = dot_pairs(x_lo, w, lo[i][g]);
-        hi[i][g] = dot_pairs(x_hi, w, hi[i][g]);
-      }
-    };
-    int t = 0;
-    for (; t + 2 * TP <= n; t += 2 * TP)
-      for (int i = 0; i < TP; ++i) step(i, t + 2 * i);
-    for (; t < n; t += 2) step(0, t);
+    for (int b = 0; b * BS < n; ++b) {
+      tile.block[b].next_v.lines(prefetch);
+      const BF16* v = tile.block[b].v;
+      const int first = b * BS, nb = min_i64(BS, n - first);
+      // One step: rows t, t + 1 of the block (the second as zeros when t + 1 == nb: V past n may be NaN).
+      auto step = [&](int i, int t) {
+        const BF16Pairs x = BF16Pairs::load(v + t * D + c, kPairChunk);
+        const BF16Pairs y = t + 1 < nb ? BF16Pairs::load(v + (t + 1) * D + c, kPairChunk) : BF16Pairs::zero();
+        const BF16Pairs x_lo = interleave_lo(x, y), x_hi = interleave_hi(x, y);
+        for (int g = 0; g < NG; ++g) {
+          const BF16Pairs w = BF16Pairs::broadcast_pair(pb[g] + first + t);
+          lo[i][g] = dot_pairs(x_lo, w, lo[i][g]);
+          hi[i][g] = dot_pairs(x_hi, w, hi[i][g]);
+        }
+      };
+      int t = 0;
+      for (; t + 2 * TP <= nb; t += 2 * TP)
+        for (int i = 0; i < TP; ++i) step(i, t + 2 * i);
+      for (; t < nb; t += 2) step(0, t);
+    }
     for (int g = 0; g < NG; ++g) {
       Vec total_lo = lo[0][g], total_hi = hi[0][g];
       for (int i = 1; i < TP; ++i) {
@@ -323,7 +342,7 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       total_hi.store(acc + g * D + c + Vec::N);
     }
   }
-  if (c < D) values_chunk<BF16, NG>(p, correction, v, D, n, c, acc);
+  if (c < D) values_chunk<BF16, NG>(p, correction, tile, D, BS, n, c, 0, acc);
 }
 
 // Restores the order of a row accumulated by the pair path: interleave_lo/hi leave, per 128-bit
@@ -354,14 +373,16 @@ struct Rows {
   Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
 
-// Query rows r0 .. r0 + NG - 1 against one K/V tile; row g sees the tile's first limit[g] tokens.
+// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's first limit[g] keys.
 template <typename T, int NG>
 void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS, float scale) {
   int n = 0;
   for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
   // The score loop may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile, D, n, rows.s);
+  for (int b = 0; b * BS < n; ++b) {
+    tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
+  }
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float correction[NG];
   for (int g = 0; g < NG; ++g) {
@@ -429,30 +450,38 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
     rows.l[r] = 0.0f;
   }
 
-  const int64_t tile_elems = int64_t{BS} * D;
-  const int64_t block_elems = a.num_kv_heads * tile_elems;
-  const T* k_first = static_cast<const T*>(a.key_cache) + task.kv_head * tile_elems;
-  const T* v_first = static_cast<const T*>(a.value_cache) + task.kv_head * tile_elems;
+  const int64_t block_tile_elems = int64_t{BS} * D;  // one (block, kv head)
+  const int64_t block_elems = a.num_kv_heads * block_tile_elems;
+  const T* k_first = static_cast<const T*>(a.key_cache) + task.kv_head * block_tile_elems;
+  const T* v_first = static_cast<const T*>(a.value_cache) + task.kv_head * block_tile_elems;
   const int32_t* table = a.block_tables + task.seq * a.max_blocks_per_seq;
   const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
-  const int64_t tile_bytes = tile_elems * int64_t{sizeof(T)};
-  const int64_t num_tiles = (kv_stop - task.kv_begin + BS - 1) / BS * heads;  // visited block by block
+  const int64_t bytes = block_tile_elems * int64_t{sizeof(T)};
+  const int blocks_per_tile = kTileKeys / BS;
+  const int64_t blocks = (kv_stop - task.kv_begin + BS - 1) / BS;
+  const int64_t num_tiles = (blocks + blocks_per_tile - 1) / blocks_per_tile * heads;  // tile by tile, head inner
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
   // request and the use: one tile for large tiles, several for small ones, which go faster.
+  const int64_t tile_bytes = bytes * blocks_per_tile;
   const int64_t ahead = 2 * tile_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / (2 * tile_bytes);
-  auto tile_offset = [&](int64_t visit) {
-    return table[task.kv_begin / BS + visit / heads] * block_elems + visit % heads * tile_elems;
-  };
+  auto first_block = [&](int64_t visit) { return task.kv_begin / BS + visit / heads * blocks_per_tile; };
+  const int64_t end_block = task.kv_begin / BS + blocks;
   for (int64_t visit = 0; visit < num_tiles; ++visit) {
-    const int64_t start = task.kv_begin + visit / heads * BS, h = visit % heads;
-    const int64_t offset = tile_offset(visit);
-    Tile<T> tile{k_first + offset, v_first + offset, {}, {}};
-    if (visit + ahead < num_tiles) {
-      const int64_t next = tile_offset(visit + ahead);
-      const char* next_k = reinterpret_cast<const char*>(k_first + next);
-      const char* next_v = reinterpret_cast<const char*>(v_first + next);
-      tile.next_k = {next_k, next_k + tile_bytes};
-      tile.next_v = {next_v, next_v + tile_bytes};
+    const int64_t first = first_block(visit), h = visit % heads, start = first * BS;
+    const int64_t next_first = first_block(visit + ahead), next_h = (visit + ahead) % heads;
+    Tile<T> tile;
+    tile.count = static_cast<int>(min_i64(blocks_per_tile, end_block - first));
+    for (int b = 0; b < tile.count; ++b) {
+      const int64_t offset = table[first + b] * block_elems + h * block_tile_elems;
+      BlockKV<T>& kv = tile.block[b];
+      kv = {k_first + offset, v_first + offset, {}, {}};
+      if (visit + ahead < num_tiles && next_first + b < end_block) {
+        const int64_t next = table[next_first + b] * block_elems + next_h * block_tile_elems;
+        const char* next_k = reinterpret_cast<const char*>(k_first + next);
+        const char* next_v = reinterpret_cast<const char*>(v_first + next);
+        kv.next_k = {next_k, next_k + bytes};
+        kv.next_v = {next_v, next_v + bytes};
+      }
     }
     const Rows<T> head_rows = rows.from(h * per_head, D);
     for (int64_t r0 = 0; r0 < per_head; r0 += kGroup) {
@@ -462,7 +491,7 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
         const int64_t visible = row_stop - start;
-        limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, BS));
+        limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, int64_t{tile.count} * BS));
         any |= limit[i];
       }
       if (any != 0) attend_tile_rows<T>(ng, head_rows, r0, limit, tile, D, BS, a.scale);
