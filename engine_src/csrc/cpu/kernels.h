@@ -67,7 +67,7 @@ using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, float* scr
 
 // Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs.
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  constexpr int64_t kScoreBuffer = 4 * 32;  // scores of one row group (<= 4 rows) x one tile (32 keys)
+  constexpr int64_t kScoreBuffer = 4 * 64;  // scores of one row group (<= 4 rows) x one tile (64 keys)
   return 2 * rows * head_dim + 2 * rows + kScoreBuffer;
 }
 
