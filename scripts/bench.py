@@ -9,6 +9,8 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   pressure  mixed with a KV cache of a quarter of mixed's peak need (must preempt; peers: mixed's numbers)
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
+Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
+machine's read bandwidth measured in the same run.
 
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
@@ -85,6 +87,11 @@ class Workload:
         """Blocks each request holds when it finishes: the prompt's full blocks shared, the rest per sample."""
         return [len(p) // BLOCK + self.n * math.ceil((len(p) % BLOCK + m) / BLOCK)
                 for p, m in zip(self.prompts, self.max_tokens, strict=True)]
+
+    def decode_context_sum(self) -> int:
+        """Keys all decode steps attend to: a request's m - 1 decode steps see p + 1 .. p + m - 1 keys per sample."""
+        return sum(self.n * ((m - 1) * len(p) + m * (m - 1) // 2)
+                   for p, m in zip(self.prompts, self.max_tokens, strict=True))
 
     def context_sum(self) -> int:
         """Sum over all fed tokens of the positions each attends to (causal)."""
@@ -393,6 +400,21 @@ def gemm_rates(shapes: dict, dtype: str, ms: tuple[int, ...], min_time: float, t
             for name, (k, n) in shapes.items()}
 
 
+@torch.inference_mode()
+def read_gb_s(threads: int, min_time: float, megabytes: int = 256) -> float:
+    """Memory read bandwidth: the fastest of several sums over a float32 tensor far larger than the caches."""
+    torch.set_num_threads(threads)
+    x = torch.ones(megabytes * 2**18)
+    best, deadline = math.inf, time.perf_counter() + min_time
+    for i in range(100):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+        if i >= 5 and time.perf_counter() > deadline:
+            break
+    return x.nbytes / best / 1e9
+
+
 def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
     """Tokens/s if every GEMM ran at its best measured rate: 2*K*N FLOPs per fed token for each layer projection,
     the lm_head per sampled token, and 4*heads*head_dim FLOPs per layer per (query, key) pair at the best rate."""
@@ -428,10 +450,15 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def kv_bytes_per_token(cfg, dtype: str) -> int:
+    """K and V of one token in every layer."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize
+
+
 def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> list[Run]:
     """mixed (when mixed or pressure is asked for), pressure, parallel, then the decode run, in that order."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    bytes_per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * head_dim(cfg) * itemsize
+    bytes_per_block = BLOCK * kv_bytes_per_token(cfg, dtype)
 
     def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64) -> Run:
         kv_blocks = kv_blocks or int(sum(wl.kv_blocks()) * 1.1) + 16  # all of it at once: no preemption
@@ -475,8 +502,9 @@ def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run
     return runs
 
 
-def the_limit(rates: dict, cfg, workloads: dict[str, Workload], ours: list[Run]) -> dict:
-    """Ceilings from the GEMM rates, and batchgen's mixed total and decode-only tokens/s as fractions of them."""
+def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str, Workload], ours: list[Run]) -> dict:
+    """Ceilings from the GEMM rates, and batchgen's mixed total and decode-only tokens/s as fractions of them; and
+    for mixed, the matmul ceiling's time plus that of reading the decode steps' K/V at `read_gbs`."""
     shapes, mixed, decode = layer_shapes(cfg), workloads["mixed"], workloads["decode"]
     fed = mixed.prompt_tokens + mixed.output_tokens
     pairs = zip(decode.prompts, decode.max_tokens, strict=True)
@@ -485,10 +513,14 @@ def the_limit(rates: dict, cfg, workloads: dict[str, Workload], ours: list[Run])
                  mixed_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, fed, mixed.output_tokens, mixed.context_sum()),
                  decode_mean_context=decode_context,
                  decode_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, 1, 1, decode_context))
+    kv_bytes = mixed.decode_context_sum() * kv_bytes_per_token(cfg, dtype)
+    limit.update(read_gb_s=read_gbs, mixed_decode_kv_gb=kv_bytes / 1e9,
+                 mixed_with_kv_tok_s=fed / (fed / limit["mixed_ceiling_tok_s"] + kv_bytes / (read_gbs * 1e9)))
     by_name = {r.workload: r for r in ours}
     if "mixed" in by_name:
         limit["batchgen_mixed_total_tok_s"] = by_name["mixed"].rates()["total_tok_s"]
         limit["mixed_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_ceiling_tok_s"]
+        limit["mixed_with_kv_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_kv_tok_s"]
     limit["batchgen_decode_tok_s"] = decode_summary(by_name["decode"].extra["decode_steps"])
     limit["decode_fraction"] = {k: v / limit["decode_ceiling_tok_s"] for k, v in limit["batchgen_decode_tok_s"].items()}
     return limit
@@ -500,8 +532,9 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
     print(f"[{dtype}] GEMM rates", flush=True)
     rates = isolated(args.isolate, gemm_rates, layer_shapes(cfg), dtype, settings["gemm_ms"], settings["gemm_time"],
                      args.threads)
+    read_gbs = isolated(args.isolate, read_gb_s, args.threads, settings["gemm_time"] * 10)
     ours, notes = bench_batchgen(args, dtype, cfg, workloads), []
-    limit = the_limit(rates, cfg, workloads, ours)
+    limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours)
     for run in ours:
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
     peers = [] if args.skip_peers else bench_peers(args, dtype, workloads, ours, settings, notes)
@@ -532,8 +565,11 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
             print(f"  {name:8s} {c['shapes'][name]!s:14s} " + "  ".join(f"M={m}: {g:7.1f}" for m, g in by_m.items()))
         print(f"  ceiling mixed {c['mixed_ceiling_tok_s']:.0f} tok/s (mean context {c['mixed_mean_context']:.0f}), "
               f"decode {c['decode_ceiling_tok_s']:.0f} tok/s (mean context {c['decode_mean_context']:.0f})")
+        print(f"  with mixed's decode K/V reads ({c['mixed_decode_kv_gb']:.0f} GB) at the read bandwidth "
+              f"({c['read_gb_s']:.1f} GB/s): mixed {c['mixed_with_kv_tok_s']:.0f} tok/s")
         if "mixed_fraction" in c:
-            print(f"  batchgen mixed {c['batchgen_mixed_total_tok_s']:.0f} tok/s = {c['mixed_fraction']:.1%}")
+            print(f"  batchgen mixed {c['batchgen_mixed_total_tok_s']:.0f} tok/s = {c['mixed_fraction']:.1%} of the "
+                  f"matmul ceiling, {c['mixed_with_kv_fraction']:.1%} with the K/V reads")
         for label, rate in c["batchgen_decode_tok_s"].items():
             print(f"  batchgen decode-only, batch {label}: {rate:.0f} tok/s = {c['decode_fraction'][label]:.1%}")
     print("\n== where batchgen's time goes (seconds, share of the run)")

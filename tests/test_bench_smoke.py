@@ -42,6 +42,16 @@ def test_workloads_are_deterministic_and_in_range(bench):
     assert (parallel.n, parallel.temperature, parallel.top_p) == (8, 0.8, 0.95)
 
 
+def test_key_counts_match_a_step_by_step_count(bench):
+    """context_sum charges every fed token its causal keys; decode_context_sum only the decode steps' keys."""
+    wl = bench.Workload("w", prompts=[[1] * 5, [2] * 9], max_tokens=[3, 1], n=2)
+    fed, decode = 0, 0
+    for prompt, m in zip(wl.prompts, wl.max_tokens, strict=True):
+        fed += wl.n * sum(range(1, len(prompt) + m + 1))
+        decode += wl.n * sum(len(prompt) + step for step in range(1, m))  # step j sees the prompt and j outputs
+    assert (wl.context_sum(), wl.decode_context_sum()) == (fed, decode) == (2 * (36 + 55), 2 * (6 + 7))
+
+
 def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "bench.json"
@@ -58,6 +68,7 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     assert pressure["extra"]["preemptions"] > 0
     ceiling = report["ceilings"]["float32"]
     assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
+    assert ceiling["read_gb_s"] > 0 and 0 < ceiling["mixed_with_kv_tok_s"] < ceiling["mixed_ceiling_tok_s"]
     assert "batchgen/peer" in capsys.readouterr().out
 
 
