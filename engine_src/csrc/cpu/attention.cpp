@@ -17,10 +17,13 @@
 namespace batchgen::cpu {
 namespace {
 
-constexpr int64_t kPrefillRowsPerTask = 32;  // query rows (tokens x heads of a kv head) per prefill task
+// Query rows (tokens x heads of a kv head) per prefill task at most: each K/V tile a task reads
+// serves all its rows (its K transposed once), so larger tasks go faster (32 -> 256 rows: 341-token
+// prompts 1.15x) as long as there are tasks enough for every thread.
+constexpr int64_t kPrefillRowsPerTask = 256;
 constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more in the combine than they gain
 constexpr int64_t kMinBytesPerWorker = 256 << 10;
-constexpr int64_t kTasksPerWorker = 4;       // decode tasks per worker that balance ragged lengths
+constexpr int64_t kTasksPerWorker = 4;       // tasks per worker that balance ragged lengths
 
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale) {
@@ -201,7 +204,13 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int64_t group = args.num_heads / args.num_kv_heads;
-  const int64_t tile = std::max<int64_t>(1, kPrefillRowsPerTask / group);  // query tokens per task
+  auto count_tasks = [&](int64_t tokens_per_task) {
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) count += (starts[s + 1] - starts[s] + tokens_per_task - 1) / tokens_per_task;
+    return count * args.num_kv_heads;
+  };
+  int64_t tile = std::max<int64_t>(1, kPrefillRowsPerTask / group);  // query tokens per task
+  while (tile > 1 && count_tasks(tile) < kTasksPerWorker * at::get_num_threads()) tile = (tile + 1) / 2;
   std::vector<AttnTask> tasks;
   int64_t keys_read = 0;  // summed over tasks, each of which reads its keys and values once
   for (int64_t s = 0; s < num_seqs; ++s) {

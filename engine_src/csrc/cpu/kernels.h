@@ -65,10 +65,13 @@ struct AttnTask {
 
 using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, float* scratch);
 
-// Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs.
+constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attention (attention_impl.h)
+
+// Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs:
+// queries, accumulators, maxima and sums per row, the scores of one row group (<= 4 rows) x one
+// tile, and one tile's K transposed into pairs of 4 bytes (on a 64-byte boundary).
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  constexpr int64_t kScoreBuffer = 4 * 64;  // scores of one row group (<= 4 rows) x one tile (64 keys)
-  return 2 * rows * head_dim + 2 * rows + kScoreBuffer;
+  return 2 * rows * head_dim + 2 * rows + 4 * kTileKeys + kTileKeys * head_dim / 2 + 16;
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).

@@ -84,6 +84,35 @@ inline Vec dot_pairs(BF16Pairs a, BF16Pairs b, Vec c) {
   return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};
 }
 
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 16: a 16 x 16 block of 4-byte
+// words transposed in three rounds of in-register shuffles.
+inline void transpose16x16(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
+  __m512i r[16], a[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+  // Per 128-bit lane L, rows 2i and 2i + 1 interleaved: columns 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi).
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3.
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  // Column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]: a 4 x 4 transpose of lanes.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), p1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+    const __m512i p2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i p3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+    _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(p0, p2, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(p0, p2, 0xdd));
+    _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(p1, p3, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(p1, p3, 0xdd));
+  }
+}
+
 // x rounded to bf16 (nearest even) into dst[0 .. 16).
 inline void store_bf16(Vec x, BF16* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x.v));
