@@ -154,3 +154,27 @@ def test_bf16_logits_sample_like_their_float32_copy():
     from_bf16, from_float = sample(logits, rows), sample(logits.float(), rows)
     assert from_bf16.token_ids == from_float.token_ids
     assert from_bf16.logprobs == pytest.approx(from_float.logprobs, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_leaves_the_logits_alone_and_rows_independent(dtype):
+    """The sampler skips copies when a chunk's rows are all random: it must still never write the caller's logits
+    (the log-probs are read from them afterwards), and a row's token must not depend on its chunk's company."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(40, 300, generator=gen)).to(dtype)
+    original = logits.clone()
+    nucleus = SamplingParams(temperature=0.8, top_p=0.9)
+    plain = SamplingParams(temperature=1.0)
+    greedy = SamplingParams(temperature=0)
+    all_random = [row(nucleus if r % 2 else plain, seed=r) for r in range(40)]
+    mixed = [row(greedy, banned=[int(original[r].float().argmax())]) if r % 3 == 0 else all_random[r]
+             for r in range(40)]
+    for rows in (all_random, mixed):
+        result = sample(logits, rows)
+        assert torch.equal(logits, original)
+        expected = original.float().log_softmax(-1).gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
+        assert result.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+        for r in range(0, 40, 7):
+            assert sample(original[r : r + 1].clone(), [rows[r]]).token_ids[0] == result.token_ids[r]
+    banned_rows = range(0, 40, 3)
+    assert all(result.token_ids[r] != int(original[r].float().argmax()) for r in banned_rows)

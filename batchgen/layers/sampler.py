@@ -69,6 +69,12 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
 _CHUNK_ROWS = 16
 
 
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without the copy when rows are all of t's rows in order (a chunk of random rows, as "parallel"
+    samples, is one 3 MB copy per index otherwise)."""
+    return t if rows == list(range(len(t))) else t[rows]
+
+
 def _uniform(row: SamplingRow) -> float:
     """The row's one uniform number in [0, 1) for this position, from its seed alone."""
     return (mix_seed(row.seed, row.sample_index, len(row.output_token_ids)) >> 10) / 2.0**53
@@ -99,8 +105,9 @@ def _sample_filtered(weights: torch.Tensor, params: list[SamplingParams], u: tor
     drawn = torch.empty(len(params), dtype=torch.long, device=device)
     todo = torch.arange(len(params), device=device)
     k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params if p.top_k > 0]))
+    searched = weights  # the rows of todo
     while True:
-        cand, cand_ids = weights[todo].topk(k, dim=-1)  # sorted, most likely first
+        cand, cand_ids = searched.topk(k, dim=-1)  # sorted, most likely first
         probs = cand / totals[todo]
         keep = torch.arange(k, device=device)[None, :] < top_k[todo, None]
         keep &= probs.cumsum(dim=-1) - probs < top_p[todo, None]
@@ -112,6 +119,7 @@ def _sample_filtered(weights: torch.Tensor, params: list[SamplingParams], u: tor
         todo = todo[~done]
         if len(todo) == 0:
             return drawn
+        searched = weights[todo]
         k = min(vocab, 8 * k)
 
 
@@ -127,9 +135,9 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     plain = sorted(set(range(len(rows))) - set(filtered))
     drawn = torch.empty(len(rows), dtype=torch.long, device=device)
     if plain:
-        drawn[plain] = _inverse_cdf(weights[plain], u[plain])
+        drawn[plain] = _inverse_cdf(_take(weights, plain), u[plain])
     if filtered:
-        drawn[filtered] = _sample_filtered(weights[filtered], [params[i] for i in filtered], u[filtered])
+        drawn[filtered] = _sample_filtered(_take(weights, filtered), [params[i] for i in filtered], u[filtered])
     return drawn
 
 
@@ -141,13 +149,13 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     edited_rows = [r for r, row in enumerate(rows)
                    if not row.params.greedy or row.banned_token_ids or row.params.penalized]
     if edited_rows:
-        edited = logits[edited_rows].float()  # a copy
+        edited = _take(logits, edited_rows).to(torch.float32, copy=True)
         _apply_bans_and_penalties(edited, [rows[r] for r in edited_rows])
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
         greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
         picks = edited.argmax(dim=-1) if greedy_edited else torch.empty_like(chosen[edited_rows])
-        if random_rows:  # indexing with a list copies the rows, which _draw then overwrites
-            picks[random_rows] = _draw(edited[random_rows], [rows[edited_rows[i]] for i in random_rows])
+        if random_rows:  # _draw overwrites what it is given, which nothing reads afterwards
+            picks[random_rows] = _draw(_take(edited, random_rows), [rows[edited_rows[i]] for i in random_rows])
         chosen[edited_rows] = picks
     return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total
 
