@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -93,7 +94,7 @@ void load_queries(const AttnArgs& a, const AttnTask& task, int group, QueryT<T>*
     const T* src = static_cast<const T*>(a.query) + at.token * a.query_token_stride + at.head * a.query_head_stride;
     QueryT<T>* dst = q + r * D;
     if constexpr (kPairs<T>) {
-      for (int i = 0; i < D; ++i) dst[i] = src[i];
+      std::memcpy(dst, src, D * sizeof(BF16));
     } else {
       for (int i = 0; i < D; i += Vec::N) Vec::load(src + i).store(dst + i);
     }
@@ -396,18 +397,13 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
   if (c < D) values_chunk<BF16, NG>(p, correction, tile, D, BS, n, c, 0, acc);
 }
 
-// Restores the order of a row accumulated by the pair path: interleave_lo/hi leave, per 128-bit
-// lane L, elements 8L .. 8L + 3 of a chunk at 4L .. 4L + 3 and elements 8L + 4 .. 8L + 7 at
-// N + 4L .. N + 4L + 3.
+// Restores the order of a row accumulated by the pair path (see unpermute_chunk).
 inline void unpermute_pairs(float* row, int D) {
   for (int c = 0; c + kPairChunk <= D; c += kPairChunk) {
-    float chunk[kPairChunk];
-    for (int i = 0; i < Vec::N; ++i) {
-      const int natural = 8 * (i / 4) + i % 4;
-      chunk[natural] = row[c + i];
-      chunk[natural + 4] = row[c + Vec::N + i];
-    }
-    for (int i = 0; i < kPairChunk; ++i) row[c + i] = chunk[i];
+    Vec lo = Vec::load(row + c), hi = Vec::load(row + c + Vec::N);
+    unpermute_chunk(lo, hi);
+    lo.store(row + c);
+    hi.store(row + c + Vec::N);
   }
 }
 #endif
@@ -481,7 +477,14 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
     const RowIndex at = row_index(task, group, r);
     T* dst = static_cast<T*>(a.out) + at.token * a.out_token_stride + at.head * a.out_head_stride;
     const float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
-    for (int i = 0; i < D; ++i) dst[i] = from_float<T>(rows.acc[r * D + i] * inv);
+    const float* acc = rows.acc + r * D;
+    int i = 0;
+#ifdef BATCHGEN_DOT_BF16
+    if constexpr (kPairs<T>) {
+      for (; i + Vec::N <= D; i += Vec::N) store_bf16(Vec::load(acc + i) * Vec::set1(inv), dst + i);
+    }
+#endif
+    for (; i < D; ++i) dst[i] = from_float<T>(acc[i] * inv);
   }
 }
 

@@ -79,6 +79,16 @@ struct BF16Pairs {
 inline BF16Pairs interleave_lo(BF16Pairs a, BF16Pairs b) { return {_mm512_unpacklo_epi16(a.v, b.v)}; }
 inline BF16Pairs interleave_hi(BF16Pairs a, BF16Pairs b) { return {_mm512_unpackhi_epi16(a.v, b.v)}; }
 
+// Puts a chunk of 2N sums accumulated from interleave_lo/hi operands back in order: lo holds, per
+// 128-bit lane L, the chunk's elements 8L .. 8L + 3 and hi its elements 8L + 4 .. 8L + 7; after,
+// lo holds elements 0 .. N - 1 and hi N .. 2N - 1.
+inline void unpermute_chunk(Vec& lo, Vec& hi) {
+  const __m512 first = _mm512_shuffle_f32x4(lo.v, hi.v, 0x44);  // lanes lo0, lo1, hi0, hi1
+  const __m512 second = _mm512_shuffle_f32x4(lo.v, hi.v, 0xee);  // lo2, lo3, hi2, hi3
+  lo = {_mm512_shuffle_f32x4(first, first, 0xd8)};  // lo0, hi0, lo1, hi1
+  hi = {_mm512_shuffle_f32x4(second, second, 0xd8)};
+}
+
 // c + (a . b) per pair: lane i gains a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
 inline Vec dot_pairs(BF16Pairs a, BF16Pairs b, Vec c) {
   return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};
