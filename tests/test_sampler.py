@@ -178,3 +178,80 @@ def test_sample_leaves_the_logits_alone_and_rows_independent(dtype):
             assert sample(original[r : r + 1].clone(), [rows[r]]).token_ids[0] == result.token_ids[r]
     banned_rows = range(0, 40, 3)
     assert all(result.token_ids[r] != int(original[r].float().argmax()) for r in banned_rows)
+
+
+def _filter_cases(count: int, vocab: int, gen: torch.Generator):
+    """Logits and per-row filters covering plain rows, each filter alone and together, flat and peaked rows,
+    and banned tokens; no two logits of a row tie (the kernel breaks ties by token id, torch.topk as it may)."""
+    logits = 3 * torch.randn(count, vocab, generator=gen)
+    logits[1] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: the nucleus holds most of the vocabulary
+    logits[2, 17] = 40.0  # one token holds nearly all the mass
+    logits[3, : vocab // 2] = float("-inf")  # banned tokens
+    filters = [(0.7, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.3, 0, 0.95, 0.0), (0.8, 0, 0.999, 0.0), (1.0, 1, 1.0, 0.0),
+               (0.9, 5, 1.0, 0.0), (1.0, 50, 0.8, 0.0), (1.0, 0, 1.0, 0.05), (0.6, 20, 0.9, 0.3), (1.0, 0, 0.5, 0.0)]
+    rows = [filters[r % len(filters)] for r in range(count)]
+    temperature, top_k, top_p, min_p = (torch.tensor(col) for col in zip(*rows, strict=True))
+    u = torch.rand(count, generator=gen)
+    return logits, temperature.float(), top_k.long(), top_p.float(), min_p.float(), u
+
+
+def test_sample_tokens_matches_the_torch_reference_on_every_isa():
+    from batchgen.ops import reference
+
+    case = _filter_cases(300, 4099, torch.Generator().manual_seed(8))  # a vocabulary with a ragged tail
+    expected = reference.sample_tokens(*case)
+    assert expected[2] == 17 and bool((expected[3] >= 4099 // 2).all()) and (case[0][3, expected[3]] > -1e9)
+    active = _C.cpu_isa()
+    try:
+        for isa in _C.supported_cpu_isas():  # each instruction set's weights kernel
+            _C.set_cpu_isa(isa)
+            assert torch.equal(ops.sample_tokens(*case), expected), isa
+    finally:
+        _C.set_cpu_isa(active)
+
+
+def test_sample_tokens_draws_each_kept_token_in_proportion():
+    """Evenly spaced u invert the kept tokens' cumulative distribution: each token gets its share of the draws."""
+    weights = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.08])  # sorted: 1, 3, 4, 5, 0, 2
+    draws = 6000
+    logits = weights.log().repeat(draws, 1)
+    u = (torch.arange(draws) + 0.5) / draws
+
+    def counts(top_k: int, top_p: float, min_p: float) -> list[int]:
+        tokens = ops.sample_tokens(logits, torch.ones(draws), torch.full((draws,), top_k), torch.full((draws,), top_p),
+                                   torch.full((draws,), min_p), u)
+        return torch.bincount(tokens, minlength=6).tolist()
+
+    def expected(kept: list[int]) -> list[int]:
+        total = sum(weights[kept].tolist())
+        return [round(draws * weights[t].item() / total) if t in kept else 0 for t in range(6)]
+
+    for found, want in [(counts(0, 1.0, 0.0), expected([0, 1, 2, 3, 4, 5])),
+                        (counts(0, 0.65, 0.0), expected([1, 3])),  # token 4 starts at mass 0.7 >= 0.65
+                        (counts(0, 0.75, 0.0), expected([1, 3, 4])),
+                        (counts(2, 1.0, 0.0), expected([1, 3])),
+                        (counts(0, 1.0, 0.3), expected([1, 3, 4])),  # min_p relative to the most likely: >= 0.12
+                        (counts(1, 0.9, 0.0), expected([1]))]:
+        assert all(abs(f - w) <= 1 for f, w in zip(found, want, strict=True)), (found, want)
+
+
+def test_sample_tokens_breaks_ties_by_token_id():
+    draws = 300
+    u = (torch.arange(draws) + 0.5) / draws
+    tokens = ops.sample_tokens(torch.zeros(draws, 10), torch.ones(draws), torch.full((draws,), 3), torch.ones(draws),
+                               torch.zeros(draws), u)
+    assert torch.bincount(tokens, minlength=10).tolist() == [100, 100, 100] + [0] * 7
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2))
+    only_the_top = ops.sample_tokens(logits, torch.full((4,), 0.7), torch.zeros(4, dtype=torch.int64), torch.ones(4),
+                                     torch.ones(4), torch.rand(4))  # min_p 1 keeps the most likely token alone
+    assert torch.equal(only_the_top, logits.argmax(-1))
+
+
+def test_sample_tokens_rejects_bad_arguments():
+    logits, temperature, top_k, top_p, min_p, u = _filter_cases(4, 50, torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match=r"temperature\[2\] = 0 must be > 0"):
+        ops.sample_tokens(logits, temperature.index_fill(0, torch.tensor([2]), 0.0), top_k, top_p, min_p, u)
+    with pytest.raises(ValueError, match="top_k must be"):
+        ops.sample_tokens(logits, temperature, top_k.int(), top_p, min_p, u)
+    with pytest.raises(ValueError, match="u must be a CPU tensor of 4 entries"):
+        ops.sample_tokens(logits, temperature, top_k, top_p, min_p, u[:3])

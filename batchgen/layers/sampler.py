@@ -80,65 +80,16 @@ def _uniform(row: SamplingRow) -> float:
     return (mix_seed(row.seed, row.sample_index, len(row.output_token_ids)) >> 10) / 2.0**53
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the index i with cdf[i-1] <= u * total < cdf[i]: drawn with probability weights[i] / total."""
-    cdf = weights.cumsum(dim=-1)
-    target = (u * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1).squeeze(1)
-
-
-# Candidates kept by top-k/top-p/min-p are looked for among this many most likely tokens first
-# (a partial top-k is far cheaper than sorting the vocabulary); the rows whose filter keeps all of
-# them are searched again with 8 times as many, up to the whole vocabulary. Real nuclei are
-# mostly small (SmolLM2 at temperature 0.8, top_p 0.95: median 7 tokens, 90% within 85), so only
-# a few rows pay for a wide search.
-_CANDIDATES = 64
-
-
-def _sample_filtered(weights: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Draws from weights (unnormalised, maximum 1) restricted by each row's top-k, top-p and min-p."""
-    device, vocab = weights.device, weights.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    totals = weights.sum(-1, keepdim=True)
-    drawn = torch.empty(len(params), dtype=torch.long, device=device)
-    todo = torch.arange(len(params), device=device)
-    k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params if p.top_k > 0]))
-    searched = weights  # the rows of todo
-    while True:
-        cand, cand_ids = searched.topk(k, dim=-1)  # sorted, most likely first
-        probs = cand / totals[todo]
-        keep = torch.arange(k, device=device)[None, :] < top_k[todo, None]
-        keep &= probs.cumsum(dim=-1) - probs < top_p[todo, None]
-        keep &= cand >= min_p[todo, None]  # relative to the maximum weight, 1
-        keep[:, 0] = True  # the most likely token always stays
-        done = ~keep[:, -1] if k < vocab else torch.ones_like(keep[:, -1])
-        picked = _inverse_cdf(cand[done] * keep[done], u[todo[done]])
-        drawn[todo[done]] = cand_ids[done].gather(1, picked[:, None]).squeeze(1)
-        todo = todo[~done]
-        if len(todo) == 0:
-            return drawn
-        searched = weights[todo]
-        k = min(vocab, 8 * k)
-
-
 def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row of work (logits after bans and penalties, a copy it overwrites)."""
-    device = work.device
+    """Samples one token per row of work (float32 logits after bans and penalties)."""
     params = [row.params for row in rows]
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=work.dtype)
-    weights = work.div_(temperature[:, None])
-    weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # maximum 1 in every row
-    u = torch.tensor([_uniform(row) for row in rows], device=device, dtype=work.dtype)
-    filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
-    plain = sorted(set(range(len(rows))) - set(filtered))
-    drawn = torch.empty(len(rows), dtype=torch.long, device=device)
-    if plain:
-        drawn[plain] = _inverse_cdf(_take(weights, plain), u[plain])
-    if filtered:
-        drawn[filtered] = _sample_filtered(_take(weights, filtered), [params[i] for i in filtered], u[filtered])
-    return drawn
+
+    def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=work.device)
+
+    return ops.sample_tokens(work, per_row([p.temperature for p in params]),
+                             per_row([p.top_k for p in params], torch.int64), per_row([p.top_p for p in params]),
+                             per_row([p.min_p for p in params]), per_row([_uniform(row) for row in rows]))
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +105,7 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
         greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
         picks = edited.argmax(dim=-1) if greedy_edited else torch.empty_like(chosen[edited_rows])
-        if random_rows:  # _draw overwrites what it is given, which nothing reads afterwards
+        if random_rows:
             picks[random_rows] = _draw(_take(edited, random_rows), [rows[edited_rows[i]] for i in random_rows])
         chosen[edited_rows] = picks
     return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total

@@ -125,3 +125,59 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), torch.logsumexp(logits.float(), dim=-1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index i with cdf[i-1] <= u * total < cdf[i]: drawn with probability weights[i] / total."""
+    cdf = weights.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1).squeeze(1)
+
+
+# Candidates kept by top-k/top-p/min-p are looked for among this many most likely tokens first
+# (a partial top-k is far cheaper than sorting the vocabulary); the rows whose filter keeps all of
+# them are searched again with 8 times as many, up to the whole vocabulary. Real nuclei are
+# mostly small (SmolLM2 at temperature 0.8, top_p 0.95: median 7 tokens, 90% within 85), so only
+# a few rows pay for a wide search.
+_CANDIDATES = 64
+
+
+def _sample_filtered(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                     u: torch.Tensor) -> torch.Tensor:
+    """Draws from weights (unnormalised, maximum 1) restricted by each row's top-k, top-p and min-p."""
+    device, vocab = weights.device, weights.shape[1]
+    k = min(vocab, max([_CANDIDATES] + top_k[top_k > 0].tolist()))
+    top_k = torch.where(top_k > 0, top_k, vocab)
+    totals = weights.sum(-1, keepdim=True)
+    drawn = torch.empty(len(weights), dtype=torch.long, device=device)
+    todo = torch.arange(len(weights), device=device)
+    searched = weights  # the rows of todo
+    while True:
+        cand, cand_ids = searched.topk(k, dim=-1)  # sorted, most likely first
+        probs = cand / totals[todo]
+        keep = torch.arange(k, device=device)[None, :] < top_k[todo, None]
+        keep &= probs.cumsum(dim=-1) - probs < top_p[todo, None]
+        keep &= cand >= min_p[todo, None]  # relative to the maximum weight, 1
+        keep[:, 0] = True  # the most likely token always stays
+        done = ~keep[:, -1] if k < vocab else torch.ones_like(keep[:, -1])
+        picked = _inverse_cdf(cand[done] * keep[done], u[todo[done]])
+        drawn[todo[done]] = cand_ids[done].gather(1, picked[:, None]).squeeze(1)
+        todo = todo[~done]
+        if len(todo) == 0:
+            return drawn
+        searched = weights[todo]
+        k = min(vocab, 8 * k)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    weights = logits / temperature[:, None]
+    weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # maximum 1 in every row
+    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    drawn = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+    if (~filtered).any():
+        drawn[~filtered] = _inverse_cdf(weights[~filtered], u[~filtered])
+    if filtered.any():
+        drawn[filtered] = _sample_filtered(weights[filtered], top_k[filtered], top_p[filtered], min_p[filtered],
+                                           u[filtered])
+    return drawn

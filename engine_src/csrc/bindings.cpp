@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -307,6 +309,32 @@ void argmax_logsumexp(const Tensor& logits, Tensor& argmax, Tensor& log_total) {
   batchgen::cpu::argmax_logsumexp(logits, argmax, log_total);
 }
 
+void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
+                   const Tensor& min_p, const Tensor& u, Tensor& tokens) {
+  const char* op = "sample_tokens";
+  check_rank(op, "logits", logits, 2, "[n, vocab]");
+  TORCH_CHECK_VALUE(logits.is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                        logits.size(1) >= 1 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
+                    op, ": logits must be a float32 CPU tensor [n, vocab] with contiguous rows, got ",
+                    logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides(), " on ", logits.device());
+  const int64_t n = logits.size(0);
+  const std::pair<const char*, const Tensor*> per_row[] = {
+      {"temperature", &temperature}, {"top_p", &top_p}, {"min_p", &min_p}, {"u", &u}};
+  for (const auto& [name, t] : per_row) {
+    check_index(op, name, *t, torch::kFloat32, 1, "[n]");
+    TORCH_CHECK_VALUE(t->is_cpu() && t->size(0) == n, op, ": ", name, " must be a CPU tensor of ", n, " entries");
+  }
+  check_index(op, "top_k", top_k, torch::kInt64, 1, "[n]");
+  check_index(op, "tokens", tokens, torch::kInt64, 1, "[n]");
+  TORCH_CHECK_VALUE(top_k.is_cpu() && tokens.is_cpu() && top_k.size(0) == n && tokens.size(0) == n, op,
+                    ": top_k and tokens must be CPU tensors of ", n, " entries");
+  const float* temp = temperature.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK_VALUE(temp[r] > 0.0f, op, ": temperature[", r, "] = ", temp[r], " must be > 0 (greedy rows take argmax)");
+  }
+  batchgen::cpu::sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens);
+}
+
 bool has_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -343,6 +371,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), no_gil);
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per row of logits: first argmax and logsumexp", py::arg("logits"),
         py::arg("argmax"), py::arg("log_total"), no_gil);
+  m.def("sample_tokens", &sample_tokens,
+        "One token per row of float32 logits, drawn at u from softmax(logits / temperature) under top-k/top-p/min-p",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        py::arg("tokens"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

@@ -21,7 +21,8 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&norm_row<float>, &norm_row<BF16>, nullptr},
                              {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
-                             {&summarise_row<float>, &summarise_row<BF16>, nullptr}};
+                             {&summarise_row<float>, &summarise_row<BF16>, nullptr},
+                             &weights_row};
 
 }  // namespace
 

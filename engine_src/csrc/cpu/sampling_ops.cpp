@@ -1,18 +1,136 @@
-// The sampler's summary of every row of logits, read once in the model's own dtype (bf16 or
-// float32): the greedy choice and the log of the softmax's normaliser. torch needs a float32 copy
-// of the whole batch, then argmax and logsumexp over it (~1.5 ms a step at 40 rows of a 49k
-// vocabulary on 2 cores, against ~0.3 ms here). The row kernel is the active instruction set's
-// (layer_impl.h).
+// The sampler on CPU. argmax_logsumexp summarises every row of logits, read once in the model's
+// own dtype (bf16 or float32): the greedy choice and the log of the softmax's normaliser. torch
+// needs a float32 copy of the whole batch, then argmax and logsumexp over it (~1.5 ms a step at
+// 40 rows of a 49k vocabulary on 2 cores, against ~0.3 ms here). sample_tokens draws the random
+// rows (batchgen/ops/reference.py has the same in torch). The row kernels are the active
+// instruction set's (layer_impl.h).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "ops.h"
 
 namespace batchgen::cpu {
+namespace {
+
+// Rows are scanned in chunks of this many weights, each summed or tested as a whole (vectorised)
+// before any of its weights is looked at one by one.
+constexpr int64_t kChunk = 64;
+
+struct RowFilter {
+  int64_t top_k;  // 0: off
+  float top_p;    // 1: off
+  float min_p;    // relative to the most likely token; 0: off
+};
+
+// The token drawn at u from a row's distribution: weights w (from weights_row, total their sum),
+// restricted by the filter to a prefix of the tokens in order of decreasing weight (ties: lower id
+// first), or, with no filter, all tokens in id order; the first token whose cumulative weight
+// exceeds u times the kept total. Only tokens that can be kept are sorted (see below).
+
+int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, float u, std::vector<int32_t>& cand) {
+  if (!(total > 0.0f)) return 0;  // every logit -inf (or NaN)
+  const bool filtered = f.top_k > 0 || f.top_p < 1.0f || f.min_p > 0.0f;
+  if (!filtered) {
+    const float target = u * total;
+    float cdf = 0.0f;
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t end = std::min(c + kChunk, n);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = c; i < end; ++i) sum += w[i];
+      if (cdf + sum <= target) {
+        cdf += sum;
+        continue;
+      }
+      for (int64_t i = c; i < end; ++i) {
+        cdf += w[i];
+        if (cdf > target) return i;
+      }
+    }
+    return n - 1;
+  }
+  // Candidates: the tokens at or above a weight threshold, lowered 16-fold until they hold every
+  // token the filter can keep: their mass reaches top_p, or there are top_k of them, or the
+  // threshold is min_p (tokens are kept most likely first, so the kept ones come first).
+  const float needed_mass = f.top_p * total;
+  for (float threshold = std::max(f.min_p, 1.0f / 16);; threshold /= 16) {
+    if (threshold < 1e-30f) threshold = 0.0f;
+    cand.clear();
+    float mass = 0.0f;
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t end = std::min(c + kChunk, n);
+      int hit = 0;
+#pragma omp simd reduction(| : hit)
+      for (int64_t i = c; i < end; ++i) hit |= w[i] >= threshold && w[i] > 0.0f;
+      for (int64_t i = c; hit && i < end; ++i) {
+        if (w[i] >= threshold && w[i] > 0.0f) {
+          cand.push_back(static_cast<int32_t>(i));
+          mass += w[i];
+        }
+      }
+    }
+    const bool enough = (f.top_p < 1.0f && mass >= needed_mass * 1.0001f) ||  // a margin for the order of sums
+                        (f.top_k > 0 && static_cast<int64_t>(cand.size()) >= f.top_k) ||
+                        (f.min_p > 0.0f && threshold <= f.min_p) || threshold == 0.0f;
+    if (enough) break;
+  }
+  if (cand.empty()) {  // min_p = 1 where rounding left the top weight a hair under 1
+    cand.push_back(static_cast<int32_t>(std::max_element(w, w + n) - w));
+  }
+  auto before = [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
+  if (f.top_k > 0 && static_cast<int64_t>(cand.size()) > f.top_k) {
+    std::nth_element(cand.begin(), cand.begin() + f.top_k, cand.end(), before);
+    cand.resize(f.top_k);
+  }
+  std::sort(cand.begin(), cand.end(), before);
+  // The kept prefix: the nucleus (probability mass before a token below top_p) and min_p; the
+  // most likely token always stays.
+  size_t kept = 1;
+  float mass = w[cand[0]] / total, kept_total = w[cand[0]];
+  for (; kept < cand.size(); ++kept) {
+    const float weight = w[cand[kept]];
+    if (mass >= f.top_p || weight < f.min_p) break;
+    mass += weight / total;
+    kept_total += weight;
+  }
+  const float target = u * kept_total;
+  float cdf = 0.0f;
+  for (size_t j = 0; j < kept; ++j) {
+    cdf += w[cand[j]];
+    if (cdf > target) return cand[j];
+  }
+  return cand[kept - 1];
+}
+
+}  // namespace
+
+void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                   const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
+                   torch::Tensor& tokens) {
+  const WeightsRowFn weights_row = active_kernels().weights_row;
+  const int64_t n = logits.size(1);
+  const float* x = logits.data_ptr<float>();
+  const float* temp = temperature.data_ptr<float>();
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  const float* p = top_p.data_ptr<float>();
+  const float* m = min_p.data_ptr<float>();
+  const float* uniform = u.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(n);
+    std::vector<int32_t> cand;
+    for (int64_t r = begin; r < end; ++r) {
+      const float total = weights_row(x + r * logits.stride(0), n, temp[r], w.data());
+      out[r] = draw_row(w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], cand);
+    }
+  });
+}
 
 void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch::Tensor& log_total) {
   const SummariseRowFn summarise = active_kernels().summarise_row[static_cast<int>(dtype_of(logits))];
