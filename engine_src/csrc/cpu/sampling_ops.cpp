@@ -28,37 +28,32 @@ struct RowFilter {
   float min_p;    // relative to the most likely token; 0: off
 };
 
-// The token drawn at u from a row's distribution: weights w (from weights_row, total their sum),
-// restricted by the filter to a prefix of the tokens in order of decreasing weight (ties: lower id
-// first), or, with no filter, all tokens in id order; the first token whose cumulative weight
-// exceeds u times the kept total. Only tokens that can be kept are sorted (see below).
-
-int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, float u, std::vector<int32_t>& cand) {
-  if (!(total > 0.0f)) return 0;  // every logit -inf (or NaN)
-  const bool filtered = f.top_k > 0 || f.top_p < 1.0f || f.min_p > 0.0f;
-  if (!filtered) {
-    const float target = u * total;
-    float cdf = 0.0f;
-    for (int64_t c = 0; c < n; c += kChunk) {
-      const int64_t end = std::min(c + kChunk, n);
-      float sum = 0.0f;
+// With no filter: the first token, in id order, whose cumulative weight exceeds u times the total.
+int64_t draw_in_id_order(const float* w, int64_t n, float total, float u) {
+  const float target = u * total;
+  float cdf = 0.0f;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t end = std::min(c + kChunk, n);
+    float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = c; i < end; ++i) sum += w[i];
-      if (cdf + sum <= target) {
-        cdf += sum;
-        continue;
-      }
-      for (int64_t i = c; i < end; ++i) {
-        cdf += w[i];
-        if (cdf > target) return i;
-      }
+    for (int64_t i = c; i < end; ++i) sum += w[i];
+    if (cdf + sum <= target) {
+      cdf += sum;
+      continue;
     }
-    return n - 1;
+    for (int64_t i = c; i < end; ++i) {
+      cdf += w[i];
+      if (cdf > target) return i;
+    }
   }
-  // Candidates: the tokens at or above a weight threshold, lowered 16-fold until they hold every
-  // token the filter can keep: their mass reaches top_p, or there are top_k of them, or the
-  // threshold is min_p (tokens are kept most likely first, so the kept ones come first).
-  const float needed_mass = f.top_p * total;
+  return n - 1;
+}
+
+// Every token the filter can keep, and maybe some more, into cand: the tokens at or above a
+// weight threshold, lowered 16-fold until their mass reaches top_p, or there are top_k of them,
+// or the threshold is min_p (tokens are kept most likely first, so the kept ones are among them).
+void collect_candidates(const float* w, int64_t n, float total, const RowFilter& f, std::vector<int32_t>& cand) {
+  const float needed_mass = f.top_p * total * 1.0001f;  // a margin for the order of the sums
   for (float threshold = std::max(f.min_p, 1.0f / 16);; threshold /= 16) {
     if (threshold < 1e-30f) threshold = 0.0f;
     cand.clear();
@@ -75,14 +70,24 @@ int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, flo
         }
       }
     }
-    const bool enough = (f.top_p < 1.0f && mass >= needed_mass * 1.0001f) ||  // a margin for the order of sums
-                        (f.top_k > 0 && static_cast<int64_t>(cand.size()) >= f.top_k) ||
-                        (f.min_p > 0.0f && threshold <= f.min_p) || threshold == 0.0f;
-    if (enough) break;
+    if ((f.top_p < 1.0f && mass >= needed_mass) || (f.top_k > 0 && static_cast<int64_t>(cand.size()) >= f.top_k) ||
+        (f.min_p > 0.0f && threshold <= f.min_p) || threshold == 0.0f) {
+      break;
+    }
   }
   if (cand.empty()) {  // min_p = 1 where rounding left the top weight a hair under 1
     cand.push_back(static_cast<int32_t>(std::max_element(w, w + n) - w));
   }
+}
+
+// The token drawn at u from a row's distribution: weights w (from weights_row, total their sum),
+// restricted by the filter to a prefix of the tokens in order of decreasing weight (ties: lower id
+// first), or, with no filter, all tokens in id order; the first token whose cumulative weight
+// exceeds u times the kept total.
+int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, float u, std::vector<int32_t>& cand) {
+  if (!(total > 0.0f)) return 0;  // every logit -inf (or NaN)
+  if (f.top_k <= 0 && f.top_p >= 1.0f && f.min_p <= 0.0f) return draw_in_id_order(w, n, total, u);
+  collect_candidates(w, n, total, f, cand);
   auto before = [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
   if (f.top_k > 0 && static_cast<int64_t>(cand.size()) > f.top_k) {
     std::nth_element(cand.begin(), cand.begin() + f.top_k, cand.end(), before);
