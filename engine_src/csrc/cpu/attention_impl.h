@@ -27,12 +27,12 @@ namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
 
 constexpr int kGroup = 4;          // query rows sharing one pass over a K/V tile
-constexpr int kScoreStride = kTileKeys;  // >= the largest block size and a multiple of every Vec::N
 constexpr int kMaxTileBlocks = kTileKeys / 8;  // blocks of the smallest size in a tile
 constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of its use K/V is prefetched
-static_assert(kScoreStride % Vec::N == 0, "score rows must hold whole vectors");
+static_assert(kTileKeys % Vec::N == 0, "a tile's scores are whole vectors");
+static_assert(kTileKeys % 32 == 0, "a tile holds whole blocks of every size (8, 16, 32)");
 
 // bf16 caches use the processor's bf16 dot product where the Vec has one (BATCHGEN_DOT_BF16),
 // on pairs of elements: for the scores the pairs are adjacent elements of q and k, whose bf16
@@ -143,7 +143,7 @@ template <int TS, int NG>
 __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG], int t, float* s) {
   if constexpr (TS == 4) {
     for (int g = 0; g < NG; ++g) {
-      float* row = s + g * kScoreStride + t;
+      float* row = s + g * kTileKeys + t;
       reduce_add4(acc[0][g], acc[1][g], acc[2][g], acc[3][g], row, row + 2);
     }
   } else {
@@ -152,7 +152,7 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
       float unused[2];
       const bool pair = g + 1 < NG;
       reduce_add4(acc[0][g], acc[1][g], pair ? acc[0][g + 1] : Vec::zero(), pair ? acc[1][g + 1] : Vec::zero(),
-                  s + g * kScoreStride + t, pair ? s + (g + 1) * kScoreStride + t : unused);
+                  s + g * kTileKeys + t, pair ? s + (g + 1) * kTileKeys + t : unused);
     }
   }
 }
@@ -240,7 +240,7 @@ void scores_transposed(const BF16* q, const uint32_t* kt, int D, float* s) {
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < KC; ++c) acc[g][c].store(s + g * kScoreStride + c * 16);
+    for (int c = 0; c < KC; ++c) acc[g][c].store(s + g * kTileKeys + c * 16);
 }
 
 template <int NG>
@@ -269,7 +269,7 @@ inline float softmax_update(float* s, int limit, int width, float scale, float& 
     for (int t = 0; t < width; ++t) s[t] = 0.0f;
     return 1.0f;
   }
-  constexpr int kMaxVecs = kScoreStride / Vec::N;
+  constexpr int kMaxVecs = kTileKeys / Vec::N;
   const int vecs = width / Vec::N;
   const Vec vscale = Vec::set1(scale);
   Vec x[kMaxVecs];
@@ -317,12 +317,12 @@ void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D,
     for (; t + TS <= nb; t += TS) {
       for (int i = 0; i < TS; ++i) {
         const Vec x = Vec::load(v + (t + i) * D + c);
-        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kScoreStride + t + i]), x, sum[i][g]);
+        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t + i]), x, sum[i][g]);
       }
     }
     for (; t < nb; ++t) {
       const Vec x = Vec::load(v + t * D + c);
-      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(pb[g * kScoreStride + t]), x, sum[0][g]);
+      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[0][g]);
     }
   }
   for (int g = 0; g < NG; ++g) {
@@ -351,10 +351,10 @@ template <typename T, int NG>
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
                  int n, float* acc) {
   constexpr int TP = NG <= 2 ? 2 : 1;  // token pairs side by side, for independent chains
-  BF16 pb[NG][kScoreStride];           // p in bf16; zero past each row's limit, as p is
+  BF16 pb[NG][kTileKeys];           // p in bf16; zero past each row's limit, as p is
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(p + g * kScoreStride + c), pb[g] + c);
+    for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(p + g * kTileKeys + c), pb[g] + c);
   const int prefetch = lines_for(int64_t{BS} * kPairChunk * sizeof(BF16));
   int c = 0;
   for (; c + kPairChunk <= D; c += kPairChunk) {
@@ -415,7 +415,7 @@ struct Rows {
   float* acc;    // [rows][D]
   float* m;      // [rows]
   float* l;      // [rows]
-  float* s;      // [kGroup][kScoreStride], the scores of the row group at work
+  float* s;      // [kGroup][kTileKeys], the scores of the row group at work
 
   Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
@@ -439,7 +439,7 @@ void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& til
   float correction[NG];
   for (int g = 0; g < NG; ++g) {
     correction[g] =
-        softmax_update(rows.s + g * kScoreStride, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
+        softmax_update(rows.s + g * kTileKeys, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
   }
   tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, n, rows.acc + r0 * D);
 }
@@ -505,7 +505,7 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
   uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
 #ifdef BATCHGEN_DOT_BF16
   if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
-    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroup * kScoreStride);
+    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroup * kTileKeys);
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
 #endif

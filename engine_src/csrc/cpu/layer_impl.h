@@ -1,6 +1,6 @@
-// Row kernels of the element-wise layer ops (layer_ops.cpp) and of the sampler's row summary
-// (sampling_ops.cpp), compiled once per instruction set by kernel_table_impl.h after
-// attention_impl.h, whose vector exp the summary uses. Mostly plain loops, vectorised by the
+// Row kernels of the element-wise layer ops (layer_ops.cpp) and of the sampler's row summary and
+// weights (sampling_ops.cpp), compiled once per instruction set by kernel_table_impl.h after
+// attention_impl.h, whose vector exp the sampler's kernels use. Mostly plain loops, vectorised by the
 // compiler for the target at hand: AVX-512 runs the bf16 conversions, which dominate these
 // memory-light loops, twice as wide as the AVX2 baseline.
 //
