@@ -132,6 +132,56 @@ def test_decode_many_sequences(device, isas, dtype, heads):
             check_on_isas(isas, lambda: ops.paged_attention_decode(*args), expected, dtype, f"threads={threads}")
 
 
+# Runs of samples side by side (group id, members, blocks the members take from the run's first
+# member's table, lengths in blocks + extra tokens): a long shared prompt with its last block
+# private (8 samples), one sample diverging after 2 of the others' 6 shared blocks, a share too
+# short to pay (read by each), a lone sample, and a group id seen again further on (its own run).
+SHARED_RUNS = [
+    (0, 8, 9, [(9, 1 + 3 * j) for j in range(8)]),
+    (1, 4, 6, [(6, 5), (6, 1), (2, 20), (7, 0)]),
+    (2, 2, 1, [(1, 4), (1, 9)]),
+    (3, 1, 0, [(4, 2)]),
+    (0, 2, 5, [(5, 1), (8, 3)]),
+]
+
+
+def shared_prefix_case(block_size, num_heads, num_kv_heads, head_dim, dtype, device, gen):
+    """Decode batch whose runs read the first blocks of their first member's table (SHARED_RUNS),
+    and its seq_groups."""
+    lens, groups, shares = [], [], []
+    for group, count, shared, members in SHARED_RUNS:
+        assert len(members) == count
+        for j, (blocks, extra) in enumerate(members):
+            lens.append(blocks * block_size + extra)
+            groups.append(group)
+            shares.append(min(shared, blocks) if j else 0)
+    kv = paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    tables = kv.block_tables.clone()
+    first = 0
+    for _, count, _, _ in SHARED_RUNS:
+        for j in range(first + 1, first + count):
+            tables[j, : shares[j]] = tables[first, : shares[j]]
+        first += count
+    query = random_query(len(lens), num_heads, head_dim, dtype, device, gen)
+    args = (query, kv.key_cache, kv.value_cache, tables, kv.seq_lens, head_dim**-0.5)
+    return args, torch.tensor(groups, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_dim,block_size,heads", crossed_with_heads(), ids=case_id)
+def test_decode_of_samples_sharing_blocks_matches_reference(device, isas, dtype, head_dim, block_size, heads):
+    """With seq_groups the CPU kernel reads a run's shared blocks once for all its samples and
+    combines that with each sample's own blocks; the result must not change (beyond rounding)."""
+    gen = torch.Generator().manual_seed(4)
+    args, groups = shared_prefix_case(block_size, *heads, head_dim, dtype, device, gen)
+    with single_threaded():
+        expected = reference.paged_attention_decode(*args)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            check_on_isas(isas, lambda: ops.paged_attention_decode(*args, seq_groups=groups), expected, dtype,
+                          f"threads={threads}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_strided_query_and_out(device, isas):
     """query and out may be views with any token and head strides (unit stride in head_dim)."""
@@ -363,6 +413,9 @@ DECODE_ERRORS = [
     ("lens count", lambda a: {"seq_lens": a["seq_lens"][:1]}, "seq_lens"),
     ("device", lambda a: {"seq_lens": a["seq_lens"].to("meta")}, "seq_lens is on meta"),
     ("scale", lambda a: {"scale": float("nan")}, "scale"),
+    ("groups dtype", lambda a: {"seq_groups": a["seq_lens"].long()}, "seq_groups must be Int"),
+    ("groups count", lambda a: {"seq_groups": a["seq_lens"][:1]}, "seq_groups has 1 entries"),
+    ("groups device", lambda a: {"seq_groups": a["seq_lens"].to("meta")}, "seq_groups is on meta"),
 ]
 
 # Values read through pointers: checked by the CPU implementation (the CUDA one cannot look

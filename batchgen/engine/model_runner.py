@@ -65,6 +65,15 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(padded, dtype=torch.int32, device=self.device)
 
+    def _group_ids(self, groups: list[int]) -> torch.Tensor | None:
+        """Small ids of the decodes' requests (the scheduler keeps a request's samples side by
+        side), or None when no request decodes more than one sample."""
+        ids: dict[int, int] = {}
+        numbered = [ids.setdefault(g, len(ids)) for g in groups]
+        if len(ids) == len(groups):
+            return None
+        return torch.tensor(numbered, dtype=torch.int32, device=self.device)
+
     def _slots(self, block_table: list[int], start: int, count: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
@@ -78,7 +87,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         last_row = [0] * len(scheduled)
-        decode_tables, decode_lens, prefill_tables, prefill_lens, query_starts = [], [], [], [], [0]
+        decode_tables, decode_lens, decode_groups, prefill_tables, prefill_lens, query_starts = [], [], [], [], [], [0]
         for i in order:
             s = scheduled[i]
             seq, start, n = s.seq, s.start, s.num_new_tokens
@@ -89,6 +98,7 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(seq.block_table)
                 decode_lens.append(start + 1)
+                decode_groups.append(id(s.group))
             else:
                 prefill_tables.append(seq.block_table)
                 prefill_lens.append(start + n)
@@ -102,6 +112,7 @@ class ModelRunner:
             num_decode_tokens=len(decode_lens),
             decode_block_tables=self._block_tables(decode_tables) if decode_tables else None,
             decode_seq_lens=ints(decode_lens) if decode_lens else None,
+            decode_seq_groups=self._group_ids(decode_groups),
             prefill_block_tables=self._block_tables(prefill_tables) if prefill_tables else None,
             prefill_seq_lens=ints(prefill_lens) if prefill_lens else None,
             prefill_query_start_loc=ints(query_starts) if prefill_tables else None,

@@ -19,6 +19,9 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first rows of the batch, one token per sequence
     decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # int32 [num_decodes]
+    # int32 [num_decodes]: the request of each decode, when some request decodes several samples
+    # (side by side), whose shared prompt blocks the kernel then reads once for all of them
+    decode_seq_groups: torch.Tensor | None
     prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
     prefill_seq_lens: torch.Tensor | None  # int32 [num_prefills]
     prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefills + 1], rows after the decodes
@@ -41,7 +44,7 @@ class PagedAttention(nn.Module):
         if d:
             ops.paged_attention_decode(
                 q[:d], self.key_cache, self.value_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[:d],
+                self.scale, out=out[:d], seq_groups=meta.decode_seq_groups,
             )
         if d < q.shape[0]:
             ops.paged_attention_prefill(

@@ -57,6 +57,7 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    seq_groups: torch.Tensor | None = None,  # a hint for the kernels' shared reads; every sequence reads its own here
 ) -> torch.Tensor:
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out)

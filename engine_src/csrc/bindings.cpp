@@ -156,16 +156,26 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
   }
 }
 
+// seq_groups is a hint: the CPU kernel reads blocks shared by sequences side by side with the same
+// id once for all of them; the CUDA kernel reads every sequence's blocks itself and ignores it.
 void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                            const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+                            const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                            const c10::optional<Tensor>& seq_groups) {
   const char* op = "paged_attention_decode";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   TORCH_CHECK_VALUE(seq_lens.size(0) == query.size(0), op, ": seq_lens has ", seq_lens.size(0),
                     " sequences but query has ", query.size(0), " (one query token per sequence)");
+  if (seq_groups.has_value()) {
+    check_index(op, "seq_groups", *seq_groups, torch::kInt32, 1, "[num_seqs]");
+    check_same_device(op, "seq_groups", *seq_groups, key_cache, "key_cache");
+    TORCH_CHECK_VALUE(seq_groups->size(0) == seq_lens.size(0), op, ": seq_groups has ", seq_groups->size(0),
+                      " entries but seq_lens has ", seq_lens.size(0), " sequences");
+  }
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   } else {
-    batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                          seq_groups);
   }
 }
 
@@ -355,7 +365,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), no_gil);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), no_gil);
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), no_gil);

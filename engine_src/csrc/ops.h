@@ -18,9 +18,12 @@ DType dtype_of(const torch::Tensor& t);
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
                        torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
+// seq_groups (optional, int32 [num_seqs]): sequences side by side with the same id may read the
+// blocks their tables share once for all of them (see shared_runs in attention.cpp).
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale);
+                            const torch::Tensor& seq_lens, double scale,
+                            const c10::optional<torch::Tensor>& seq_groups);
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,

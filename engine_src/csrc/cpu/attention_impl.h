@@ -466,7 +466,9 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
 #endif
   if (task.partial != nullptr) {
     for (int64_t r = 0; r < count; ++r) {
-      float* dst = task.partial + r * task.partial_row_stride;
+      const RowIndex at = row_index(task, group, r);
+      float* dst = task.partial + (at.token - task.q_begin) * task.partial_token_stride +
+                   (at.head - task.kv_head * group) * task.partial_row_stride;
       for (int i = 0; i < D; ++i) dst[i] = rows.acc[r * D + i];
       dst[D] = rows.m[r];
       dst[D + 1] = rows.l[r];
