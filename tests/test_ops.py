@@ -143,13 +143,15 @@ SHARED_RUNS = [
     (3, 1, 0, [(4, 2)]),
     (0, 2, 5, [(5, 1), (8, 3)]),
 ]
+# Runs enough for a task per run over all kv heads (few runs get one task per kv head).
+MANY_SHARED_RUNS = [(g, 3, 8, [(8, 1 + g), (8, 7), (9, 2 * g)]) for g in range(10)]
 
 
-def shared_prefix_case(block_size, num_heads, num_kv_heads, head_dim, dtype, device, gen):
-    """Decode batch whose runs read the first blocks of their first member's table (SHARED_RUNS),
-    and its seq_groups."""
+def shared_prefix_case(runs, block_size, num_heads, num_kv_heads, head_dim, dtype, device, gen):
+    """Decode batch whose runs read the first blocks of their first member's table (see
+    SHARED_RUNS), and its seq_groups."""
     lens, groups, shares = [], [], []
-    for group, count, shared, members in SHARED_RUNS:
+    for group, count, shared, members in runs:
         assert len(members) == count
         for j, (blocks, extra) in enumerate(members):
             lens.append(blocks * block_size + extra)
@@ -158,7 +160,7 @@ def shared_prefix_case(block_size, num_heads, num_kv_heads, head_dim, dtype, dev
     kv = paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device, gen)
     tables = kv.block_tables.clone()
     first = 0
-    for _, count, _, _ in SHARED_RUNS:
+    for _, count, _, _ in runs:
         for j in range(first + 1, first + count):
             tables[j, : shares[j]] = tables[first, : shares[j]]
         first += count
@@ -168,12 +170,13 @@ def shared_prefix_case(block_size, num_heads, num_kv_heads, head_dim, dtype, dev
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("runs", [SHARED_RUNS, MANY_SHARED_RUNS], ids=["few_runs", "many_runs"])
 @pytest.mark.parametrize("dtype,head_dim,block_size,heads", crossed_with_heads(), ids=case_id)
-def test_decode_of_samples_sharing_blocks_matches_reference(device, isas, dtype, head_dim, block_size, heads):
+def test_decode_of_samples_sharing_blocks_matches_reference(device, isas, runs, dtype, head_dim, block_size, heads):
     """With seq_groups the CPU kernel reads a run's shared blocks once for all its samples and
     combines that with each sample's own blocks; the result must not change (beyond rounding)."""
     gen = torch.Generator().manual_seed(4)
-    args, groups = shared_prefix_case(block_size, *heads, head_dim, dtype, device, gen)
+    args, groups = shared_prefix_case(runs, block_size, *heads, head_dim, dtype, device, gen)
     with single_threaded():
         expected = reference.paged_attention_decode(*args)
     for threads in (1, 2):

@@ -130,7 +130,6 @@ void combine_splits(const torch::Tensor& partial, const UsedSplits& used_splits,
   });
 }
 
-
 // Sequences side by side with the same group id (the samples of one request) whose block tables
 // start with the same blocks: decode reads those blocks once for all of them. Only whole blocks
 // before every member's last block count (a sequence writes its last block, so that one is its own).
@@ -153,7 +152,8 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
       const int64_t limit = std::min<int64_t>(blocks, (lens[s] - 1) / block_size);
       for (blocks = 0; blocks < limit && table[blocks] == lead[blocks];) ++blocks;
     }
-    if ((end - first - 1) * blocks * block_size >= kMinKeysSpared) runs.push_back({first, end - first, blocks * block_size});
+    const int64_t tokens = blocks * block_size;
+    if ((end - first - 1) * tokens >= kMinKeysSpared) runs.push_back({first, end - first, tokens});
   }
   return runs;
 }
@@ -165,6 +165,8 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
 void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, const int32_t* lens, int64_t num_seqs,
                    const std::vector<SharedRun>& runs, int64_t heads_per_task, int64_t workers) {
   const int64_t group = args.num_heads / args.num_kv_heads, row = args.head_dim + 2;
+  // A run's task holds most of the arithmetic: with few runs, one task per kv head keeps threads busy.
+  const int64_t run_heads = static_cast<int64_t>(runs.size()) >= kTasksPerWorker * workers ? heads_per_task : 1;
   torch::Tensor partial = torch::empty({num_seqs, args.num_heads, 2, row}, out.options().dtype(torch::kFloat32));
   float* part = partial.data_ptr<float>();
   auto at = [&](int64_t seq, int64_t kv_head, int64_t split) {
@@ -176,9 +178,9 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
   for (const SharedRun& run : runs) {
     widest = std::max(widest, run.count);
     std::fill(shared.begin() + run.first, shared.begin() + run.first + run.count, run.tokens);
-    for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task) {
+    for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
       tasks.push_back({run.first, h, run.first, run.count, run.tokens, 0, run.tokens, at(run.first, h, 0), 2 * row,
-                       heads_per_task, args.num_heads * 2 * row});
+                       run_heads, args.num_heads * 2 * row});
     }
   }
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -188,7 +190,7 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
     }
   }
   run_tasks(static_cast<int64_t>(tasks.size()), workers,
-            attend_scratch_floats(heads_per_task * group * widest, args.head_dim),
+            attend_scratch_floats(std::max(heads_per_task, run_heads * widest) * group, args.head_dim),
             [&](int64_t i, float* buf) { attend(args, tasks[i], buf); });
   AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits", [&] {
     combine_splits<scalar_t>(partial, [&](int64_t s) { return shared[s] != 0 ? 2 : 0; }, out);
