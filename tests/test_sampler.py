@@ -146,11 +146,14 @@ def test_argmax_logsumexp_matches_torch(dtype):
         _C.set_cpu_isa(active)
 
 
-def test_bf16_logits_sample_like_their_float32_copy():
+@pytest.mark.parametrize("with_bans", [True, False], ids=["bans", "no_bans"])
+def test_bf16_logits_sample_like_their_float32_copy(with_bans):
+    """Rows that bans or penalties edit are sampled from a float32 copy; the others (no_bans) straight from
+    the bf16 logits: either way as from the float32 copy of the logits."""
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(40, 5000, generator=gen) * 3).to(torch.bfloat16)
-    rows = [row(SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9), seed=i, banned=[7] * (i % 3 == 0))
-            for i in range(40)]
+    rows = [row(SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9), seed=i,
+                banned=[7] * (with_bans and i % 3 == 0)) for i in range(40)]
     from_bf16, from_float = sample(logits, rows), sample(logits.float(), rows)
     assert from_bf16.token_ids == from_float.token_ids
     assert from_bf16.logprobs == pytest.approx(from_float.logprobs, rel=1e-5, abs=1e-5)
@@ -206,6 +209,22 @@ def test_sample_tokens_matches_the_torch_reference_on_every_isa():
         for isa in _C.supported_cpu_isas():  # each instruction set's weights kernel
             _C.set_cpu_isa(isa)
             assert torch.equal(ops.sample_tokens(*case), expected), isa
+    finally:
+        _C.set_cpu_isa(active)
+
+
+def test_sample_tokens_reads_bf16_logits_as_their_float32_values():
+    logits, *per_row = _filter_cases(300, 4099, torch.Generator().manual_seed(11))
+    bf16 = logits.to(torch.bfloat16)
+    every_other = bf16[::2]  # rows further apart than a row
+    active = _C.cpu_isa()
+    try:
+        for isa in _C.supported_cpu_isas():
+            _C.set_cpu_isa(isa)
+            assert torch.equal(ops.sample_tokens(bf16, *per_row), ops.sample_tokens(bf16.float(), *per_row)), isa
+            halves = [t[::2].contiguous() for t in per_row]
+            assert torch.equal(ops.sample_tokens(every_other, *halves),
+                               ops.sample_tokens(every_other.float(), *halves)), isa
     finally:
         _C.set_cpu_isa(active)
 

@@ -81,7 +81,7 @@ def _uniform(row: SamplingRow) -> float:
 
 
 def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row of work (float32 logits after bans and penalties)."""
+    """Samples one token per row of work (logits after bans and penalties, read as float32)."""
     params = [row.params for row in rows]
 
     def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,17 +95,19 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their log-probabilities under the model's distribution (before bans and penalties).
 
-    A plain greedy row needs only its argmax; the other rows are read in float32, copied where bans or
-    penalties edit them."""
+    A plain greedy row needs only its argmax; the other rows are read as float32, in a float32 copy
+    where bans or penalties edit them."""
     chosen, log_total = ops.argmax_logsumexp(logits)
     edited_rows = [r for r, row in enumerate(rows)
                    if not row.params.greedy or row.banned_token_ids or row.params.penalized]
     if edited_rows:
         edited_samples = [rows[r] for r in edited_rows]
-        edited = _take(logits, edited_rows).float()  # a copy, unless float32 logits are taken whole
-        if edited is logits and any(row.banned_token_ids or row.params.penalized for row in edited_samples):
-            edited = edited.clone()  # the caller's logits stay as they are
-        _apply_bans_and_penalties(edited, edited_samples)
+        edited = _take(logits, edited_rows)
+        if any(row.banned_token_ids or row.params.penalized for row in edited_samples):
+            edited = edited.float()  # a copy, unless float32 logits are taken whole
+            if edited is logits:
+                edited = edited.clone()  # the caller's logits stay as they are
+            _apply_bans_and_penalties(edited, edited_samples)
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
         greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
         picks = edited.argmax(dim=-1) if greedy_edited else torch.empty_like(chosen[edited_rows])

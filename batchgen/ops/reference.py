@@ -172,7 +172,7 @@ def _sample_filtered(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    weights = logits / temperature[:, None]
+    weights = logits.float() / temperature[:, None]
     weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # maximum 1 in every row
     filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
     drawn = torch.empty(len(logits), dtype=torch.long, device=logits.device)

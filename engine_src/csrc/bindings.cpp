@@ -323,9 +323,10 @@ void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor
                    const Tensor& min_p, const Tensor& u, Tensor& tokens) {
   const char* op = "sample_tokens";
   check_rank(op, "logits", logits, 2, "[n, vocab]");
-  TORCH_CHECK_VALUE(logits.is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
-                        logits.size(1) >= 1 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
-                    op, ": logits must be a float32 CPU tensor [n, vocab] with contiguous rows, got ",
+  const bool float32_or_bf16 = logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK_VALUE(logits.is_cpu() && float32_or_bf16 && logits.stride(1) == 1 && logits.size(1) >= 1 &&
+                        logits.size(1) <= std::numeric_limits<int32_t>::max(),
+                    op, ": logits must be a float32 or bfloat16 CPU tensor [n, vocab] with contiguous rows, got ",
                     logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides(), " on ", logits.device());
   const int64_t n = logits.size(0);
   const std::pair<const char*, const Tensor*> per_row[] = {

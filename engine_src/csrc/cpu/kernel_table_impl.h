@@ -22,7 +22,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
                              {&summarise_row<float>, &summarise_row<BF16>, nullptr},
-                             &weights_row};
+                             {&weights_row<float>, &weights_row<BF16>, nullptr}};
 
 }  // namespace
 

@@ -81,8 +81,8 @@ using AddNormRowFn = void (*)(void* x, void* residual, const void* weight, int64
 using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_t half);
 // The sampler's summary of one row of logits: index of the first maximum, log(sum(exp(row))).
 using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, float* log_total);
-// The sampler's weights of one float32 row: w = exp(x / temperature - max(x) / temperature); returns their sum.
-using WeightsRowFn = float (*)(const float* x, int64_t n, float temperature, float* w);
+// The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
+using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 
 struct KernelTable {
   const char* name;
@@ -91,7 +91,7 @@ struct KernelTable {
   AddNormRowFn add_norm_row[kNumDTypes];
   RotaryRowFn rotary_row[kNumDTypes];
   SummariseRowFn summarise_row[kNumDTypes];
-  WeightsRowFn weights_row;  // float32 only
+  WeightsRowFn weights_row[kNumDTypes];
 };
 
 namespace scalar {

@@ -116,15 +116,18 @@ void summarise_row(const void* row_, int64_t n, int64_t* argmax, float* log_tota
   *log_total = best + std::log(reduce_add(sum));
 }
 
-// The sampler's weights of a float32 row: w = exp((x - max x) / temperature), 1 at the maximum
-// and 0 for -inf logits (banned tokens); returns their sum. temperature > 0.
-float weights_row(const float* x, int64_t n, float temperature, float* w) {
+// The sampler's weights of a row of logits (float32, or bf16 read as float32): w = exp((x - max x)
+// / temperature), 1 at the maximum and 0 for -inf logits (banned tokens); returns their sum.
+// temperature > 0.
+template <typename T>
+float weights_row(const void* logits, int64_t n, float temperature, float* w) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const T* x = static_cast<const T*>(logits);
   Vec vmax = Vec::set1(kNegInf);
   int64_t i = 0;
   for (; i + Vec::N <= n; i += Vec::N) vmax = max(vmax, Vec::load(x + i));
   float best = reduce_max(vmax);
-  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (; i < n; ++i) best = to_float(x[i]) > best ? to_float(x[i]) : best;
   const float inv = 1.0f / temperature;
   const Vec vinv = Vec::set1(inv), shift = Vec::set1(-best * inv);
   Vec sum = Vec::zero();
@@ -134,7 +137,7 @@ float weights_row(const float* x, int64_t n, float temperature, float* w) {
     sum = sum + p;
   }
   float tail[Vec::N];
-  for (int j = 0; j < Vec::N; ++j) tail[j] = i + j < n ? x[i + j] : kNegInf;
+  for (int j = 0; j < Vec::N; ++j) tail[j] = i + j < n ? to_float(x[i + j]) : kNegInf;
   const Vec p = exp_nonpositive(fma(Vec::load(tail), vinv, shift));  // exp(-inf) is 0
   p.store(tail);
   for (int j = 0; i + j < n; ++j) w[i + j] = tail[j];

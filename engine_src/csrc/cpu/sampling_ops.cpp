@@ -118,9 +118,9 @@ int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, flo
 void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                    torch::Tensor& tokens) {
-  const WeightsRowFn weights_row = active_kernels().weights_row;
-  const int64_t n = logits.size(1);
-  const float* x = logits.data_ptr<float>();
+  const WeightsRowFn weights_row = active_kernels().weights_row[static_cast<int>(dtype_of(logits))];
+  const int64_t n = logits.size(1), stride = logits.stride(0) * logits.element_size();
+  const char* x = static_cast<const char*>(logits.data_ptr());
   const float* temp = temperature.data_ptr<float>();
   const int64_t* k = top_k.data_ptr<int64_t>();
   const float* p = top_p.data_ptr<float>();
@@ -131,7 +131,7 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
     std::vector<float> w(n);
     std::vector<int32_t> cand;
     for (int64_t r = begin; r < end; ++r) {
-      const float total = weights_row(x + r * logits.stride(0), n, temp[r], w.data());
+      const float total = weights_row(x + r * stride, n, temp[r], w.data());
       out[r] = draw_row(w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], cand);
     }
   });
