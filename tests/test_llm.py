@@ -132,6 +132,29 @@ def test_n_samples_share_the_prompt(tiny_model_dirs):
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
 
 
+def test_decode_tells_the_kernel_which_samples_share_a_prompt(tiny_model_dirs, monkeypatch):
+    """The attention op reads a request's shared prompt blocks once when told which decodes are its samples
+    (seq_groups; the kernel's own tests check the result); without multi-sample requests it is told nothing."""
+    from batchgen.layers import attention
+
+    seen = []
+    decode = attention.ops.paged_attention_decode
+
+    def spy(*args, seq_groups=None, **kwargs):
+        seen.append(None if seq_groups is None else seq_groups.tolist())
+        return decode(*args, seq_groups=seq_groups, **kwargs)
+
+    monkeypatch.setattr(attention.ops, "paged_attention_decode", spy)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32")
+    prompts = make_prompts(400, [40, 70])
+    llm.generate(prompts, [SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True),
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    assert [0, 0, 0, 1] in seen
+    seen.clear()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert seen and all(groups is None for groups in seen)
+
+
 def test_max_tokens_stop_ids_and_min_tokens(tiny_model_dirs):
     _, prompts, refs = hf_reference(tiny_model_dirs["llama"], "llama")
     llm = LLM(tiny_model_dirs["llama"], dtype="float32")
