@@ -39,6 +39,11 @@ class SamplingRow:
     output_token_ids: list[int]
     banned_token_ids: list[int]  # e.g. EOS while min_tokens is not reached
 
+    @property
+    def edits_logits(self) -> bool:
+        """Bans or penalties change the row's logits before it is sampled."""
+        return bool(self.banned_token_ids) or self.params.penalized
+
 
 @dataclass
 class SampledTokens:
@@ -99,11 +104,11 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     where bans or penalties edit them."""
     chosen, log_total = ops.argmax_logsumexp(logits)
     edited_rows = [r for r, row in enumerate(rows)
-                   if not row.params.greedy or row.banned_token_ids or row.params.penalized]
+                   if not row.params.greedy or row.edits_logits]
     if edited_rows:
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
-        if any(row.banned_token_ids or row.params.penalized for row in edited_samples):
+        if any(row.edits_logits for row in edited_samples):
             edited = edited.float()  # a copy, unless float32 logits are taken whole
             if edited is logits:
                 edited = edited.clone()  # the caller's logits stay as they are

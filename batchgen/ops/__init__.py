@@ -142,11 +142,10 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of `logits` `[n, vocab]` (int64 `[n]`; float32, or bfloat16 read as float32), drawn from
-    softmax(logits / temperature)
-    by inverting its cumulative distribution at `u` (float32 in [0, 1)). Rows with top-k (int64, 0 off), top-p
-    (1 off) or min-p (relative to the most likely token, 0 off) draw among the tokens those keep, most likely
-    first; the others among all tokens in id order. temperature > 0."""
+    """One token per row of `logits` `[n, vocab]` (float32, or bfloat16 read as float32) into int64 `[n]`, drawn
+    from softmax(logits / temperature) by inverting its cumulative distribution at `u` (float32 in [0, 1)).
+    Rows with top-k (int64, 0 off), top-p (1 off) or min-p (relative to the most likely token, 0 off) draw among
+    the tokens those keep, most likely first; the others among all tokens in id order. temperature > 0."""
     if not (logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)):
         return reference.sample_tokens(logits, temperature, top_k, top_p, min_p, u)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)

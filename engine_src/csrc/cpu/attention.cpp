@@ -169,7 +169,7 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
   const int64_t run_heads = static_cast<int64_t>(runs.size()) >= kTasksPerWorker * workers ? heads_per_task : 1;
   torch::Tensor partial = torch::empty({num_seqs, args.num_heads, 2, row}, out.options().dtype(torch::kFloat32));
   float* part = partial.data_ptr<float>();
-  auto at = [&](int64_t seq, int64_t kv_head, int64_t split) {
+  auto partial_at = [&](int64_t seq, int64_t kv_head, int64_t split) {
     return part + ((seq * args.num_heads + kv_head * group) * 2 + split) * row;
   };
   std::vector<int64_t> shared(num_seqs, 0);  // keys read by the sequence's run
@@ -179,13 +179,13 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
     widest = std::max(widest, run.count);
     std::fill(shared.begin() + run.first, shared.begin() + run.first + run.count, run.tokens);
     for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
-      tasks.push_back({run.first, h, run.first, run.count, run.tokens, 0, run.tokens, at(run.first, h, 0), 2 * row,
-                       run_heads, args.num_heads * 2 * row});
+      tasks.push_back({run.first, h, run.first, run.count, run.tokens, 0, run.tokens, partial_at(run.first, h, 0),
+                       2 * row, run_heads, args.num_heads * 2 * row});
     }
   }
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task) {
-      float* dst = shared[s] != 0 ? at(s, h, 1) : nullptr;
+      float* dst = shared[s] != 0 ? partial_at(s, h, 1) : nullptr;
       tasks.push_back({s, h, s, 1, lens[s] - 1, shared[s], lens[s], dst, 2 * row, heads_per_task});
     }
   }
