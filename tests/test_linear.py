@@ -1,7 +1,22 @@
 import pytest
 import torch
 
+from batchgen import ops
+from batchgen.layers import linear as linear_module
 from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, linear, pack_linears
+
+# (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
+# and into oneDNN's layout elsewhere; both are tested here, the latter by refusing the panels.
+LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "onednn"),
+           pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
+               not ops.has_gemm_bf16(), reason="no AVX512-BF16 here"))]
+
+
+@pytest.fixture
+def layout(request, monkeypatch):
+    if request.param == "onednn":
+        monkeypatch.setattr(linear_module, "uses_gemm_panels", lambda weight: False)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -16,17 +31,21 @@ def test_linear_rows_do_not_depend_on_batch_size(dtype):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype):
+@pytest.mark.parametrize(("dtype", "layout"), LAYOUTS, indirect=["layout"])
+def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype, layout):
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(960, 576, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(960, generator=gen).to(dtype)
     packed = PackedLinear(weight, bias)
+    assert (packed.panels is not None) == (layout == "panels")
     for _ in range(10):
         x = torch.randn(64, 576, generator=gen).to(dtype)
         full = packed(x)
         expected = torch.nn.functional.linear(x, weight, bias)
-        if dtype == torch.bfloat16:
+        if layout == "panels":  # float32 sums in another order: a last-bit flip here and there
+            torch.testing.assert_close(full, expected, rtol=2**-7, atol=1e-2)
+            assert (full != expected).float().mean() < 0.01
+        elif dtype == torch.bfloat16:
             assert torch.equal(full, expected)  # bitwise what F.linear gives
         else:
             torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-5)
@@ -45,11 +64,12 @@ def test_pack_linears_replaces_every_projection():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype):
+@pytest.mark.parametrize(("dtype", "layout"), LAYOUTS, indirect=["layout"])
+def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype, layout):
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(2 * 384, 576, generator=gen) * 0.05).to(dtype)
     fused = PackedSiluAndMul(weight)
+    assert fused.panels == (layout == "panels")
     for _ in range(5):
         x = torch.randn(64, 576, generator=gen).to(dtype)
         full = fused(x)
@@ -75,3 +95,5 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
     head = model.lm_head if model.lm_head is not None else model._tied_head
     assert isinstance(head, PackedLinear)
+    assert all(layer.mlp.packed_gate_up.panels == ops.has_gemm_bf16() for layer in model.layers)
+    assert (head.panels is not None) == ops.has_gemm_bf16()

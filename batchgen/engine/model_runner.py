@@ -123,8 +123,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out) -> torch.Tensor | None:
-        """Runs one scheduler step; returns logits in the model's dtype, one row per scheduled entry
-        that samples (in scheduled order), or None when nothing samples."""
+        """Runs one scheduler step; returns logits (float32 from batchgen's bf16 GEMM, else in the model's
+        dtype), one row per scheduled entry that samples (in scheduled order), or None when nothing samples."""
         self._move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
             return None

@@ -1,19 +1,21 @@
 """Linear layers: fast on CPU, and with every output row independent of how many rows the batch has.
 
-On CPU the weights are packed once, after loading, into oneDNN's blocked layout (the
-`torch.ops.mkldnn` linear ops that torch.compile's freezing also uses). `F.linear` re-blocks the
-weight on every call, which costs most at the small batches of decoding: measured here with
-torch 2.13 on 2 cores (bf16, SmolLM2's shapes), packed GEMMs run 25-60% faster at 8-64 rows and
-~5% faster at 256-2048; in float32 they are ~2.4x faster. Packed bf16 results are bitwise those
-of `F.linear`; float32 ones differ in the last bits (another summation order).
+On CPU the weights are packed once, after loading. bf16 weights on processors with AVX512-BF16 go
+into the panels of batchgen's own GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h):
+measured here on 2 cores with SmolLM2's 30 layers, each weight from memory, it runs the layers'
+projections 1.4x faster than oneDNN's packed GEMMs at 16-64 rows and 1.1x at 256-2048. Other
+weights go into oneDNN's blocked layout (the `torch.ops.mkldnn` linear ops that torch.compile's
+freezing also uses): `F.linear` re-blocks the weight on every call, which costs most at the small
+batches of decoding (packed: 25-60% faster at 8-64 rows in bf16, ~2.4x in float32).
 
 Batch invariance: BLAS libraries pick GEMM kernels by shape, and a kernel for a very short
 matrix can round differently from the one for a tall matrix (unpacked torch 2.13 on CPU: float32
 rows differ between M <= 3 and M >= 4, bfloat16 rows between M = 1 and M >= 2). A lone decode step
 would then give its sequence slightly different logits than the same step in a full batch, and a
 seeded sample would change with batch composition. Unpacked, short inputs are padded to MIN_ROWS
-rows, which keeps every row on the tall-matrix kernels; packed GEMMs gave identical rows for every
-M measured (1 to 2048) and need no padding. tests/test_linear.py checks both.
+rows, which keeps every row on the tall-matrix kernels; batchgen's GEMM sums every output in one
+order whatever the rows, and oneDNN's packed GEMMs gave identical rows for every M measured (1 to
+2048): neither needs padding. tests/test_linear.py checks all three.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batchgen import ops
 
 MIN_ROWS = 8
 _PACK_BATCH_HINT = 64  # rows oneDNN tunes the blocked layout for; 8..256 measured within noise
@@ -39,46 +43,68 @@ def can_pack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def uses_gemm_panels(weight: torch.Tensor) -> bool:
+    """Whether `weight` packs into the panels of batchgen's bf16 GEMM rather than oneDNN's layout."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+            and ops.has_gemm_bf16())
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W in oneDNN's blocked layout (an opaque mkldnn tensor). Inference only."""
+    """y = x W^T + b with W packed for batchgen's bf16 GEMM or in oneDNN's blocked layout. Inference only.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    `float_out`: batchgen's GEMM returns its float32 sums unrounded (for logits: bf16 logits of ~16-32 are
+    0.125 apart, so close candidates tie and argmax takes the lower token id); oneDNN's returns W's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = _pack(weight)
+        self.panels = ops.pack_gemm_weight(weight) if uses_gemm_panels(weight) else None
+        self.packed = None if self.panels is not None else _pack(weight)
         self.bias = None if bias is None else bias.detach()
+        self.panel_bias = None if bias is None or self.panels is None else self.bias.float()
+        self.out_dtype = torch.float32 if float_out else weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if self.panels is None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = ops.gemm_bf16(rows, self.panels, self.out_features, self.panel_bias, self.out_dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        layout = "gemm panels" if self.panels is not None else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
 
 class PackedSiluAndMul(nn.Module):
-    """silu(x W_gate^T) * (x W_up^T) from a fused [gate; up] weight, as two packed GEMMs whose
-    epilogues apply the SiLU and the product: the activations never make a trip through memory
-    on their own. ~8% faster than one GEMM followed by torch's silu and mul at 2048 rows (bf16),
-    and one bf16 rounding of the product where transformers rounds silu(gate) first."""
+    """silu(x W_gate^T) * (x W_up^T) from a fused [gate; up] weight, the activations never making a trip
+    through memory on their own: batchgen's bf16 GEMM computes both products of a tile and rounds
+    silu(gate) * up once; oneDNN's (other weights) runs two GEMMs whose epilogues apply the SiLU and the
+    product (~8% faster than a GEMM, silu and mul at 2048 rows). transformers rounds silu(gate) first."""
 
     def __init__(self, gate_up_weight: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
-        self.gate = _pack(gate_up_weight[: self.out_features])
-        self.up = _pack(gate_up_weight[self.out_features :])
+        gate, up = gate_up_weight[: self.out_features], gate_up_weight[self.out_features :]
+        self.panels = uses_gemm_panels(gate_up_weight)
+        pack = ops.pack_gemm_weight if self.panels else _pack
+        self.gate, self.up = pack(gate), pack(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if self.panels:
+            return ops.gemm_silu_mul_bf16(x, self.gate, self.up, self.out_features)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        layout = "gemm panels" if self.panels else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
 
 class Linear(nn.Linear):

@@ -149,12 +149,15 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
-        to the embedding gets a packed copy of its own: the embedding lookup needs the plain one."""
+        to the embedding gets a packed copy of its own: the embedding lookup needs the plain one. The
+        head's logits come out in float32 where the GEMM can give them so."""
         for layer in self.layers:
             layer.mlp.pack()
-        pack_linears(self)
+        pack_linears(self.layers)
+        if self.lm_head is not None and can_pack(self.lm_head.weight):
+            self.lm_head = PackedLinear(self.lm_head.weight, float_out=True)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
-            self._tied_head = PackedLinear(self.embed_tokens.weight)
+            self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -36,7 +36,11 @@ __all__ = [
     "argmax_logsumexp",
     "copy_blocks",
     "fused_add_rms_norm",
+    "gemm_bf16",
+    "gemm_silu_mul_bf16",
+    "has_gemm_bf16",
     "paged_attention_decode",
+    "pack_gemm_weight",
     "paged_attention_prefill",
     "reshape_and_cache",
     "rms_norm",
@@ -127,6 +131,46 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
     if not _has_kernel(x):
         return reference.rotary_embedding(positions, x, cos_sin_cache)
     _C.rotary_embedding(positions, x, cos_sin_cache)
+
+
+def has_gemm_bf16() -> bool:
+    """Whether the active CPU kernels have the bf16 GEMM (processors with AVX512-BF16)."""
+    return _C.has_gemm_bf16()
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out_features, in_features] (in_features even) as the GEMM's panels
+    [ceil(out / P), in / 2, P, 2], P = `_C.GEMM_PANEL_COLS`: per panel of P output features, the pairs
+    (w[n, 2i], w[n, 2i + 1]) of every feature side by side, zero features padding the last panel."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or in_features % 2:
+        raise ValueError(f"pack_gemm_weight: needs a bfloat16 weight with an even number of input features, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    cols = _C.GEMM_PANEL_COLS
+    count = -(-out_features // cols)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, count * cols - out_features))
+    return padded.reshape(count, cols, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [rows, in] (bf16) @ W^T (+ bias, float32) for W packed by `pack_gemm_weight`: [rows, out_features]
+    in `out_dtype`, bf16 or float32 (the float32 sums, unrounded). A row's result does not depend on the
+    other rows of x."""
+    if not (x.is_cpu and has_gemm_bf16()):
+        return reference.gemm_bf16(x, weight, out_features, bias, out_dtype)
+    out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+    _C.gemm_bf16(out, x, weight, bias)
+    return out
+
+
+def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
+    """silu(x G^T) * (x U^T) for G and U packed by `pack_gemm_weight`, rounded to bf16 once."""
+    if not (x.is_cpu and has_gemm_bf16()):
+        return reference.gemm_silu_mul_bf16(x, gate, up, out_features)
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    _C.gemm_silu_mul_bf16(out, x, gate, up)
+    return out
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,3 +182,21 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         drawn[filtered] = _sample_filtered(weights[filtered], top_k[filtered], top_p[filtered], min_p[filtered],
                                            u[filtered])
     return drawn
+
+
+def unpack_gemm_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, in_features] weight that `batchgen.ops.pack_gemm_weight` packed into `panels`."""
+    count, pairs, cols, _ = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(count * cols, 2 * pairs)[:out_features]
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    out = x.float() @ unpack_gemm_weight(weight, out_features).float().T
+    return (out if bias is None else out + bias).to(out_dtype)
+
+
+def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
+    g = x.float() @ unpack_gemm_weight(gate, out_features).float().T
+    u = x.float() @ unpack_gemm_weight(up, out_features).float().T
+    return (torch.nn.functional.silu(g) * u).to(x.dtype)

@@ -346,6 +346,47 @@ void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor
   batchgen::cpu::sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens);
 }
 
+// The bf16 GEMMs: x [rows, depth] bf16 and out [rows, cols] bf16 or float32 on the host with unit stride
+// in their last dimension; weights packed in panels [ceil(cols / panel cols), depth / 2, panel cols, 2].
+void check_gemm_operands(const char* op, const Tensor& out, const Tensor& x, const Tensor& weight, const char* name) {
+  for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"x", &x}, {"out", &out}}) {
+    check_rank(op, what, *t, 2, "[rows, features]");
+    const bool dtype_ok = t->scalar_type() == torch::kBFloat16 || (t == &out && out.scalar_type() == torch::kFloat32);
+    TORCH_CHECK_VALUE(dtype_ok && t->is_cpu() && t->stride(1) == 1, op, ": ", what, " must be a ",
+                      t == &out ? "bfloat16 or float32" : "bfloat16",
+                      " CPU tensor contiguous in its last dimension, got ", t->scalar_type(), " ", t->sizes(),
+                      " strides ", t->strides(), " on ", t->device());
+  }
+  TORCH_CHECK_VALUE(out.size(0) == x.size(0), op, ": out has ", out.size(0), " rows but x has ", x.size(0));
+  check_tensor(op, name, weight, 4, "[panels, depth / 2, panel columns, 2]");
+  const int64_t cols = batchgen::cpu::kGemmPanelCols;
+  TORCH_CHECK_VALUE(weight.scalar_type() == torch::kBFloat16 && weight.is_cpu() && weight.size(2) == cols &&
+                        weight.size(3) == 2 && 2 * weight.size(1) == x.size(1),
+                    op, ": ", name, " must be bfloat16 CPU panels [panels, ", x.size(1) / 2, ", ", cols,
+                    ", 2] for x's ", x.size(1), " features, got ", weight.scalar_type(), " ", weight.sizes(), " on ",
+                    weight.device());
+  TORCH_CHECK_VALUE(out.size(1) > (weight.size(0) - 1) * cols && out.size(1) <= weight.size(0) * cols, op, ": out's ",
+                    out.size(1), " columns do not fill ", name, "'s ", weight.size(0), " panels of ", cols);
+}
+
+void gemm_bf16(Tensor& out, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
+  const char* op = "gemm_bf16";
+  check_gemm_operands(op, out, x, weight, "weight");
+  if (bias.has_value()) {
+    check_index(op, "bias", *bias, torch::kFloat32, 1, "[out_features]");
+    TORCH_CHECK_VALUE(bias->is_cpu() && bias->size(0) == out.size(1), op, ": bias must be a CPU tensor of ",
+                      out.size(1), " entries");
+  }
+  batchgen::cpu::gemm_bf16(out, x, weight, bias);
+}
+
+void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& up) {
+  const char* op = "gemm_silu_mul_bf16";
+  check_gemm_operands(op, out, x, gate, "gate");
+  check_gemm_operands(op, out, x, up, "up");
+  batchgen::cpu::gemm_silu_mul_bf16(out, x, gate, up);
+}
+
 bool has_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -386,6 +427,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One token per row of float32 logits, drawn at u from softmax(logits / temperature) under top-k/top-p/min-p",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("tokens"), no_gil);
+  m.attr("GEMM_PANEL_COLS") = batchgen::cpu::kGemmPanelCols;
+  m.def("has_gemm_bf16", &batchgen::cpu::has_gemm_bf16, "Whether the active CPU kernels have the bf16 GEMM");
+  m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ bias) on bf16 weights packed in panels", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), no_gil);
+  m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16, "out = silu(x gate^T) * (x up^T) on bf16 panels", py::arg("out"),
+        py::arg("x"), py::arg("gate"), py::arg("up"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

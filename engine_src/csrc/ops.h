@@ -49,4 +49,14 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                    torch::Tensor& tokens);
 
+// bf16 GEMMs on weights packed in panels [cols / kGemmPanelCols rounded up, depth / 2, kGemmPanelCols, 2]
+// (cpu/gemm_ops.cpp): out[rows, cols] = x w^T (+ bias, float32), or silu(x gate^T) * (x up^T); out is
+// bf16 or float32 (unrounded sums).
+// Only where the active kernel table has the bf16 dot product (has_gemm_bf16).
+bool has_gemm_bf16();
+void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+               const c10::optional<torch::Tensor>& bias);
+void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
+                        const torch::Tensor& up);
+
 }  // namespace batchgen::cpu

@@ -7,6 +7,9 @@
 #endif
 
 #include "cpu/attention_impl.h"
+#ifdef BATCHGEN_DOT_BF16
+#include "cpu/gemm_impl.h"
+#endif
 #include "cpu/kernels.h"
 #include "cpu/layer_impl.h"
 
@@ -22,7 +25,13 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
                              {&summarise_row<float>, &summarise_row<BF16>, nullptr},
-                             {&weights_row<float>, &weights_row<BF16>, nullptr}};
+                             {&weights_row<float>, &weights_row<BF16>, nullptr},
+#ifdef BATCHGEN_DOT_BF16
+                             &gemm_bf16
+#else
+                             nullptr
+#endif
+};
 
 }  // namespace
 

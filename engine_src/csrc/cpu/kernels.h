@@ -84,6 +84,28 @@ using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, flo
 // The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 
+// One bf16 GEMM call (gemm_impl.h): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < rows, n < cols; or,
+// with `up` set, silu(x w^T) * (x up^T). out is bf16, or float32 (the sums unrounded) with `float_out`. Weights are packed in panels of kGemmPanelCols output columns, each
+// panel [depth / 2][kGemmPanelCols][2]: the pair (w[n, 2i], w[n, 2i + 1]) of every column side by side, the
+// operand layout of the bf16 dot product, so a panel is read front to back exactly once per row tile. The
+// last panel is padded with zero columns.
+constexpr int kGemmPanelCols = 48;
+
+struct GemmArgs {
+  const BF16* x;  // [rows, depth], rows `x_stride` elements apart
+  int64_t x_stride;
+  const BF16* weight;  // panels, as above
+  const BF16* up;      // panels of the up projection, or nullptr
+  const float* bias;   // [cols] or nullptr
+  void* out;           // [rows, cols], rows `out_stride` elements apart
+  int64_t out_stride;
+  bool float_out;
+  int64_t rows, cols, depth;
+};
+
+// Computes the columns of panels [panel_begin, panel_end) for every row.
+using GemmFn = void (*)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end);
+
 struct KernelTable {
   const char* name;
   AttendFn attend[kNumDTypes];  // indexed by DType
@@ -92,6 +114,7 @@ struct KernelTable {
   RotaryRowFn rotary_row[kNumDTypes];
   SummariseRowFn summarise_row[kNumDTypes];
   WeightsRowFn weights_row[kNumDTypes];
+  GemmFn gemm_bf16;  // nullptr without the bf16 dot product
 };
 
 namespace scalar {

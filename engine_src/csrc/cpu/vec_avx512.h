@@ -127,6 +127,12 @@ inline void transpose16x16(const uint32_t* src, int64_t src_stride, uint32_t* ds
 inline void store_bf16(Vec x, BF16* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x.v));
 }
+
+// The first `count` (0 to 16) lanes of x rounded to bf16 into dst[0 .. count).
+inline void store_bf16(Vec x, BF16* dst, int count) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
+  _mm256_mask_storeu_epi16(dst, lanes, (__m256i)_mm512_cvtneps_pbh(x.v));
+}
 #endif
 
 }  // namespace batchgen::cpu::BATCHGEN_ISA_NS

@@ -1,0 +1,55 @@
+// bf16 GEMMs of the linear layers on weights packed in panels (kernels.h: GemmArgs; the loop is
+// cpu/gemm_impl.h, in the AVX512-BF16 kernel table only). Each thread takes a run of whole
+// panels, every row of them, so a weight is read from memory once per call.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
+#include "ops.h"
+
+namespace batchgen::cpu {
+namespace {
+
+void run_gemm(const GemmArgs& args, int64_t panels) {
+  const GemmFn gemm = active_kernels().gemm_bf16;
+  TORCH_CHECK_VALUE(gemm != nullptr, "the bf16 GEMM needs the avx512_bf16 kernels; active: ", active_kernels().name);
+  if (args.rows == 0) return;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { gemm(args, begin, end); });
+}
+
+const BF16* bf16_data(const torch::Tensor& t) { return static_cast<const BF16*>(t.data_ptr()); }
+
+GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
+  GemmArgs args{};
+  args.x = bf16_data(x);
+  args.x_stride = x.stride(0);
+  args.weight = bf16_data(weight);
+  args.out = out.data_ptr();
+  args.out_stride = out.stride(0);
+  args.float_out = out.scalar_type() == torch::kFloat32;
+  args.rows = x.size(0);
+  args.cols = out.size(1);
+  args.depth = x.size(1);
+  return args;
+}
+
+}  // namespace
+
+bool has_gemm_bf16() { return active_kernels().gemm_bf16 != nullptr; }
+
+void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+               const c10::optional<torch::Tensor>& bias) {
+  GemmArgs args = args_of(out, x, weight);
+  if (bias.has_value()) args.bias = bias->data_ptr<float>();
+  run_gemm(args, weight.size(0));
+}
+
+void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
+                        const torch::Tensor& up) {
+  GemmArgs args = args_of(out, x, gate);
+  args.up = bf16_data(up);
+  run_gemm(args, gate.size(0));
+}
+
+}  // namespace batchgen::cpu

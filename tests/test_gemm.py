@@ -1,0 +1,169 @@
+"""batchgen's bf16 GEMM (`ops.gemm_bf16`, `ops.gemm_silu_mul_bf16`) against float64 products.
+
+Every output must be the exact product rounded to bf16, give or take one bf16 step (the kernel sums
+in float32), and a row's result must not depend on the other rows, the thread count or where the
+row sits in a tile of 8. Processors without AVX512-BF16 run the reference instead (tested too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import torch_threads
+
+from batchgen import _C, ops
+from batchgen.ops import reference
+
+needs_kernel = pytest.mark.skipif("avx512_bf16" not in _C.supported_cpu_isas(), reason="no AVX512-BF16 here")
+PANEL = _C.GEMM_PANEL_COLS
+
+
+def _operands(rows: int, depth: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, depth, generator=gen).bfloat16()
+    w = (torch.randn(cols, depth, generator=gen) / depth**0.5).bfloat16()
+    return x, w
+
+
+def _assert_rounded_exact(actual: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> None:
+    """actual within one bf16 step of the float64 `exact`; `scale` (sum of |terms|) bounds float32's own error."""
+    assert actual.dtype == torch.bfloat16 and actual.shape == exact.shape
+    error = (actual.double() - exact).abs()
+    allowed = exact.abs() * 2**-7 + scale * 1e-6
+    assert bool((error <= allowed).all()), f"worst excess {(error - allowed).max().item():.3g}"
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+
+
+def test_pack_and_unpack_are_inverse():
+    _, w = _operands(1, 40, 100, 0)
+    panels = ops.pack_gemm_weight(w)
+    assert panels.shape == (3, 20, PANEL, 2)
+    assert torch.equal(panels[2, :, 100 - 2 * PANEL :], torch.zeros(20, 3 * PANEL - 100, 2, dtype=torch.bfloat16))
+    assert panels[0, 3, 5, 1] == w[5, 7] and panels[1, 0, 2, 0] == w[PANEL + 2, 0]
+    assert torch.equal(reference.unpack_gemm_weight(panels, 100), w)
+
+
+def test_pack_rejects_what_the_kernel_cannot_read():
+    with pytest.raises(ValueError, match="even number of input features"):
+        ops.pack_gemm_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.pack_gemm_weight(torch.zeros(4, 6))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 200])
+@pytest.mark.parametrize(("depth", "cols"), [(576, 960), (64, 49), (1536, 576), (96, 16), (10, 2 * PANEL + 1)])
+def test_gemm_is_the_rounded_product(rows, depth, cols):
+    x, w = _operands(rows, depth, cols, rows * 7 + cols)
+    panels = ops.pack_gemm_weight(w)
+    bias = torch.randn(cols, generator=torch.Generator().manual_seed(3))
+    exact, scale = _exact(x, w)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            _assert_rounded_exact(ops.gemm_bf16(x, panels, cols), exact, scale)
+            _assert_rounded_exact(ops.gemm_bf16(x, panels, cols, bias), exact + bias.double(), scale)
+
+
+@needs_kernel
+def test_float32_out_is_the_unrounded_sum():
+    """The logits' GEMM: float32 sums, within float32's own error of the exact product."""
+    x, w = _operands(21, 576, 2 * PANEL + 7, 4)
+    panels = ops.pack_gemm_weight(w)
+    bias = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(5))
+    exact, scale = _exact(x, w)
+    actual = ops.gemm_bf16(x, panels, w.shape[0], bias, out_dtype=torch.float32)
+    assert actual.dtype == torch.float32
+    assert bool(((actual.double() - exact - bias.double()).abs() <= scale * 1e-6 + 1e-6).all())
+    rounded = ops.gemm_bf16(x, panels, w.shape[0], bias)
+    assert torch.equal(actual.bfloat16(), rounded)
+    assert not torch.equal(actual, rounded.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8, 41])
+def test_gemm_silu_mul_is_the_rounded_product(rows):
+    depth, cols = 576, 2 * PANEL + 20
+    x, w = _operands(rows, depth, 2 * cols, rows)
+    gate, up = w[:cols], w[cols:]
+    exact_gate, scale_gate = _exact(x, gate)
+    exact_up, scale_up = _exact(x, up)
+    exact = torch.nn.functional.silu(exact_gate) * exact_up
+    actual = ops.gemm_silu_mul_bf16(x, ops.pack_gemm_weight(gate), ops.pack_gemm_weight(up), cols)
+    # silu's float32 exp adds a few float32 steps of its own to the products' errors.
+    _assert_rounded_exact(actual, exact, (scale_gate * exact_up.abs() + scale_up * exact_gate.abs()) * 4)
+    assert (actual.double() - exact).abs().max() > 0  # not accidentally compared with itself
+    ref = reference.gemm_silu_mul_bf16(x, ops.pack_gemm_weight(gate), ops.pack_gemm_weight(up), cols)
+    assert (actual != ref).float().mean() < 0.01
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch_or_threads():
+    x, w = _operands(67, 576, 3 * PANEL, 11)
+    panels, up = ops.pack_gemm_weight(w), ops.pack_gemm_weight(w.flip(0))
+    with torch_threads(2):
+        full = ops.gemm_bf16(x, panels, w.shape[0])
+        full_mul = ops.gemm_silu_mul_bf16(x, panels, up, w.shape[0])
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for begin, end in [(0, 1), (5, 6), (3, 12), (7, 67), (60, 67)]:
+                assert torch.equal(ops.gemm_bf16(x[begin:end], panels, w.shape[0]), full[begin:end]), (begin, end)
+                assert torch.equal(ops.gemm_silu_mul_bf16(x[begin:end], panels, up, w.shape[0]), full_mul[begin:end])
+
+
+@needs_kernel
+def test_strided_rows_in_and_out_and_nothing_written_outside():
+    x_wide, w = _operands(19, 600, 100, 12)
+    x = x_wide[:, :576]  # rows 600 elements apart
+    w = w[:, :576].contiguous()
+    out_wide = torch.full((19, 130), 7.0, dtype=torch.bfloat16)
+    out = out_wide[:, :100]
+    _C.gemm_bf16(out, x, ops.pack_gemm_weight(w), None)
+    exact, scale = _exact(x, w)
+    _assert_rounded_exact(out, exact, scale)
+    assert bool((out_wide[:, 100:] == 7.0).all())
+
+
+@needs_kernel
+def test_no_rows_is_no_work():
+    _, w = _operands(1, 64, 48, 13)
+    assert ops.gemm_bf16(torch.zeros(0, 64, dtype=torch.bfloat16), ops.pack_gemm_weight(w), 48).shape == (0, 48)
+
+
+@needs_kernel
+def test_bad_operands_are_value_errors():
+    x, w = _operands(4, 64, 50, 14)
+    panels = ops.pack_gemm_weight(w)
+    out = torch.empty(4, 50, dtype=torch.bfloat16)
+    cases = [
+        ((out, x.float(), panels, None), "x must be a bfloat16"),
+        ((out, x, panels[:, :16].contiguous(), None), "panels"),
+        ((out, x, panels.transpose(1, 2), None), "panels|contiguous"),
+        ((torch.empty(4, 97, dtype=torch.bfloat16), x, panels, None), "columns do not fill"),
+        ((torch.empty(3, 50, dtype=torch.bfloat16), x, panels, None), "rows"),
+        ((out, x, panels, torch.zeros(49)), "bias"),
+        ((out, x, panels, torch.zeros(50, dtype=torch.bfloat16)), "bias"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _C.gemm_bf16(*args)
+    with pytest.raises(ValueError, match="up"):
+        _C.gemm_silu_mul_bf16(out, x, panels, ops.pack_gemm_weight(_operands(1, 32, 50, 0)[1]))
+
+
+@needs_kernel
+def test_other_instruction_sets_run_the_reference():
+    x, w = _operands(9, 64, 50, 15)
+    panels = ops.pack_gemm_weight(w)
+    active = _C.cpu_isa()
+    try:
+        _C.set_cpu_isa("avx512")
+        assert not ops.has_gemm_bf16()
+        assert torch.equal(ops.gemm_bf16(x, panels, 50), reference.gemm_bf16(x, panels, 50))
+        with pytest.raises(ValueError, match="avx512_bf16"):
+            _C.gemm_bf16(torch.empty(9, 50, dtype=torch.bfloat16), x, panels, None)
+    finally:
+        _C.set_cpu_isa(active)
+    assert ops.has_gemm_bf16() == (active == "avx512_bf16")
