@@ -97,3 +97,17 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert isinstance(head, PackedLinear)
     assert all(layer.mlp.packed_gate_up.panels == ops.has_gemm_bf16() for layer in model.layers)
     assert (head.panels is not None) == ops.has_gemm_bf16()
+
+
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
+def test_gemm_panels_take_any_leading_shape_and_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(2 * 100, 64, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(3, 5, 80, generator=gen).bfloat16()[..., 8:72]  # rows 80 elements apart
+    flat = x.reshape(15, 64).contiguous()
+    packed, fused = PackedLinear(weight), PackedSiluAndMul(weight)
+    assert torch.equal(packed(x), packed(flat).view(3, 5, 200))
+    assert torch.equal(packed(x[0]), packed(flat[:5]))  # a 2-D view with a row stride of its own
+    assert torch.equal(fused(x), fused(flat).view(3, 5, 100))
+    swapped = flat.view(3, 5, 64).transpose(0, 1).reshape(15, 64)
+    assert torch.equal(fused(x.transpose(0, 1)), fused(swapped).view(5, 3, 100))
