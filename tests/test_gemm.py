@@ -114,6 +114,22 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
 
 
 @needs_kernel
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_few_panels_split_the_rows_between_threads(out_dtype):
+    """Fewer panels than twice the threads: the rows are cut into runs of tiles, every row computed once."""
+    x, w = _operands(67, 128, 40, 16)  # one panel
+    panels = ops.pack_gemm_weight(w)
+    exact, scale = _exact(x, w)
+    with torch_threads(1):
+        alone = ops.gemm_bf16(x, panels, 40, out_dtype=out_dtype)
+    for threads in (2, 3):
+        with torch_threads(threads):
+            split = ops.gemm_bf16(x, panels, 40, out_dtype=out_dtype)
+            assert torch.equal(split, alone), threads
+    _assert_rounded_exact(alone.bfloat16(), exact, scale)
+
+
+@needs_kernel
 def test_strided_rows_in_and_out_and_nothing_written_outside():
     x_wide, w = _operands(19, 600, 100, 12)
     x = x_wide[:, :576]  # rows 600 elements apart

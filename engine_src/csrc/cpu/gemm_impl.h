@@ -24,7 +24,6 @@
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
 
-constexpr int kGemmTileRows = 8;
 constexpr int kPanelVecs = kGemmPanelCols / Vec::N;
 static_assert(kPanelVecs * Vec::N == kGemmPanelCols);
 

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "ops.h"
@@ -11,11 +13,30 @@
 namespace batchgen::cpu {
 namespace {
 
+// Tasks of whole panels and every row, so that each weight is read from memory once per call; where
+// the panels are too few for the threads (12 panels of a 576-wide projection on 16 threads), the rows
+// are cut into runs of tiles as well.
 void run_gemm(const GemmArgs& args, int64_t panels) {
   const GemmFn gemm = active_kernels().gemm_bf16;
   TORCH_CHECK_VALUE(gemm != nullptr, "the bf16 GEMM needs the avx512_bf16 kernels; active: ", active_kernels().name);
   if (args.rows == 0) return;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { gemm(args, begin, end); });
+  const int64_t tiles = (args.rows + kGemmTileRows - 1) / kGemmTileRows;
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_runs = std::clamp<int64_t>((2 * threads + panels - 1) / panels, 1, tiles);
+  at::parallel_for(0, row_runs * panels, 1, [&](int64_t begin, int64_t end) {
+    while (begin < end) {  // one call per row run: the panels of a run follow each other, so each prefetches the next
+      const int64_t run = begin / panels, panel = begin % panels;
+      const int64_t last = std::min(end, (run + 1) * panels);
+      const int64_t first_row = run * tiles / row_runs * kGemmTileRows;
+      const int64_t end_row = std::min(args.rows, (run + 1) * tiles / row_runs * kGemmTileRows);
+      GemmArgs part = args;
+      part.x = args.x + first_row * args.x_stride;
+      part.out = static_cast<char*>(args.out) + first_row * args.out_stride * (args.float_out ? 4 : 2);
+      part.rows = end_row - first_row;
+      gemm(part, panel, panel + (last - begin));
+      begin = last;
+    }
+  });
 }
 
 const BF16* bf16_data(const torch::Tensor& t) { return static_cast<const BF16*>(t.data_ptr()); }

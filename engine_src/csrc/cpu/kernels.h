@@ -90,6 +90,7 @@ using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, floa
 // operand layout of the bf16 dot product, so a panel is read front to back exactly once per row tile. The
 // last panel is padded with zero columns.
 constexpr int kGemmPanelCols = 48;
+constexpr int kGemmTileRows = 8;  // rows that share a panel's pass in registers
 
 struct GemmArgs {
   const BF16* x;  // [rows, depth], rows `x_stride` elements apart
