@@ -37,7 +37,7 @@ def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype, layou
     weight = (torch.randn(960, 576, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(960, generator=gen).to(dtype)
     packed = PackedLinear(weight, bias)
-    assert (packed.panels is not None) == (layout == "panels")
+    assert packed.uses_panels == (layout == "panels")
     for _ in range(10):
         x = torch.randn(64, 576, generator=gen).to(dtype)
         full = packed(x)
@@ -69,7 +69,7 @@ def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype,
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(2 * 384, 576, generator=gen) * 0.05).to(dtype)
     fused = PackedSiluAndMul(weight)
-    assert fused.panels == (layout == "panels")
+    assert fused.uses_panels == (layout == "panels")
     for _ in range(5):
         x = torch.randn(64, 576, generator=gen).to(dtype)
         full = fused(x)
@@ -95,8 +95,8 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
     head = model.lm_head if model.lm_head is not None else model._tied_head
     assert isinstance(head, PackedLinear)
-    assert all(layer.mlp.packed_gate_up.panels == ops.has_gemm_bf16() for layer in model.layers)
-    assert (head.panels is not None) == ops.has_gemm_bf16()
+    assert all(layer.mlp.packed_gate_up.uses_panels == ops.has_gemm_bf16() for layer in model.layers)
+    assert head.uses_panels == ops.has_gemm_bf16()
 
 
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")

@@ -69,20 +69,20 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.panels = ops.pack_gemm_weight(weight) if uses_gemm_panels(weight) else None
-        self.packed = None if self.panels is not None else _pack(weight)
-        self.bias = None if bias is None else bias.detach()
-        self.panel_bias = None if bias is None or self.panels is None else self.bias.float()
+        self.uses_panels = uses_gemm_panels(weight)
+        self.packed = ops.pack_gemm_weight(weight) if self.uses_panels else _pack(weight)
+        # batchgen's GEMM adds a float32 bias to its float32 sums; oneDNN takes W's dtype.
+        self.bias = None if bias is None else bias.detach().to(torch.float32 if self.uses_panels else weight.dtype)
         self.out_dtype = torch.float32 if float_out else weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is None:
+        if not self.uses_panels:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        out = ops.gemm_bf16(_as_rows(x), self.panels, self.out_features, self.panel_bias, self.out_dtype)
+        out = ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias, self.out_dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        layout = "gemm panels" if self.panels is not None else "oneDNN"
+        layout = "gemm panels" if self.uses_panels else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
 
@@ -96,12 +96,12 @@ class PackedSiluAndMul(nn.Module):
         super().__init__()
         self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
         gate, up = gate_up_weight[: self.out_features], gate_up_weight[self.out_features :]
-        self.panels = uses_gemm_panels(gate_up_weight)
-        pack = ops.pack_gemm_weight if self.panels else _pack
+        self.uses_panels = uses_gemm_panels(gate_up_weight)
+        pack = ops.pack_gemm_weight if self.uses_panels else _pack
         self.gate, self.up = pack(gate), pack(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels:
+        if self.uses_panels:
             out = ops.gemm_silu_mul_bf16(_as_rows(x), self.gate, self.up, self.out_features)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         x = x.contiguous()
@@ -109,7 +109,7 @@ class PackedSiluAndMul(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
 
     def extra_repr(self) -> str:
-        layout = "gemm panels" if self.panels else "oneDNN"
+        layout = "gemm panels" if self.uses_panels else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
 

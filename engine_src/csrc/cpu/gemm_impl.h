@@ -112,7 +112,7 @@ void gemm_tile(const GemmArgs& a, int64_t row, int64_t panel, int64_t first_line
   } else if (a.bias != nullptr) {
     for (int v = 0; v < kPanelVecs; ++v) {
       const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
-      const Vec b{_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), a.bias + col + v * Vec::N)};
+      const Vec b{_mm512_maskz_loadu_ps(first_lanes(count), a.bias + col + v * Vec::N)};
       for (int r = 0; r < MR; ++r) t.acc[r][v] = t.acc[r][v] + b;
     }
   }
@@ -121,8 +121,7 @@ void gemm_tile(const GemmArgs& a, int64_t row, int64_t panel, int64_t first_line
       const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
       const int64_t offset = (row + r) * a.out_stride + col + v * Vec::N;
       if (a.float_out) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + offset, static_cast<__mmask16>((1u << count) - 1u),
-                              t.acc[r][v].v);
+        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + offset, first_lanes(count), t.acc[r][v].v);
       } else if (count == Vec::N) {
         store_bf16(t.acc[r][v], static_cast<BF16*>(a.out) + offset);
       } else if (count > 0) {

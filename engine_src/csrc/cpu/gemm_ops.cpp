@@ -1,6 +1,5 @@
 // bf16 GEMMs of the linear layers on weights packed in panels (kernels.h: GemmArgs; the loop is
-// cpu/gemm_impl.h, in the AVX512-BF16 kernel table only). Each thread takes a run of whole
-// panels, every row of them, so a weight is read from memory once per call.
+// cpu/gemm_impl.h, in the AVX512-BF16 kernel table only): the work cut into tasks for torch's threads.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

@@ -50,6 +50,9 @@ inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float* ab, float* cd) {
 inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline Vec scale_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n
 
+// The mask of lanes [0, count), count 0 to 16.
+inline __mmask16 first_lanes(int count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
   return {_mm512_maskz_mov_ps(keep, value.v)};
@@ -130,8 +133,7 @@ inline void store_bf16(Vec x, BF16* dst) {
 
 // The first `count` (0 to 16) lanes of x rounded to bf16 into dst[0 .. count).
 inline void store_bf16(Vec x, BF16* dst, int count) {
-  const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
-  _mm256_mask_storeu_epi16(dst, lanes, (__m256i)_mm512_cvtneps_pbh(x.v));
+  _mm256_mask_storeu_epi16(dst, first_lanes(count), (__m256i)_mm512_cvtneps_pbh(x.v));
 }
 #endif
 
