@@ -83,6 +83,14 @@ def test_float32_out_is_the_unrounded_sum():
 
 
 @needs_kernel
+def test_rows_past_a_cache_block_of_x():
+    """x of over 4 MiB (300 rows x 8,192) goes through the panels in blocks of rows."""
+    x, w = _operands(300, 8192, 50, 17)
+    exact, scale = _exact(x, w)
+    _assert_rounded_exact(ops.gemm_bf16(x, ops.pack_gemm_weight(w), 50), exact, scale)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 8, 41])
 def test_gemm_silu_mul_is_the_rounded_product(rows):
     depth, cols = 576, 2 * PANEL + 20

@@ -136,7 +136,7 @@ constexpr GemmTileFn kGemmTiles[kGemmTileRows + 1] = {nullptr,        &gemm_tile
                                                       &gemm_tile<3>,  &gemm_tile<4>, &gemm_tile<5>,
                                                       &gemm_tile<6>,  &gemm_tile<7>, &gemm_tile<8>};
 
-void gemm_bf16(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
+void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
   constexpr int64_t kLinesPerPair = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16)) / 64;
   const int64_t tiles = (a.rows + kGemmTileRows - 1) / kGemmTileRows;
   const int64_t pairs = a.depth / 2;
@@ -151,6 +151,19 @@ void gemm_bf16(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
       const int64_t count = prefetch_next ? std::clamp<int64_t>(panel_lines - first, 0, share) : 0;
       kGemmTiles[rows](a, row, panel, first, count, lines_per_pair);
     }
+  }
+}
+
+// Rows in blocks of about kRowBlockBytes of x, each through every panel of the range before the
+// next: x then stays in cache while the panels pass. Without the blocks, an x larger than the cache
+// (2,048 rows x 8,192) came from memory again for every panel: 858 instead of 966 GFLOP/s.
+constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
+
+void gemm_bf16(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
+  const int64_t row_bytes = a.depth * static_cast<int64_t>(sizeof(BF16));
+  const int64_t block = std::max<int64_t>(1, kRowBlockBytes / row_bytes / kGemmTileRows) * kGemmTileRows;
+  for (int64_t first = 0; first < a.rows; first += block) {
+    gemm_panels(gemm_rows(a, first, std::min(block, a.rows - first)), panel_begin, panel_end);
   }
 }
 

@@ -28,11 +28,7 @@ void run_gemm(const GemmArgs& args, int64_t panels) {
       const int64_t last = std::min(end, (run + 1) * panels);
       const int64_t first_row = run * tiles / row_runs * kGemmTileRows;
       const int64_t end_row = std::min(args.rows, (run + 1) * tiles / row_runs * kGemmTileRows);
-      GemmArgs part = args;
-      part.x = args.x + first_row * args.x_stride;
-      part.out = static_cast<char*>(args.out) + first_row * args.out_stride * (args.float_out ? 4 : 2);
-      part.rows = end_row - first_row;
-      gemm(part, panel, panel + (last - begin));
+      gemm(gemm_rows(args, first_row, end_row - first_row), panel, panel + (last - begin));
       begin = last;
     }
   });

@@ -104,6 +104,15 @@ struct GemmArgs {
   int64_t rows, cols, depth;
 };
 
+// The same call restricted to rows [first, first + count).
+inline GemmArgs gemm_rows(const GemmArgs& args, int64_t first, int64_t count) {
+  GemmArgs part = args;
+  part.x = args.x + first * args.x_stride;
+  part.out = static_cast<char*>(args.out) + first * args.out_stride * (args.float_out ? 4 : 2);
+  part.rows = count;
+  return part;
+}
+
 // Computes the columns of panels [panel_begin, panel_end) for every row.
 using GemmFn = void (*)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end);
 
