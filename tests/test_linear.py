@@ -111,3 +111,10 @@ def test_gemm_panels_take_any_leading_shape_and_strided_rows():
     assert torch.equal(fused(x), fused(flat).view(3, 5, 100))
     swapped = flat.view(3, 5, 64).transpose(0, 1).reshape(15, 64)
     assert torch.equal(fused(x.transpose(0, 1)), fused(swapped).view(5, 3, 100))
+
+
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
+def test_deep_weights_stay_with_onednn():
+    deep = torch.zeros(48, linear_module.MAX_PANEL_DEPTH + 2, dtype=torch.bfloat16)
+    assert not PackedLinear(deep).uses_panels
+    assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels
