@@ -97,6 +97,9 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert isinstance(head, PackedLinear)
     assert all(layer.mlp.packed_gate_up.uses_panels == ops.has_gemm_bf16() for layer in model.layers)
     assert head.uses_panels == ops.has_gemm_bf16()
+    # The head's logits come out as batchgen's GEMM's float32 sums (bf16 logits tie near-equal tokens).
+    logits = model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16())
+    assert logits.dtype == (torch.float32 if ops.has_gemm_bf16() else torch.bfloat16)
 
 
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")

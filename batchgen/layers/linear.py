@@ -60,6 +60,11 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _with_leading_shape(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The GEMM's 2-D rows `out` back in x's leading dimensions (undoes `_as_rows`)."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
@@ -83,8 +88,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_panels:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        out = ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias, self.out_dtype)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        return _with_leading_shape(ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias,
+                                                 self.out_dtype), x)
 
     def extra_repr(self) -> str:
         layout = "gemm panels" if self.uses_panels else "oneDNN"
@@ -107,8 +112,7 @@ class PackedSiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_panels:
-            out = ops.gemm_silu_mul_bf16(_as_rows(x), self.gate, self.up, self.out_features)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+            return _with_leading_shape(ops.gemm_silu_mul_bf16(_as_rows(x), self.gate, self.up, self.out_features), x)
         x = x.contiguous()
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")

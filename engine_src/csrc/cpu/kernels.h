@@ -84,11 +84,12 @@ using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, flo
 // The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 
-// One bf16 GEMM call (gemm_impl.h): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < rows, n < cols; or,
-// with `up` set, silu(x w^T) * (x up^T). out is bf16, or float32 (the sums unrounded) with `float_out`. Weights are packed in panels of kGemmPanelCols output columns, each
-// panel [depth / 2][kGemmPanelCols][2]: the pair (w[n, 2i], w[n, 2i + 1]) of every column side by side, the
-// operand layout of the bf16 dot product, so a panel is read front to back exactly once per row tile. The
-// last panel is padded with zero columns.
+// One bf16 GEMM call (gemm_impl.h): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < rows, n < cols;
+// or, with `up` set, silu(x w^T) * (x up^T). out is bf16, or float32 (the sums unrounded) with
+// `float_out`. Weights are packed in panels of kGemmPanelCols output columns, each panel
+// [depth / 2][kGemmPanelCols][2]: the pair (w[n, 2i], w[n, 2i + 1]) of every column side by side, the
+// operand layout of the bf16 dot product, so a panel is read front to back exactly once per row tile.
+// The last panel is padded with zero columns.
 constexpr int kGemmPanelCols = 48;
 constexpr int kGemmTileRows = 8;  // rows that share a panel's pass in registers
 
