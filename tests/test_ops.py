@@ -372,6 +372,31 @@ def test_allocate_kv_cache():
             ops.allocate_kv_cache(**(args | bad), device="cpu")
 
 
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="transparent huge pages are off or absent")
+def test_host_kv_cache_lies_on_huge_pages():
+    key_cache, value_cache = ops.allocate_kv_cache(1024, 2, 16, 64, torch.bfloat16, "cpu")  # 4 MiB each
+    for cache in (key_cache, value_cache):
+        assert cache.data_ptr() % (2 << 20) == 0 and not cache.any()
+        assert _huge_page_kib(cache.data_ptr()) >= 2048
+
+
 # --- argument errors ----------------------------------------------------------------------------
 
 
