@@ -76,16 +76,21 @@ int64_t useful_workers(int64_t kv_bytes) {
   return std::clamp<int64_t>(kv_bytes / kMinBytesPerWorker, 1, at::get_num_threads());
 }
 
-// Runs fn(task, scratch) for every task in [0, num_tasks) on up to `workers` of torch's intra-op
-// threads. Tasks are handed out one at a time from a shared counter, so ragged lengths do not
-// leave threads idle.
-template <typename Fn>
-void run_tasks(int64_t num_tasks, int64_t workers, int64_t scratch_floats, const Fn& fn) {
-  std::atomic<int64_t> next{0};
+// Runs every task on up to `workers` of torch's intra-op threads. Tasks are handed out one at a time
+// from a shared counter, so ragged lengths do not leave threads idle; a thread claims its next task
+// as it starts one, so that the kernel can prefetch the next task's first K/V tile.
+void run_tasks(const AttnArgs& args, AttendFn attend, const std::vector<AttnTask>& tasks, int64_t workers,
+               int64_t scratch_floats) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> counter{0};
   workers = std::min(workers, num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(scratch_floats);
-    for (int64_t task = next++; task < num_tasks; task = next++) fn(task, scratch.data());
+    for (int64_t task = counter++; task < num_tasks;) {
+      const int64_t next = counter++;
+      attend(args, tasks[task], next < num_tasks ? &tasks[next] : nullptr, scratch.data());
+      task = next;
+    }
   });
 }
 
@@ -189,9 +194,8 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
       tasks.push_back({s, h, s, 1, lens[s] - 1, shared[s], lens[s], dst, 2 * row, heads_per_task});
     }
   }
-  run_tasks(static_cast<int64_t>(tasks.size()), workers,
-            attend_scratch_floats(std::max(heads_per_task, run_heads * widest) * group, args.head_dim),
-            [&](int64_t i, float* buf) { attend(args, tasks[i], buf); });
+  run_tasks(args, attend, tasks, workers,
+            attend_scratch_floats(std::max(heads_per_task, run_heads * widest) * group, args.head_dim));
   AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits", [&] {
     combine_splits<scalar_t>(partial, [&](int64_t s) { return shared[s] != 0 ? 2 : 0; }, out);
   });
@@ -237,26 +241,30 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                                                       args.block_tables, num_seqs, args.max_blocks_per_seq, block_size);
       if (!runs.empty()) return decode_shared(out, args, attend, lens, num_seqs, runs, heads_per_task, workers);
     }
-    run_tasks(num_seqs * head_tasks, workers, scratch, [&](int64_t i, float* buf) {
-      const int64_t seq = i / head_tasks, len = lens[seq];
-      const AttnTask task{seq, i % head_tasks * heads_per_task, seq, 1, len - 1, 0, len, nullptr, 0, heads_per_task};
-      attend(args, task, buf);
-    });
-    return;
+    std::vector<AttnTask> tasks;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task)
+        tasks.push_back({seq, h, seq, 1, lens[seq] - 1, 0, lens[seq], nullptr, 0, heads_per_task});
+    }
+    return run_tasks(args, attend, tasks, workers, scratch);
   }
 
   const int64_t row = args.head_dim + 2;  // acc, max, sum
   torch::Tensor partial = torch::empty({num_seqs, args.num_heads, splits, row}, query.options().dtype(torch::kFloat32));
   float* part = partial.data_ptr<float>();
-  run_tasks(num_seqs * head_tasks * splits, workers, scratch, [&](int64_t i, float* buf) {
-    const int64_t seq = i / (head_tasks * splits), kv_head = i / splits % head_tasks * heads_per_task;
-    const int64_t split = i % splits, len = lens[seq], kv_begin = split * split_tokens;
-    if (kv_begin >= len) return;
-    float* dst = part + ((seq * args.num_heads + kv_head * group) * splits + split) * row;
-    const AttnTask task{seq, kv_head, seq, 1, len - 1, kv_begin, std::min(len, kv_begin + split_tokens), dst,
-                        splits * row, heads_per_task};
-    attend(args, task, buf);
-  });
+  std::vector<AttnTask> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = lens[seq];
+    for (int64_t kv_head = 0; kv_head < args.num_kv_heads; kv_head += heads_per_task) {
+      for (int64_t split = 0; split * split_tokens < len; ++split) {
+        const int64_t kv_begin = split * split_tokens;
+        float* dst = part + ((seq * args.num_heads + kv_head * group) * splits + split) * row;
+        tasks.push_back({seq, kv_head, seq, 1, len - 1, kv_begin, std::min(len, kv_begin + split_tokens), dst,
+                         splits * row, heads_per_task});
+      }
+    }
+  }
+  run_tasks(args, attend, tasks, workers, scratch);
   AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits", [&] {
     combine_splits<scalar_t>(partial, [&](int64_t s) { return (lens[s] + split_tokens - 1) / split_tokens; }, out);
   });
@@ -308,8 +316,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
     return x.q_pos + x.q_count > y.q_pos + y.q_count;
   });
   const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * query.element_size());
-  run_tasks(static_cast<int64_t>(tasks.size()), workers, attend_scratch_floats(tile * group, args.head_dim),
-            [&](int64_t i, float* buf) { attend(args, tasks[i], buf); });
+  run_tasks(args, attend, tasks, workers, attend_scratch_floats(tile * group, args.head_dim));
 }
 
 }  // namespace batchgen::cpu

@@ -490,8 +490,37 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
   }
 }
 
+// The tiles a task visits in order: tile by tile over its keys, its kv heads inner, each tile the
+// K (or V) of up to blocks_per_tile blocks of one kv head.
+struct TileWalk {
+  const int32_t* table;  // the sequence's block table
+  int64_t first_block;   // the task's first block
+  int64_t blocks;        // blocks the task reads
+  int64_t kv_head;
+  int64_t heads;
+  int blocks_per_tile;
+  int64_t block_elems;       // one block, all kv heads
+  int64_t block_tile_elems;  // one (block, kv head)
+
+  int64_t tiles() const { return (blocks + blocks_per_tile - 1) / blocks_per_tile * heads; }
+  int64_t first(int64_t visit) const { return first_block + visit / heads * blocks_per_tile; }
+  int count(int64_t visit) const { return static_cast<int>(min_i64(blocks_per_tile, first_block + blocks - first(visit))); }
+  // Elements from the start of the cache to block b of tile `visit`.
+  int64_t offset(int64_t visit, int b) const {
+    return table[first(visit) + b] * block_elems + (kv_head + visit % heads) * block_tile_elems;
+  }
+};
+
+inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
+  const int BS = a.block_size;
+  const int64_t block_tile_elems = int64_t{BS} * a.head_dim;
+  const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
+  return {a.block_tables + task.seq * a.max_blocks_per_seq, task.kv_begin / BS, (kv_stop - task.kv_begin + BS - 1) / BS,
+          task.kv_head, task.kv_head_count, kTileKeys / BS, a.num_kv_heads * block_tile_elems, block_tile_elems};
+}
+
 template <typename T>
-void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
+void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
@@ -518,35 +547,35 @@ void attend(const AttnArgs& a, const AttnTask& task, float* scratch) {
     rows.l[r] = 0.0f;
   }
 
-  const int64_t block_tile_elems = int64_t{BS} * D;  // one (block, kv head)
-  const int64_t block_elems = a.num_kv_heads * block_tile_elems;
-  const T* k_first = static_cast<const T*>(a.key_cache) + task.kv_head * block_tile_elems;
-  const T* v_first = static_cast<const T*>(a.value_cache) + task.kv_head * block_tile_elems;
-  const int32_t* table = a.block_tables + task.seq * a.max_blocks_per_seq;
-  const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
-  const int64_t bytes = block_tile_elems * int64_t{sizeof(T)};
-  const int blocks_per_tile = kTileKeys / BS;
-  const int64_t blocks = (kv_stop - task.kv_begin + BS - 1) / BS;
-  const int64_t num_tiles = (blocks + blocks_per_tile - 1) / blocks_per_tile * heads;  // tile by tile, head inner
+  const T* k_cache = static_cast<const T*>(a.key_cache);
+  const T* v_cache = static_cast<const T*>(a.value_cache);
+  const TileWalk walk = tile_walk(a, task);
+  const int64_t num_tiles = walk.tiles();
+  // The tiles after this task's last are the next task's.
+  const TileWalk next_walk = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
+  const int64_t all_tiles = num_tiles + (next_task != nullptr ? next_walk.tiles() : 0);
+  const int64_t bytes = walk.block_tile_elems * int64_t{sizeof(T)};
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
   // request and the use: one tile for large tiles, several for small ones, which go faster.
-  const int64_t tile_bytes = bytes * blocks_per_tile;
+  const int64_t tile_bytes = bytes * walk.blocks_per_tile;
   const int64_t ahead = 2 * tile_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / (2 * tile_bytes);
-  auto first_block = [&](int64_t visit) { return task.kv_begin / BS + visit / heads * blocks_per_tile; };
-  const int64_t end_block = task.kv_begin / BS + blocks;
   for (int64_t visit = 0; visit < num_tiles; ++visit) {
-    const int64_t first = first_block(visit), h = visit % heads, start = first * BS;
-    const int64_t next_first = first_block(visit + ahead), next_h = (visit + ahead) % heads;
+    const int64_t h = visit % heads, start = walk.first(visit) * BS;
+    const int64_t ahead_visit = visit + ahead;
+    const bool ahead_here = ahead_visit < num_tiles;
+    const TileWalk& ahead_walk = ahead_here ? walk : next_walk;
+    const int64_t ahead_tile = ahead_here ? ahead_visit : ahead_visit - num_tiles;
+    const int ahead_count = ahead_visit < all_tiles ? ahead_walk.count(ahead_tile) : 0;
     Tile<T> tile;
-    tile.count = static_cast<int>(min_i64(blocks_per_tile, end_block - first));
+    tile.count = walk.count(visit);
     for (int b = 0; b < tile.count; ++b) {
-      const int64_t offset = table[first + b] * block_elems + h * block_tile_elems;
+      const int64_t offset = walk.offset(visit, b);
       BlockKV<T>& kv = tile.block[b];
-      kv = {k_first + offset, v_first + offset, {}, {}};
-      if (visit + ahead < num_tiles && next_first + b < end_block) {
-        const int64_t next = table[next_first + b] * block_elems + next_h * block_tile_elems;
-        const char* next_k = reinterpret_cast<const char*>(k_first + next);
-        const char* next_v = reinterpret_cast<const char*>(v_first + next);
+      kv = {k_cache + offset, v_cache + offset, {}, {}};
+      if (b < ahead_count) {
+        const int64_t next = ahead_walk.offset(ahead_tile, b);
+        const char* next_k = reinterpret_cast<const char*>(k_cache + next);
+        const char* next_v = reinterpret_cast<const char*>(v_cache + next);
         kv.next_k = {next_k, next_k + bytes};
         kv.next_v = {next_v, next_v + bytes};
       }

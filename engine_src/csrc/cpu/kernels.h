@@ -64,7 +64,10 @@ struct AttnTask {
   int64_t partial_token_stride = 0;
 };
 
-using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, float* scratch);
+// `next`, the task the calling thread runs after this one (or null), has its first K/V tile prefetched
+// during this task's last: a task's first tile would otherwise start cold (decode, 256-token
+// contexts: ~1/15 of a task's reads, waited on at full memory latency).
+using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, const AttnTask* next, float* scratch);
 
 constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attention (attention_impl.h)
 
