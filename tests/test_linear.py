@@ -1,9 +1,10 @@
 import pytest
 import torch
+from torch import nn
 
 from batchgen import ops
 from batchgen.layers import linear as linear_module
-from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, linear, pack_linears
+from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, gather_panels, linear, pack_linears
 
 # (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
 # and into oneDNN's layout elsewhere; both are tested here, the latter by refusing the panels.
@@ -100,6 +101,22 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     # The head's logits come out as batchgen's GEMM's float32 sums (bf16 logits tie near-equal tokens).
     logits = model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16())
     assert logits.dtype == (torch.float32 if ops.has_gemm_bf16() else torch.bfloat16)
+    # Every panel lies in the one huge-page mapping gather_panels made.
+    panels = [getattr(m, n) for m in model.modules() if getattr(m, "uses_panels", False) for n in m.panel_names]
+    assert len({t.untyped_storage().data_ptr() for t in panels}) == (1 if ops.has_gemm_bf16() else 0)
+
+
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
+def test_gathered_panels_give_the_same_outputs():
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(2 * 96, 64, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    parent = nn.ModuleDict({"linear": PackedLinear(weight), "fused": PackedSiluAndMul(weight)})
+    expected = parent["linear"](x), parent["fused"](x)
+    gather_panels(parent)
+    gathered = parent["linear"].packed, parent["fused"].gate, parent["fused"].up
+    assert len({t.untyped_storage().data_ptr() for t in gathered}) == 1
+    assert torch.equal(parent["linear"](x), expected[0]) and torch.equal(parent["fused"](x), expected[1])
 
 
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")

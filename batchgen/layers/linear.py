@@ -76,6 +76,8 @@ class PackedLinear(nn.Module):
     `float_out`: batchgen's GEMM returns its float32 sums unrounded (for logits: bf16 logits of ~16-32 are
     0.125 apart, so close candidates tie and argmax takes the lower token id); oneDNN's returns W's dtype."""
 
+    panel_names = ("packed",)  # the tensors gather_panels may move
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -101,6 +103,8 @@ class PackedSiluAndMul(nn.Module):
     through memory on their own: batchgen's bf16 GEMM computes both products of a tile and rounds
     silu(gate) * up once; oneDNN's (other weights) runs two GEMMs whose epilogues apply the SiLU and the
     product (~8% faster than a GEMM, silu and mul at 2048 rows). transformers rounds silu(gate) first."""
+
+    panel_names = ("gate", "up")
 
     def __init__(self, gate_up_weight: torch.Tensor):
         super().__init__()
@@ -138,3 +142,12 @@ def pack_linears(module: nn.Module) -> int:
         else:
             count += pack_linears(child)
     return count
+
+
+def gather_panels(module: nn.Module) -> None:
+    """Moves the GEMM panels of every packed module below `module` side by side onto huge pages
+    (`ops.on_huge_pages`): each step streams them all from memory, 4 KiB page by 4 KiB page otherwise."""
+    slots = [(m, name) for m in module.modules() if getattr(m, "uses_panels", False) for name in m.panel_names]
+    moved = ops.on_huge_pages([getattr(m, name) for m, name in slots])
+    for (m, name), tensor in zip(slots, moved, strict=True):
+        setattr(m, name, tensor)

@@ -16,7 +16,15 @@ from torch import nn
 
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
-from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, can_pack, linear, pack_linears
+from batchgen.layers.linear import (
+    Linear,
+    PackedLinear,
+    PackedSiluAndMul,
+    can_pack,
+    gather_panels,
+    linear,
+    pack_linears,
+)
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
 
 
@@ -150,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
         to the embedding gets a packed copy of its own: the embedding lookup needs the plain one. The
-        head's logits come out in float32 where the GEMM can give them so."""
+        head's logits come out in float32 where the GEMM can give them so. The GEMM panels then move
+        side by side onto huge pages (`gather_panels`)."""
         for layer in self.layers:
             layer.mlp.pack()
         pack_linears(self.layers)
@@ -158,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PackedLinear(self.lm_head.weight, float_out=True)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
+        gather_panels(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

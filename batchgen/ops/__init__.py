@@ -11,6 +11,7 @@ for float32 and bfloat16 only; on other devices and for float16 they run the ref
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 
@@ -41,6 +42,7 @@ __all__ = [
     "gemm_bf16",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
+    "on_huge_pages",
     "pack_gemm_weight",
     "paged_attention_decode",
     "paged_attention_prefill",
@@ -254,9 +256,27 @@ def _aligned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: 
     would read K/V measurably slower. Zeroing faults every page in now, not in the middle of a run.
     The padding is never written, so it takes address space, not memory (pinned memory excepted)."""
     nbytes = math.prod(shape) * dtype.itemsize
+    return _aligned_host_bytes(nbytes, pin_memory).view(dtype).view(shape).zero_()
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of host tensors side by side in one mapping that transparent huge pages back (see
+    `_host_bytes`), each on a 64-byte boundary: for weights read from memory at every step. SmolLM2's
+    GEMM panels so placed made "mixed" ~0.8% faster (3 interleaved pairs, each pair faster)."""
+    if not tensors:
+        return []
+    sizes = [(t.nbytes + 63) // 64 * 64 for t in tensors]
+    arena = _aligned_host_bytes(sum(sizes), pin_memory=False)
+    starts = itertools.accumulate(sizes, initial=0)
+    return [arena[start : start + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            for t, start in zip(tensors, starts, strict=False)]  # starts has one more
+
+
+def _aligned_host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """nbytes of host memory (`_host_bytes`) starting on a 2 MiB boundary; the padding stays unwritten."""
     padded = _host_bytes(nbytes + _HUGE_PAGE, pin_memory)
     skip = -padded.data_ptr() % _HUGE_PAGE
-    return padded[skip : skip + nbytes].view(dtype).view(shape).zero_()
+    return padded[skip : skip + nbytes]
 
 
 def _host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
