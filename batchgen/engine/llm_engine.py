@@ -15,7 +15,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.config import SchedulerConfig
-from batchgen.engine.host_memory import retain_freed_memory
+from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.engine.model_runner import CacheShape, ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup
@@ -74,6 +74,8 @@ class LLMEngine:
         self.dtype = _pick_dtype(config.dtype, hf_config, self.device)
         self.max_model_len = self._max_model_len(hf_config)
         model = load_model(model_dir, hf_config, self.dtype, self.device, self.max_model_len)
+        if self.device.type == "cpu":
+            release_freed_memory()
         cfg = model.cfg
         shape = CacheShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, self.dtype)
         num_device_blocks = self._num_device_blocks(shape)
