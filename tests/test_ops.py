@@ -397,6 +397,25 @@ def test_host_kv_cache_lies_on_huge_pages():
         assert _huge_page_kib(cache.data_ptr()) >= 2048
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings")
+def test_host_kv_cache_without_prefault_takes_memory_as_written():
+    import psutil
+
+    def rss_mib() -> float:
+        return psutil.Process().memory_info().rss / 2**20
+
+    before = rss_mib()
+    lazy = ops.allocate_kv_cache(2048, 4, 16, 128, torch.bfloat16, "cpu", prefault=False)  # 2 x 32 MiB
+    grown = rss_mib() - before
+    assert grown < 8, f"an untouched cache took {grown:.0f} MiB"
+    lazy[0][:1024].fill_(1)  # 16 MiB written
+    assert rss_mib() - before >= 12
+    assert not lazy[1].any() and lazy[0][1024:].eq(0).all()
+    before = rss_mib()
+    eager = ops.allocate_kv_cache(2048, 4, 16, 128, torch.bfloat16, "cpu")  # prefaulted
+    assert rss_mib() - before >= 56 and not eager[0].any()
+
+
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
                     reason="transparent huge pages are off or absent")
 def test_on_huge_pages_copies_side_by_side():

@@ -224,10 +224,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     pin_memory: bool = False,
+    prefault: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A zeroed (key_cache, value_cache) pair of shape `[num_blocks, num_kv_heads, block_size, head_dim]`.
 
-    `pin_memory` pins host caches for fast swaps with a GPU; without a CUDA device it is ignored."""
+    `pin_memory` pins host caches for fast swaps with a GPU; without a CUDA device it is ignored.
+    `prefault` touches every page of a host cache now, so that its page faults happen here and not in
+    the middle of a run, and a cache too large for the machine fails at once. Without it an unpinned
+    host cache takes memory only as its blocks are first written: for swap space, which most runs
+    never touch (4 GiB by default)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -243,20 +248,21 @@ def allocate_kv_cache(
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     if device.type != "cpu":
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-    return tuple(_aligned_host_zeros(shape, dtype, pin) for _ in range(2))
+    return tuple(_aligned_host_zeros(shape, dtype, pin, prefault) for _ in range(2))
 
 
 _HUGE_PAGE = 2 << 20  # bytes
 
 
-def _aligned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+def _aligned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, prefault: bool) -> torch.Tensor:
     """A zeroed contiguous host tensor starting on a 2 MiB boundary, in memory that transparent huge
     pages back where the kernel allows (`_host_bytes`). torch's large allocations start 64 bytes into
     a page, so every 4 KiB (block, kv head) tile would straddle two pages and the CPU decode kernel
-    would read K/V measurably slower. Zeroing faults every page in now, not in the middle of a run.
-    The padding is never written, so it takes address space, not memory (pinned memory excepted)."""
+    would read K/V measurably slower. `prefault` writes the zeros to fault every page in now. The
+    padding is never written, so it takes address space, not memory (pinned memory excepted)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return _aligned_host_bytes(nbytes, pin_memory).view(dtype).view(shape).zero_()
+    tensor = _aligned_host_bytes(nbytes, pin_memory).view(dtype).view(shape)
+    return tensor.zero_() if prefault else tensor
 
 
 def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -280,14 +286,14 @@ def _aligned_host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
 
 def _host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    """nbytes of host memory as a uint8 tensor. Unpinned, it is a private anonymous mapping advised
+    """nbytes of zeroed host memory as a uint8 tensor. Unpinned, it is a private anonymous mapping advised
     for transparent huge pages (Linux; elsewhere, or where the kernel refuses, plain pages): decode
     reads a sequence's K/V in scattered 2-6 KiB tiles across a cache of ~1.5 GB, and with 4 KiB pages
     nearly every tile costs a TLB miss. On SmolLM2's "mixed" run (2 cores) 2 MiB pages made the
     whole run ~6% faster, the GEMMs' weight streams included. With THP set to "madvise" (the common
     default) torch's own allocations never get them."""
     if pin_memory or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
         mapping.madvise(mmap.MADV_HUGEPAGE)
