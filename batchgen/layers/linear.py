@@ -70,13 +70,27 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
 
 
-class PackedLinear(nn.Module):
+class PackedModule(nn.Module):
+    """What the packed modules share: their features, which layout they packed into (`uses_panels`) and
+    the names of the tensors holding batchgen's GEMM panels (`panel_names`, moved by gather_panels)."""
+
+    panel_names: tuple[str, ...] = ()
+    in_features: int
+    out_features: int
+    uses_panels: bool
+
+    def extra_repr(self) -> str:
+        layout = "gemm panels" if self.uses_panels else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
+
+
+class PackedLinear(PackedModule):
     """y = x W^T + b with W packed for batchgen's bf16 GEMM or in oneDNN's blocked layout. Inference only.
 
     `float_out`: batchgen's GEMM returns its float32 sums unrounded (for logits: bf16 logits of ~16-32 are
     0.125 apart, so close candidates tie and argmax takes the lower token id); oneDNN's returns W's dtype."""
 
-    panel_names = ("packed",)  # the tensors gather_panels may move
+    panel_names = ("packed",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
         super().__init__()
@@ -93,12 +107,8 @@ class PackedLinear(nn.Module):
         return _with_leading_shape(ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias,
                                                  self.out_dtype), x)
 
-    def extra_repr(self) -> str:
-        layout = "gemm panels" if self.uses_panels else "oneDNN"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
-
-class PackedSiluAndMul(nn.Module):
+class PackedSiluAndMul(PackedModule):
     """silu(x W_gate^T) * (x W_up^T) from a fused [gate; up] weight, the activations never making a trip
     through memory on their own: batchgen's bf16 GEMM computes both products of a tile and rounds
     silu(gate) * up once; oneDNN's (other weights) runs two GEMMs whose epilogues apply the SiLU and the
@@ -120,10 +130,6 @@ class PackedSiluAndMul(nn.Module):
         x = x.contiguous()
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
-
-    def extra_repr(self) -> str:
-        layout = "gemm panels" if self.uses_panels else "oneDNN"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({layout})"
 
 
 class Linear(nn.Linear):
@@ -147,7 +153,8 @@ def pack_linears(module: nn.Module) -> int:
 def gather_panels(module: nn.Module) -> None:
     """Moves the GEMM panels of every packed module below `module` side by side onto huge pages
     (`ops.on_huge_pages`): each step streams them all from memory, 4 KiB page by 4 KiB page otherwise."""
-    slots = [(m, name) for m in module.modules() if getattr(m, "uses_panels", False) for name in m.panel_names]
+    slots = [(m, name) for m in module.modules() if isinstance(m, PackedModule) and m.uses_panels
+             for name in m.panel_names]
     moved = ops.on_huge_pages([getattr(m, name) for m, name in slots])
     for (m, name), tensor in zip(slots, moved, strict=True):
         setattr(m, name, tensor)

@@ -286,12 +286,12 @@ def _aligned_host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
 
 def _host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    """nbytes of zeroed host memory as a uint8 tensor. Unpinned, it is a private anonymous mapping advised
-    for transparent huge pages (Linux; elsewhere, or where the kernel refuses, plain pages): decode
-    reads a sequence's K/V in scattered 2-6 KiB tiles across a cache of ~1.5 GB, and with 4 KiB pages
-    nearly every tile costs a TLB miss. On SmolLM2's "mixed" run (2 cores) 2 MiB pages made the
-    whole run ~3% faster (interleaved pairs), the GEMMs' weight streams included. With THP set to "madvise" (the common
-    default) torch's own allocations never get them."""
+    """nbytes of zeroed host memory as a uint8 tensor. Unpinned, it is a private anonymous mapping
+    advised for transparent huge pages (Linux; elsewhere, or where the kernel refuses, plain pages):
+    decode reads a sequence's K/V in scattered 2-6 KiB tiles across a cache of ~1.5 GB, and with 4 KiB
+    pages nearly every tile costs a TLB miss. On SmolLM2's "mixed" run (2 cores) 2 MiB pages made the
+    whole run ~3% faster (interleaved pairs), the GEMMs' weight streams included. With THP set to
+    "madvise" (the common default) torch's own allocations never get them."""
     if pin_memory or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

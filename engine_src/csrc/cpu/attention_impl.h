@@ -492,19 +492,22 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
 
 // The tiles a task visits in order: tile by tile over its keys, its kv heads inner, each tile the
 // K (or V) of up to blocks_per_tile blocks of one kv head.
+// A default TileWalk has no tiles (no next task).
 struct TileWalk {
-  const int32_t* table;  // the sequence's block table
-  int64_t first_block;   // the task's first block
-  int64_t blocks;        // blocks the task reads
-  int64_t kv_head;
-  int64_t heads;
-  int blocks_per_tile;
-  int64_t block_elems;       // one block, all kv heads
-  int64_t block_tile_elems;  // one (block, kv head)
+  const int32_t* table = nullptr;  // the sequence's block table
+  int64_t first_block = 0;         // the task's first block
+  int64_t blocks = 0;              // blocks the task reads
+  int64_t kv_head = 0;
+  int64_t heads = 1;
+  int blocks_per_tile = 1;
+  int64_t block_elems = 0;       // one block, all kv heads
+  int64_t block_tile_elems = 0;  // one (block, kv head)
 
   int64_t tiles() const { return (blocks + blocks_per_tile - 1) / blocks_per_tile * heads; }
   int64_t first(int64_t visit) const { return first_block + visit / heads * blocks_per_tile; }
-  int count(int64_t visit) const { return static_cast<int>(min_i64(blocks_per_tile, first_block + blocks - first(visit))); }
+  int count(int64_t visit) const {
+    return static_cast<int>(min_i64(blocks_per_tile, first_block + blocks - first(visit)));
+  }
   // Elements from the start of the cache to block b of tile `visit`.
   int64_t offset(int64_t visit, int b) const {
     return table[first(visit) + b] * block_elems + (kv_head + visit % heads) * block_tile_elems;
@@ -515,8 +518,14 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
   const int BS = a.block_size;
   const int64_t block_tile_elems = int64_t{BS} * a.head_dim;
   const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
-  return {a.block_tables + task.seq * a.max_blocks_per_seq, task.kv_begin / BS, (kv_stop - task.kv_begin + BS - 1) / BS,
-          task.kv_head, task.kv_head_count, kTileKeys / BS, a.num_kv_heads * block_tile_elems, block_tile_elems};
+  return {a.block_tables + task.seq * a.max_blocks_per_seq,
+          task.kv_begin / BS,
+          (kv_stop - task.kv_begin + BS - 1) / BS,
+          task.kv_head,
+          task.kv_head_count,
+          kTileKeys / BS,
+          a.num_kv_heads * block_tile_elems,
+          block_tile_elems};
 }
 
 template <typename T>
@@ -553,7 +562,7 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   const int64_t num_tiles = walk.tiles();
   // The tiles after this task's last are the next task's.
   const TileWalk next_walk = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
-  const int64_t all_tiles = num_tiles + (next_task != nullptr ? next_walk.tiles() : 0);
+  const int64_t all_tiles = num_tiles + next_walk.tiles();
   const int64_t bytes = walk.block_tile_elems * int64_t{sizeof(T)};
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
   // request and the use: one tile for large tiles, several for small ones, which go faster.
