@@ -2,7 +2,9 @@
 
 Every output must be the exact product rounded to bf16, give or take one bf16 step (the kernel sums
 in float32), and a row's result must not depend on the other rows, the thread count or where the
-row sits in a tile of 8. Processors without AVX512-BF16 run the reference instead (tested too).
+row sits in a tile. Each test runs under every kernel table with the GEMM this processor has: the
+vector dot product loop (avx512_bf16) and the AMX tiles (amx_bf16). Processors without AVX512-BF16
+run the reference instead (tested too).
 """
 
 from __future__ import annotations
@@ -14,8 +16,24 @@ from kernel_cases import torch_threads
 from batchgen import _C, ops
 from batchgen.ops import reference
 
-needs_kernel = pytest.mark.skipif("avx512_bf16" not in _C.supported_cpu_isas(), reason="no AVX512-BF16 here")
+GEMM_ISAS = [isa for isa in ("avx512_bf16", "amx_bf16") if isa in _C.supported_cpu_isas()]
+needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX512-BF16 here")
 PANEL = _C.GEMM_PANEL_COLS
+
+
+@pytest.fixture(params=GEMM_ISAS)
+def gemm_isa(request):
+    active = _C.cpu_isa()
+    _C.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _C.set_cpu_isa(active)
+
+
+def needs_kernel(test):
+    """The test runs once per kernel table with the GEMM (skipped where there is none)."""
+    return needs_gemm(pytest.mark.usefixtures("gemm_isa")(test))
 
 
 def _operands(rows: int, depth: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +73,8 @@ def test_pack_rejects_what_the_kernel_cannot_read():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 200])
-@pytest.mark.parametrize(("depth", "cols"), [(576, 960), (64, 49), (1536, 576), (96, 16), (10, 2 * PANEL + 1)])
+@pytest.mark.parametrize(("depth", "cols"),
+                         [(576, 960), (64, 49), (1536, 576), (96, 16), (10, 2 * PANEL + 1), (600, 50)])
 def test_gemm_is_the_rounded_product(rows, depth, cols):
     x, w = _operands(rows, depth, cols, rows * 7 + cols)
     panels = ops.pack_gemm_weight(w)
@@ -109,7 +128,7 @@ def test_gemm_silu_mul_is_the_rounded_product(rows):
 
 @needs_kernel
 def test_rows_do_not_depend_on_the_batch_or_threads():
-    x, w = _operands(67, 576, 3 * PANEL, 11)
+    x, w = _operands(67, 584, 3 * PANEL, 11)  # 584: whole AMX steps of 32 and a rest
     panels, up = ops.pack_gemm_weight(w), ops.pack_gemm_weight(w.flip(0))
     with torch_threads(2):
         full = ops.gemm_bf16(x, panels, w.shape[0])
@@ -177,7 +196,7 @@ def test_bad_operands_are_value_errors():
         _C.gemm_silu_mul_bf16(out, x, panels, ops.pack_gemm_weight(_operands(1, 32, 50, 0)[1]))
 
 
-@needs_kernel
+@needs_gemm
 def test_other_instruction_sets_run_the_reference():
     x, w = _operands(9, 64, 50, 15)
     panels = ops.pack_gemm_weight(w)
@@ -190,4 +209,4 @@ def test_other_instruction_sets_run_the_reference():
             _C.gemm_bf16(torch.empty(9, 50, dtype=torch.bfloat16), x, panels, None)
     finally:
         _C.set_cpu_isa(active)
-    assert ops.has_gemm_bf16() == (active == "avx512_bf16")
+    assert ops.has_gemm_bf16() == (active in GEMM_ISAS)

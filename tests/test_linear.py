@@ -2,13 +2,19 @@ import pytest
 import torch
 from torch import nn
 
-from batchgen import ops
+from batchgen import _C, ops
 from batchgen.layers import linear as linear_module
 from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, gather_panels, linear, pack_linears
 
+# With AMX, oneDNN picks its kernels by the number of rows in ranges (see layers/linear.py): bf16
+# oneDNN rows and unpacked F.linear rows depend on the batch there, and the engine uses neither.
+ONEDNN_AMX = "amx_bf16" in _C.supported_cpu_isas()
+ONEDNN_AMX_REASON = "oneDNN's AMX kernels round rows by batch size; the engine does not use this path there"
+
 # (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
 # and into oneDNN's layout elsewhere; both are tested here, the latter by refusing the panels.
-LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "onednn"),
+LAYOUTS = [(torch.float32, "onednn"),
+           pytest.param(torch.bfloat16, "onednn", marks=pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON)),
            pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
                not ops.has_gemm_bf16(), reason="no AVX512-BF16 here"))]
 
@@ -20,6 +26,7 @@ def layout(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_rows_do_not_depend_on_batch_size(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -35,12 +42,12 @@ def test_linear_rows_do_not_depend_on_batch_size(dtype):
 @pytest.mark.parametrize(("dtype", "layout"), LAYOUTS, indirect=["layout"])
 def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype, layout):
     gen = torch.Generator().manual_seed(1)
-    weight = (torch.randn(960, 576, generator=gen) * 0.05).to(dtype)
-    bias = torch.randn(960, generator=gen).to(dtype)
+    weight = (torch.randn(576, 1536, generator=gen) * 0.05).to(dtype)  # float32 oneDNN + AMX: M = 1 pads
+    bias = torch.randn(576, generator=gen).to(dtype)
     packed = PackedLinear(weight, bias)
     assert packed.uses_panels == (layout == "panels")
     for _ in range(10):
-        x = torch.randn(64, 576, generator=gen).to(dtype)
+        x = torch.randn(64, 1536, generator=gen).to(dtype)
         full = packed(x)
         expected = torch.nn.functional.linear(x, weight, bias)
         if layout == "panels":  # float32 sums in another order: a last-bit flip here and there
@@ -134,7 +141,13 @@ def test_gemm_panels_take_any_leading_shape_and_strided_rows():
 
 
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
-def test_deep_weights_stay_with_onednn():
+def test_deep_weights_stay_with_onednn_unless_on_tiles():
     deep = torch.zeros(48, linear_module.MAX_PANEL_DEPTH + 2, dtype=torch.bfloat16)
-    assert not PackedLinear(deep).uses_panels
+    assert PackedLinear(deep).uses_panels == ops.gemm_on_tiles()
     assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels
+    if ops.gemm_on_tiles():
+        _C.set_cpu_isa("avx512_bf16")
+        try:
+            assert not PackedLinear(deep).uses_panels
+        finally:
+            _C.set_cpu_isa("amx_bf16")

@@ -1,9 +1,11 @@
 """Linear layers: fast on CPU, and with every output row independent of how many rows the batch has.
 
 On CPU the weights are packed once, after loading. bf16 weights on processors with AVX512-BF16 go
-into the panels of batchgen's own GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h):
-measured here on 2 cores with SmolLM2's 30 layers, each weight from memory, it runs the layers'
-projections 1.4x faster than oneDNN's packed GEMMs at 16-64 rows and 1.1x at 256-2048. Other
+into the panels of batchgen's own GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h,
+on AMX tiles where the processor has them, gemm_amx.h): measured on 2 cores without AMX with
+SmolLM2's 30 layers, each weight from memory, it runs the layers' projections 1.4x faster than
+oneDNN's packed GEMMs at 16-64 rows and 1.1x at 256-2048; with AMX, 1.3-1.7x faster at 8-40 rows
+and within ~10% of oneDNN's AMX GEMMs at 128-256. Other
 weights go into oneDNN's blocked layout (the `torch.ops.mkldnn` linear ops that torch.compile's
 freezing also uses): `F.linear` re-blocks the weight on every call, which costs most at the small
 batches of decoding (packed: 25-60% faster at 8-64 rows in bf16, ~2.4x in float32).
@@ -20,6 +22,8 @@ order whatever the rows, and oneDNN's packed GEMMs gave identical rows for every
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,12 +34,16 @@ MIN_ROWS = 8
 _PACK_BATCH_HINT = 64  # rows oneDNN tunes the blocked layout for; 8..256 measured within noise
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _on_min_rows(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """gemm(x) for x of at least MIN_ROWS rows; shorter x is padded with zero rows (see above)."""
     rows = x.shape[0]
     if rows >= MIN_ROWS:
-        return F.linear(x, weight, bias)
-    padded = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
-    return F.linear(padded, weight, bias)[:rows]
+        return gemm(x)
+    return gemm(F.pad(x, (0, 0, 0, MIN_ROWS - rows)))[:rows]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _on_min_rows(lambda rows: F.linear(rows, weight, bias), x)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -48,10 +56,12 @@ MAX_PANEL_DEPTH = 5120  # two panels of 48 outputs x this many inputs fill a 1 M
 
 def uses_gemm_panels(weight: torch.Tensor) -> bool:
     """Whether `weight` packs into the panels of batchgen's bf16 GEMM rather than oneDNN's layout. Deeper
-    weights stay with oneDNN: batchgen's GEMM does not block the depth, and once a panel no longer fits
-    in L2 twice it ran 13% slower than oneDNN at 16 rows (8,192 deep; faster up to 4,096 deep)."""
+    weights stay with oneDNN on the vector loop: it does not block the depth, and once a panel no longer
+    fits in L2 twice it ran 13% slower than oneDNN at 16 rows (8,192 deep; faster up to 4,096 deep). On
+    AMX tiles every depth packs: oneDNN's bf16 rows would depend on the batch, and the tiles ran within
+    -20% / +20% of it at 8,192-14,336 deep."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
-            and weight.shape[1] <= MAX_PANEL_DEPTH and ops.has_gemm_bf16())
+            and (weight.shape[1] <= MAX_PANEL_DEPTH or ops.gemm_on_tiles()) and ops.has_gemm_bf16())
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +113,9 @@ class PackedLinear(PackedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_panels:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            out = _on_min_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(
+                rows, self.packed, self.bias, "none", [], ""), _as_rows(x).contiguous())
+            return _with_leading_shape(out, x)
         return _with_leading_shape(ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias,
                                                  self.out_dtype), x)
 
@@ -127,9 +139,11 @@ class PackedSiluAndMul(PackedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_panels:
             return _with_leading_shape(ops.gemm_silu_mul_bf16(_as_rows(x), self.gate, self.up, self.out_features), x)
-        x = x.contiguous()
-        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
+        def silu_mul(rows: torch.Tensor) -> torch.Tensor:
+            gate = torch.ops.mkldnn._linear_pointwise(rows, self.gate, None, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(rows, gate, self.up, None, "mul")
+
+        return _with_leading_shape(_on_min_rows(silu_mul, _as_rows(x).contiguous()), x)
 
 
 class Linear(nn.Linear):

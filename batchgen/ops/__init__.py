@@ -40,6 +40,7 @@ __all__ = [
     "copy_blocks",
     "fused_add_rms_norm",
     "gemm_bf16",
+    "gemm_on_tiles",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
     "on_huge_pages",
@@ -140,6 +141,11 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 def has_gemm_bf16() -> bool:
     """Whether the active CPU kernels have the bf16 GEMM (processors with AVX512-BF16)."""
     return _C.has_gemm_bf16()
+
+
+def gemm_on_tiles() -> bool:
+    """Whether the active CPU kernels run the bf16 GEMM on AMX tiles (the amx_bf16 kernels)."""
+    return _C.cpu_isa() == "amx_bf16"
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

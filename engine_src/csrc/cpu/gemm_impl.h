@@ -85,8 +85,31 @@ inline Vec silu(Vec g) {
   return {_mm512_mul_ps(g.v, _mm512_mask_mul_ps(inv, negative, inv, e))};
 }
 
-// Rows [row, row + MR) of the panel's `width` (<= kGemmPanelCols) real columns. The tile requests the
-// next panel's lines [first_line, first_line + line_count), lines_per_pair at a time.
+// Finishes one row of a panel's `width` (<= kGemmPanelCols) real columns from its float32 sums: the
+// SiLU product with the up projection's sums (`up`, or nullptr), or the bias, then the store.
+__attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t row, int64_t col, int width,
+                                                      Vec (&acc)[kPanelVecs], const Vec* up) {
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
+    Vec y = acc[v];
+    if (up != nullptr) {
+      y = silu(y) * up[v];
+    } else if (a.bias != nullptr) {
+      y = y + Vec{_mm512_maskz_loadu_ps(first_lanes(count), a.bias + col + v * Vec::N)};
+    }
+    const int64_t offset = row * a.out_stride + col + v * Vec::N;
+    if (a.float_out) {
+      _mm512_mask_storeu_ps(static_cast<float*>(a.out) + offset, first_lanes(count), y.v);
+    } else if (count == Vec::N) {
+      store_bf16(y, static_cast<BF16*>(a.out) + offset);
+    } else if (count > 0) {
+      store_bf16(y, static_cast<BF16*>(a.out) + offset, count);
+    }
+  }
+}
+
+// Rows [row, row + MR) of a panel. The tile requests the next panel's lines [first_line, first_line +
+// line_count), lines_per_pair at a time.
 template <int MR>
 void gemm_tile(const GemmArgs& a, int64_t row, int64_t panel, int64_t first_line, int64_t line_count,
                int lines_per_pair) {
@@ -103,31 +126,12 @@ void gemm_tile(const GemmArgs& a, int64_t row, int64_t panel, int64_t first_line
   GemmTile<MR> t;
   multiply_tile<MR>(x, a.x_stride, weight, pairs, lines_per_pair, next_of(weight), t);
   if (a.up != nullptr) {
-    const BF16* up = a.up + panel * panel_size;
     GemmTile<MR> u;
+    const BF16* up = a.up + panel * panel_size;
     multiply_tile<MR>(x, a.x_stride, up, pairs, lines_per_pair, next_of(up), u);
-    for (int r = 0; r < MR; ++r) {
-      for (int v = 0; v < kPanelVecs; ++v) t.acc[r][v] = silu(t.acc[r][v]) * u.acc[r][v];
-    }
-  } else if (a.bias != nullptr) {
-    for (int v = 0; v < kPanelVecs; ++v) {
-      const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
-      const Vec b{_mm512_maskz_loadu_ps(first_lanes(count), a.bias + col + v * Vec::N)};
-      for (int r = 0; r < MR; ++r) t.acc[r][v] = t.acc[r][v] + b;
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kPanelVecs; ++v) {
-      const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
-      const int64_t offset = (row + r) * a.out_stride + col + v * Vec::N;
-      if (a.float_out) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + offset, first_lanes(count), t.acc[r][v].v);
-      } else if (count == Vec::N) {
-        store_bf16(t.acc[r][v], static_cast<BF16*>(a.out) + offset);
-      } else if (count > 0) {
-        store_bf16(t.acc[r][v], static_cast<BF16*>(a.out) + offset, count);
-      }
-    }
+    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], u.acc[r]);
+  } else {
+    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], nullptr);
   }
 }
 
@@ -136,7 +140,7 @@ constexpr GemmTileFn kGemmTiles[kGemmTileRows + 1] = {nullptr,        &gemm_tile
                                                       &gemm_tile<3>,  &gemm_tile<4>, &gemm_tile<5>,
                                                       &gemm_tile<6>,  &gemm_tile<7>, &gemm_tile<8>};
 
-void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
+inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
   constexpr int64_t kLinesPerPair = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16)) / 64;
   const int64_t tiles = (a.rows + kGemmTileRows - 1) / kGemmTileRows;
   const int64_t pairs = a.depth / 2;
@@ -154,16 +158,18 @@ void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
   }
 }
 
-// Rows in blocks of about kRowBlockBytes of x, each through every panel of the range before the
-// next: x then stays in cache while the panels pass. Without the blocks, an x larger than the cache
-// (2,048 rows x 8,192) came from memory again for every panel: 858 instead of 966 GFLOP/s.
+// Rows in blocks of about kRowBlockBytes of x, each through every panel of the range (`Panels`, the
+// dot-product loop above or the AMX one) before the next: x then stays in cache while the panels
+// pass. Without the blocks, an x larger than the cache (2,048 rows x 8,192) came from memory again for
+// every panel: 858 instead of 966 GFLOP/s.
 constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
 
-void gemm_bf16(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
+template <GemmFn Panels>
+void gemm_row_blocks(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
   const int64_t row_bytes = a.depth * static_cast<int64_t>(sizeof(BF16));
   const int64_t block = std::max<int64_t>(1, kRowBlockBytes / row_bytes / kGemmTileRows) * kGemmTileRows;
   for (int64_t first = 0; first < a.rows; first += block) {
-    gemm_panels(gemm_rows(a, first, std::min(block, a.rows - first)), panel_begin, panel_end);
+    Panels(gemm_rows(a, first, std::min(block, a.rows - first)), panel_begin, panel_end);
   }
 }
 

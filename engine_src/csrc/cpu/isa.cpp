@@ -5,6 +5,12 @@
 #include <atomic>
 #include <cstdlib>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace batchgen::cpu {
 namespace {
 
@@ -30,6 +36,24 @@ bool has_avx512() {
 
 // Must cover the target list of kernels_avx512_bf16.cpp.
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and Linux's leave to use the tile data
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process): without it the first
+// tile instruction kills the process.
+bool has_amx_bf16() {
+#ifdef __linux__
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
 #endif
 
 // Slowest first.
@@ -42,6 +66,7 @@ const std::vector<Candidate>& candidates() {
 #ifdef BATCHGEN_HAVE_AVX512
       {&avx512::kernel_table, &has_avx512},
       {&avx512_bf16::kernel_table, &has_avx512_bf16},
+      {&amx_bf16::kernel_table, &has_amx_bf16},
 #endif
   };
   return list;

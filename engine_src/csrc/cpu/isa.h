@@ -8,7 +8,7 @@
 namespace batchgen::cpu {
 
 // The kernels in use. The first call picks the best set the processor supports, or the one
-// named by the environment variable BATCHGEN_CPU_ISA (scalar, avx2, avx512, avx512_bf16).
+// named by the environment variable BATCHGEN_CPU_ISA (scalar, avx2, avx512, avx512_bf16, amx_bf16).
 const KernelTable& active_kernels();
 
 // Names of the sets this build has and this processor runs, slowest first.

@@ -7,7 +7,9 @@
 #endif
 
 #include "cpu/attention_impl.h"
-#ifdef BATCHGEN_DOT_BF16
+#ifdef BATCHGEN_AMX
+#include "cpu/gemm_amx.h"
+#elif defined(BATCHGEN_DOT_BF16)
 #include "cpu/gemm_impl.h"
 #endif
 #include "cpu/kernels.h"
@@ -26,8 +28,10 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
                              {&summarise_row<float>, &summarise_row<BF16>, nullptr},
                              {&weights_row<float>, &weights_row<BF16>, nullptr},
-#ifdef BATCHGEN_DOT_BF16
-                             &gemm_bf16
+#ifdef BATCHGEN_AMX
+                             &gemm_row_blocks<&gemm_panels_amx>
+#elif defined(BATCHGEN_DOT_BF16)
+                             &gemm_row_blocks<&gemm_panels>
 #else
                              nullptr
 #endif

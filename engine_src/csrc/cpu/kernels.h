@@ -148,6 +148,9 @@ const KernelTable& kernel_table();
 namespace avx512_bf16 {  // avx512 plus the bf16 dot product
 const KernelTable& kernel_table();
 }
+namespace amx_bf16 {  // avx512_bf16 with the GEMM on the AMX tile unit
+const KernelTable& kernel_table();
+}
 #endif
 
 }  // namespace batchgen::cpu
