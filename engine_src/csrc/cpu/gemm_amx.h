@@ -28,6 +28,11 @@ namespace {
 constexpr int kAmxRows = 16;   // rows of x per tile
 constexpr int kAmxPairs = 16;  // pairs of the depth per tile step
 constexpr int64_t kPanelRowBytes = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16));  // one pair, 48 columns
+// x's rows per pass over the panels (gemm_row_blocks): the tiles read x's blocks again for every
+// panel, from L2 when the rows fit there beside the panel. 2,048 rows, best of 5 interleaved rounds,
+// GFLOP/s for 576 x 960 / 576 x 3,072 / 1,536 x 576: 4 MiB of rows 1,147 / 1,111 / 1,563, 512 KiB
+// 1,555 / 1,331 / 1,649 (1 MiB and 256 KiB about the same, 128 KiB worse).
+constexpr int64_t kAmxRowBlockBytes = int64_t{512} << 10;
 
 // The tiles: 0-2 the sums of a block's three 16-column slices of the panel, 3 the block of x, 4-6 the
 // three slices of the panel's step. The configuration is per thread, so every call loads it.

@@ -158,16 +158,16 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
   }
 }
 
-// Rows in blocks of about kRowBlockBytes of x, each through every panel of the range (`Panels`, the
+// Rows in blocks of about BlockBytes of x, each through every panel of the range (`Panels`, the
 // dot-product loop above or the AMX one) before the next: x then stays in cache while the panels
 // pass. Without the blocks, an x larger than the cache (2,048 rows x 8,192) came from memory again for
 // every panel: 858 instead of 966 GFLOP/s.
 constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
 
-template <GemmFn Panels>
+template <GemmFn Panels, int64_t BlockBytes>
 void gemm_row_blocks(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
   const int64_t row_bytes = a.depth * static_cast<int64_t>(sizeof(BF16));
-  const int64_t block = std::max<int64_t>(1, kRowBlockBytes / row_bytes / kGemmTileRows) * kGemmTileRows;
+  const int64_t block = std::max<int64_t>(1, BlockBytes / row_bytes / kGemmTileRows) * kGemmTileRows;
   for (int64_t first = 0; first < a.rows; first += block) {
     Panels(gemm_rows(a, first, std::min(block, a.rows - first)), panel_begin, panel_end);
   }

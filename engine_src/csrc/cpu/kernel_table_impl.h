@@ -29,9 +29,9 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&summarise_row<float>, &summarise_row<BF16>, nullptr},
                              {&weights_row<float>, &weights_row<BF16>, nullptr},
 #ifdef BATCHGEN_AMX
-                             &gemm_row_blocks<&gemm_panels_amx>
+                             &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>
 #elif defined(BATCHGEN_DOT_BF16)
-                             &gemm_row_blocks<&gemm_panels>
+                             &gemm_row_blocks<&gemm_panels, kRowBlockBytes>
 #else
                              nullptr
 #endif
