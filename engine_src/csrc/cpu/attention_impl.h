@@ -22,6 +22,9 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
+#ifdef BATCHGEN_AMX
+#include "cpu/amx_tiles.h"
+#endif
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
@@ -455,6 +458,111 @@ void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit,
   }
 }
 
+#ifdef BATCHGEN_AMX
+// Prefill on AMX tiles (the amx_bf16 table): where a tile's K is transposed for several row groups,
+// groups of 16 rows get their scores and their values' sums from the tile unit, whose bf16 products
+// the vector dot product of such processors computes at a sixteenth of the rate. The softmax step
+// is the vector one. Rows past a group's last are whatever follows in memory; the tiles keep rows
+// apart, and those rows' results are never read.
+constexpr int kAmxGroup = kAmxRows;
+
+inline bool can_attend_on_tiles(int D) { return D % 64 == 0; }
+
+// vt[p] = the tile's V rows 2p and 2p + 1 interleaved, for each 32-element chunk c of the head the
+// interleave_lo pairs at 2c and the interleave_hi pairs at 2c + 32 (the pair path's permuted order);
+// rows at and past n are zeros (V there may be NaN, and 0 * NaN is not 0 on tiles either).
+inline void interleave_values(Tile<BF16>& tile, int D, int BS, int n, BF16* vt) {
+  const int lines = lines_for(int64_t{BS} * D * sizeof(BF16));
+  for (int b = 0; b < tile.count; ++b) tile.block[b].next_v.lines(lines);
+  auto row = [&](int t) {
+    return t < n ? tile.block[t / BS].v + static_cast<int64_t>(t % BS) * D : nullptr;
+  };
+  for (int p = 0; p < kTileKeys / 2; ++p) {
+    const BF16* x = row(2 * p);
+    const BF16* y = row(2 * p + 1);
+    BF16* dst = vt + static_cast<int64_t>(p) * 2 * D;
+    for (int c = 0; c < D; c += 2 * Vec::N) {
+      const BF16Pairs xc = x != nullptr ? BF16Pairs::load(x + c, 2 * Vec::N) : BF16Pairs::zero();
+      const BF16Pairs yc = y != nullptr ? BF16Pairs::load(y + c, 2 * Vec::N) : BF16Pairs::zero();
+      _mm512_storeu_si512(dst + 2 * c, interleave_lo(xc, yc).v);
+      _mm512_storeu_si512(dst + 2 * c + 2 * Vec::N, interleave_hi(xc, yc).v);
+    }
+  }
+}
+
+// Rows r0 .. r0 + ng - 1 (ng <= 16) against one tile, as attend_tile does. kt: the tile's K transposed
+// (B operands of the scores: 16 pairs of the head by 16 keys); vt: its V interleaved (B operands of
+// the values: 16 pairs of keys by 16 outputs). Tiles 0-3 hold sums, 4 the rows, 5-7 the B operands.
+inline void attend_tile_amx(const Rows<BF16>& rows, int64_t r0, int ng, const int* limit, const uint32_t* kt,
+                            const BF16* vt, int D, float scale) {
+  constexpr int kScoreRowBytes = kTileKeys * sizeof(float);
+  int n = 0;
+  for (int g = 0; g < ng; ++g) n = limit[g] > n ? limit[g] : n;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int d = 0; d < D; d += 2 * kAmxPairs) {
+    const uint32_t* k = kt + d / 2 * kTileKeys;
+    _tile_loadd(4, rows.q + r0 * D + d, D * sizeof(BF16));
+    _tile_loadd(5, k, kScoreRowBytes);
+    _tile_loadd(6, k + 16, kScoreRowBytes);
+    _tile_loadd(7, k + 32, kScoreRowBytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, k + 48, kScoreRowBytes);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, rows.s, kScoreRowBytes);
+  _tile_stored(1, rows.s + 16, kScoreRowBytes);
+  _tile_stored(2, rows.s + 32, kScoreRowBytes);
+  _tile_stored(3, rows.s + 48, kScoreRowBytes);
+
+  const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
+  float correction[kAmxGroup];
+  alignas(64) BF16 p[kAmxGroup * kTileKeys];  // the probabilities, zero past each row's limit and past n
+  std::memset(p, 0, sizeof p);
+  for (int g = 0; g < ng; ++g) {
+    float* s = rows.s + g * kTileKeys;
+    correction[g] = softmax_update(s, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
+    for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(s + c), p + g * kTileKeys + c);
+  }
+
+  alignas(64) float sums[kAmxGroup * kTileKeys];  // 64 outputs of the head per pass
+  const int vt_row_bytes = 2 * D * sizeof(BF16);
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k0 = 0; k0 < kTileKeys; k0 += 2 * kAmxPairs) {
+      const BF16* v = vt + static_cast<int64_t>(k0 / 2) * 2 * D + 2 * d0;
+      _tile_loadd(4, p + k0, kTileKeys * sizeof(BF16));
+      _tile_loadd(5, v, vt_row_bytes);
+      _tile_loadd(6, v + 32, vt_row_bytes);
+      _tile_loadd(7, v + 64, vt_row_bytes);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 96, vt_row_bytes);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, sums, kScoreRowBytes);
+    _tile_stored(1, sums + 16, kScoreRowBytes);
+    _tile_stored(2, sums + 32, kScoreRowBytes);
+    _tile_stored(3, sums + 48, kScoreRowBytes);
+    for (int g = 0; g < ng; ++g) {
+      float* acc = rows.acc + (r0 + g) * D + d0;
+      const Vec c = Vec::set1(correction[g]);
+      for (int i = 0; i < 64; i += Vec::N) {
+        fma(Vec::load(acc + i), c, Vec::load(sums + g * kTileKeys + i)).store(acc + i);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T>& rows) {
   const int D = a.head_dim;
@@ -545,9 +653,15 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
 #ifdef BATCHGEN_DOT_BF16
   if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
-    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroup * kTileKeys);
+    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + 16 * kTileKeys);
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
+#endif
+#ifdef BATCHGEN_AMX
+  // The tiles take the row groups when K is transposed: V interleaved after it.
+  BF16* vt = kPairs<T> && kt != nullptr && can_attend_on_tiles(D) ? reinterpret_cast<BF16*>(kt + kTileKeys * D / 2)
+                                                                 : nullptr;
+  if (vt != nullptr) configure_tiles();
 #endif
   load_queries<T>(a, task, group, rows.q);
   for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
@@ -559,6 +673,7 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   const T* k_cache = static_cast<const T*>(a.key_cache);
   const T* v_cache = static_cast<const T*>(a.value_cache);
   const TileWalk walk = tile_walk(a, task);
+  const int64_t keys_end = min_i64(task.kv_end, task.q_pos + task.q_count);  // past the keys the last row sees
   const int64_t num_tiles = walk.tiles();
   // The tiles after this task's last are the next task's.
   const TileWalk next_walk = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
@@ -592,10 +707,19 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
 #ifdef BATCHGEN_DOT_BF16
     if (kt != nullptr) transpose_keys(tile, D, BS, kt);
 #endif
+    int rows_per_group = kGroup;
+#ifdef BATCHGEN_AMX
+    if constexpr (kPairs<T>) {
+      if (vt != nullptr) {
+        interleave_values(tile, D, BS, static_cast<int>(min_i64(int64_t{tile.count} * BS, keys_end - start)), vt);
+        rows_per_group = kAmxGroup;
+      }
+    }
+#endif
     const Rows<T> head_rows = rows.from(h * per_head, D);
-    for (int64_t r0 = 0; r0 < per_head; r0 += kGroup) {
-      const int ng = static_cast<int>(min_i64(kGroup, per_head - r0));
-      int limit[kGroup];
+    for (int64_t r0 = 0; r0 < per_head; r0 += rows_per_group) {
+      const int ng = static_cast<int>(min_i64(rows_per_group, per_head - r0));
+      int limit[16];
       int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
@@ -603,9 +727,21 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
         limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, int64_t{tile.count} * BS));
         any |= limit[i];
       }
-      if (any != 0) attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
+      if (any == 0) continue;
+#ifdef BATCHGEN_AMX
+      if constexpr (kPairs<T>) {
+        if (vt != nullptr) {
+          attend_tile_amx(head_rows, r0, ng, limit, kt, vt, D, a.scale);
+          continue;
+        }
+      }
+#endif
+      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
     }
   }
+#ifdef BATCHGEN_AMX
+  if (vt != nullptr) _tile_release();
+#endif
   write_rows<T>(a, task, group, rows);
 }
 

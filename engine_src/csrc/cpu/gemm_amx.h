@@ -20,13 +20,12 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/amx_tiles.h"
 #include "cpu/gemm_impl.h"
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
 
-constexpr int kAmxRows = 16;   // rows of x per tile
-constexpr int kAmxPairs = 16;  // pairs of the depth per tile step
 constexpr int64_t kPanelRowBytes = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16));  // one pair, 48 columns
 // x's rows per pass over the panels (gemm_row_blocks): the tiles read x's blocks again for every
 // panel, from L2 when the rows fit there beside the panel. 2,048 rows, best of 5 interleaved rounds,
@@ -34,27 +33,9 @@ constexpr int64_t kPanelRowBytes = 2 * kGemmPanelCols * static_cast<int64_t>(siz
 // 1,555 / 1,331 / 1,649 (1 MiB and 256 KiB about the same, 128 KiB worse).
 constexpr int64_t kAmxRowBlockBytes = int64_t{512} << 10;
 
-// The tiles: 0-2 the sums of a block's three 16-column slices of the panel, 3 the block of x, 4-6 the
-// three slices of the panel's step. The configuration is per thread, so every call loads it.
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kAmxRows;
-  }
-  _tile_loadconfig(&config);
-}
-
 // sums[r][c] = x row r . panel column c over the depth's first `steps` tile steps (32 elements each),
-// then the remaining pairs [steps * kAmxPairs, pairs) with the vector dot product.
+// then the remaining pairs [steps * kAmxPairs, pairs) with the vector dot product. Tiles 0-2 hold the
+// sums of the panel's three 16-column slices, 3 the block of x, 4-6 the slices of the panel's step.
 inline void multiply_block(const BF16* x, int64_t x_stride, const BF16* panel, int64_t pairs, float* sums) {
   const int64_t steps = pairs / kAmxPairs;
   const int64_t x_bytes = x_stride * static_cast<int64_t>(sizeof(BF16));
