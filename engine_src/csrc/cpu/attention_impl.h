@@ -461,9 +461,11 @@ void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit,
 #ifdef BATCHGEN_AMX
 // Prefill on AMX tiles (the amx_bf16 table): where a tile's K is transposed for several row groups,
 // groups of 16 rows get their scores and their values' sums from the tile unit, whose bf16 products
-// the vector dot product of such processors computes at a sixteenth of the rate. The softmax step
-// is the vector one. Rows past a group's last are whatever follows in memory; the tiles keep rows
-// apart, and those rows' results are never read.
+// the vector dot product of such processors computes at a sixteenth of the rate; the softmax step is
+// the vector one. Rows past a group's last are whatever follows in memory; the tiles keep rows apart,
+// and those rows' results are never read. Decode stays on the vector loop: its few rows per kv head
+// leave the tiles mostly empty, and computing K q^T from the blocks as they lie (the 16 x 16 sums
+// transposed back) ran 20-30% slower than the vector loop (40 sequences x 190 keys, SmolLM2's heads).
 constexpr int kAmxGroup = kAmxRows;
 
 inline bool can_attend_on_tiles(int D) { return D % 64 == 0; }
@@ -490,14 +492,12 @@ inline void interleave_values(Tile<BF16>& tile, int D, int BS, int n, BF16* vt) 
   }
 }
 
-// Rows r0 .. r0 + ng - 1 (ng <= 16) against one tile, as attend_tile does. kt: the tile's K transposed
-// (B operands of the scores: 16 pairs of the head by 16 keys); vt: its V interleaved (B operands of
-// the values: 16 pairs of keys by 16 outputs). Tiles 0-3 hold sums, 4 the rows, 5-7 the B operands.
-inline void attend_tile_amx(const Rows<BF16>& rows, int64_t r0, int ng, const int* limit, const uint32_t* kt,
-                            const BF16* vt, int D, float scale) {
-  constexpr int kScoreRowBytes = kTileKeys * sizeof(float);
-  int n = 0;
-  for (int g = 0; g < ng; ++g) n = limit[g] > n ? limit[g] : n;
+constexpr int kScoreRowBytes = kTileKeys * sizeof(float);
+
+// rows.s[g][t] = q_{r0 + g} . k_t for a group of 16 rows and the tile's 64 keys, from kt, the tile's K
+// transposed (B operands: 16 pairs of the head by 16 keys). Tiles 0-3 hold the sums, 4 the rows, 5-7
+// the keys.
+inline void scores_from_transposed_keys(const Rows<BF16>& rows, int64_t r0, const uint32_t* kt, int D) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -518,25 +518,35 @@ inline void attend_tile_amx(const Rows<BF16>& rows, int64_t r0, int ng, const in
   _tile_stored(1, rows.s + 16, kScoreRowBytes);
   _tile_stored(2, rows.s + 32, kScoreRowBytes);
   _tile_stored(3, rows.s + 48, kScoreRowBytes);
+}
 
+// The rest of a tile for rows r0 .. r0 + ng - 1 (ng <= 16) once rows.s holds their scores: the
+// softmax step, then acc = acc * correction + p V on the tiles, with vt the tile's V interleaved (B
+// operands: 16 pairs of keys by 16 outputs), 64 outputs of the head per pass.
+inline void values_on_tiles(const Rows<BF16>& rows, int64_t r0, int ng, const int* limit, const BF16* vt, int D,
+                            float scale) {
+  int n = 0;
+  for (int g = 0; g < ng; ++g) n = limit[g] > n ? limit[g] : n;
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float correction[kAmxGroup];
-  alignas(64) BF16 p[kAmxGroup * kTileKeys];  // the probabilities, zero past each row's limit and past n
-  std::memset(p, 0, sizeof p);
+  // The probabilities, zero past each row's limit and past n (where V is zero: NaN there would spread);
+  // rows from ng on reach only sums that are not read.
+  alignas(64) BF16 p[kAmxGroup * kTileKeys];
   for (int g = 0; g < ng; ++g) {
-    float* s = rows.s + g * kTileKeys;
-    correction[g] = softmax_update(s, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
-    for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(s + c), p + g * kTileKeys + c);
+    float* row = rows.s + g * kTileKeys;
+    correction[g] = softmax_update(row, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
+    for (int c = 0; c < kTileKeys; c += Vec::N) {
+      store_bf16(c < width ? Vec::load(row + c) : Vec::zero(), p + g * kTileKeys + c);
+    }
   }
-
-  alignas(64) float sums[kAmxGroup * kTileKeys];  // 64 outputs of the head per pass
+  alignas(64) float sums[kAmxGroup * kTileKeys];
   const int vt_row_bytes = 2 * D * sizeof(BF16);
   for (int d0 = 0; d0 < D; d0 += 64) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int k0 = 0; k0 < kTileKeys; k0 += 2 * kAmxPairs) {
+    for (int k0 = 0; k0 < width; k0 += 2 * kAmxPairs) {
       const BF16* v = vt + static_cast<int64_t>(k0 / 2) * 2 * D + 2 * d0;
       _tile_loadd(4, p + k0, kTileKeys * sizeof(BF16));
       _tile_loadd(5, v, vt_row_bytes);
@@ -731,7 +741,8 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
 #ifdef BATCHGEN_AMX
       if constexpr (kPairs<T>) {
         if (vt != nullptr) {
-          attend_tile_amx(head_rows, r0, ng, limit, kt, vt, D, a.scale);
+          scores_from_transposed_keys(head_rows, r0, kt, D);
+          values_on_tiles(head_rows, r0, ng, limit, vt, D, a.scale);
           continue;
         }
       }
