@@ -9,6 +9,11 @@ run the reference instead (tested too).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_cases import torch_threads
@@ -194,6 +199,20 @@ def test_bad_operands_are_value_errors():
             _C.gemm_bf16(*args)
     with pytest.raises(ValueError, match="up"):
         _C.gemm_silu_mul_bf16(out, x, panels, ops.pack_gemm_weight(_operands(1, 32, 50, 0)[1]))
+
+
+def test_amx_kernels_run_where_the_processor_has_amx():
+    """Linux lists amx_tile / amx_bf16 only where it also saves the tile state: the amx_bf16 kernels
+    must then be found (their detection asks CPUID and the kernel's leave), and chosen by default."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        pytest.skip("no AMX here")
+    assert "amx_bf16" in _C.supported_cpu_isas()
+    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_CPU_ISA"}
+    chosen = subprocess.run([sys.executable, "-c", "import torch; from batchgen import _C; print(_C.cpu_isa())"],
+                            capture_output=True, text=True, check=True, env=env)
+    assert chosen.stdout.strip() == "amx_bf16"
 
 
 @needs_gemm

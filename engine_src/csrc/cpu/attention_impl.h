@@ -494,30 +494,46 @@ inline void interleave_values(Tile<BF16>& tile, int D, int BS, int n, BF16* vt) 
 
 constexpr int kScoreRowBytes = kTileKeys * sizeof(float);
 
-// rows.s[g][t] = q_{r0 + g} . k_t for a group of 16 rows and the tile's 64 keys, from kt, the tile's K
-// transposed (B operands: 16 pairs of the head by 16 keys). Tiles 0-3 hold the sums, 4 the rows, 5-7
-// the keys.
-inline void scores_from_transposed_keys(const Rows<BF16>& rows, int64_t r0, const uint32_t* kt, int D) {
+// Both products of the tiles are 16 rows x 64 columns: tiles 0-3 hold the sums of four 16-column
+// slices, tile 4 the A operand, 5-7 the B operands.
+inline void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// Sums += a (16 rows of 64 bytes, a_stride bytes apart) x the four 64-byte-wide B operands side by
+// side at b (rows b_stride bytes apart).
+inline void add_products(const void* a, int a_stride, const char* b, int b_stride) {
+  _tile_loadd(4, a, a_stride);
+  _tile_loadd(5, b, b_stride);
+  _tile_loadd(6, b + 64, b_stride);
+  _tile_loadd(7, b + 128, b_stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, b + 192, b_stride);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// out[r][0 .. 64) = the sums' row r, rows kScoreRowBytes apart.
+inline void store_sums(float* out) {
+  _tile_stored(0, out, kScoreRowBytes);
+  _tile_stored(1, out + 16, kScoreRowBytes);
+  _tile_stored(2, out + 32, kScoreRowBytes);
+  _tile_stored(3, out + 48, kScoreRowBytes);
+}
+
+// rows.s[g][t] = q_{r0 + g} . k_t for a group of 16 rows and the tile's 64 keys, from kt, the tile's K
+// transposed (B operands: 16 pairs of the head by 16 keys).
+inline void scores_from_transposed_keys(const Rows<BF16>& rows, int64_t r0, const uint32_t* kt, int D) {
+  zero_sums();
   for (int d = 0; d < D; d += 2 * kAmxPairs) {
-    const uint32_t* k = kt + d / 2 * kTileKeys;
-    _tile_loadd(4, rows.q + r0 * D + d, D * sizeof(BF16));
-    _tile_loadd(5, k, kScoreRowBytes);
-    _tile_loadd(6, k + 16, kScoreRowBytes);
-    _tile_loadd(7, k + 32, kScoreRowBytes);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, k + 48, kScoreRowBytes);
-    _tile_dpbf16ps(3, 4, 5);
+    add_products(rows.q + r0 * D + d, D * sizeof(BF16), reinterpret_cast<const char*>(kt + d / 2 * kTileKeys),
+                 kScoreRowBytes);
   }
-  _tile_stored(0, rows.s, kScoreRowBytes);
-  _tile_stored(1, rows.s + 16, kScoreRowBytes);
-  _tile_stored(2, rows.s + 32, kScoreRowBytes);
-  _tile_stored(3, rows.s + 48, kScoreRowBytes);
+  store_sums(rows.s);
 }
 
 // The rest of a tile for rows r0 .. r0 + ng - 1 (ng <= 16) once rows.s holds their scores: the
@@ -542,26 +558,12 @@ inline void values_on_tiles(const Rows<BF16>& rows, int64_t r0, int ng, const in
   alignas(64) float sums[kAmxGroup * kTileKeys];
   const int vt_row_bytes = 2 * D * sizeof(BF16);
   for (int d0 = 0; d0 < D; d0 += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (int k0 = 0; k0 < width; k0 += 2 * kAmxPairs) {
       const BF16* v = vt + static_cast<int64_t>(k0 / 2) * 2 * D + 2 * d0;
-      _tile_loadd(4, p + k0, kTileKeys * sizeof(BF16));
-      _tile_loadd(5, v, vt_row_bytes);
-      _tile_loadd(6, v + 32, vt_row_bytes);
-      _tile_loadd(7, v + 64, vt_row_bytes);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, v + 96, vt_row_bytes);
-      _tile_dpbf16ps(3, 4, 5);
+      add_products(p + k0, kTileKeys * sizeof(BF16), reinterpret_cast<const char*>(v), vt_row_bytes);
     }
-    _tile_stored(0, sums, kScoreRowBytes);
-    _tile_stored(1, sums + 16, kScoreRowBytes);
-    _tile_stored(2, sums + 32, kScoreRowBytes);
-    _tile_stored(3, sums + 48, kScoreRowBytes);
+    store_sums(sums);
     for (int g = 0; g < ng; ++g) {
       float* acc = rows.acc + (r0 + g) * D + d0;
       const Vec c = Vec::set1(correction[g]);
