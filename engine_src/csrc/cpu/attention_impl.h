@@ -466,7 +466,7 @@ void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit,
 // and those rows' results are never read. Decode stays on the vector loop: its few rows per kv head
 // leave the tiles mostly empty, and computing K q^T from the blocks as they lie (the 16 x 16 sums
 // transposed back) ran 20-30% slower than the vector loop (40 sequences x 190 keys, SmolLM2's heads).
-constexpr int kAmxGroup = kAmxRows;
+static_assert(kAmxRows == kMaxGroupRows, "a row group on the tiles fills a tile's rows");
 
 inline bool can_attend_on_tiles(int D) { return D % 64 == 0; }
 
@@ -544,10 +544,10 @@ inline void values_on_tiles(const Rows<BF16>& rows, int64_t r0, int ng, const in
   int n = 0;
   for (int g = 0; g < ng; ++g) n = limit[g] > n ? limit[g] : n;
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
-  float correction[kAmxGroup];
+  float correction[kAmxRows];
   // The probabilities, zero past each row's limit and past n (where V is zero: NaN there would spread);
   // rows from ng on reach only sums that are not read.
-  alignas(64) BF16 p[kAmxGroup * kTileKeys];
+  alignas(64) BF16 p[kAmxRows * kTileKeys];
   for (int g = 0; g < ng; ++g) {
     float* row = rows.s + g * kTileKeys;
     correction[g] = softmax_update(row, limit[g], width, scale, rows.m[r0 + g], rows.l[r0 + g]);
@@ -555,7 +555,7 @@ inline void values_on_tiles(const Rows<BF16>& rows, int64_t r0, int ng, const in
       store_bf16(c < width ? Vec::load(row + c) : Vec::zero(), p + g * kTileKeys + c);
     }
   }
-  alignas(64) float sums[kAmxGroup * kTileKeys];
+  alignas(64) float sums[kAmxRows * kTileKeys];
   const int vt_row_bytes = 2 * D * sizeof(BF16);
   for (int d0 = 0; d0 < D; d0 += 64) {
     zero_sums();
@@ -634,10 +634,13 @@ struct TileWalk {
   }
 };
 
+// The end of the keys the task's last row sees.
+inline int64_t keys_seen(const AttnTask& task) { return min_i64(task.kv_end, task.q_pos + task.q_count); }
+
 inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
   const int BS = a.block_size;
   const int64_t block_tile_elems = int64_t{BS} * a.head_dim;
-  const int64_t kv_stop = min_i64(task.kv_end, task.q_pos + task.q_count);  // keys seen by the last row
+  const int64_t kv_stop = keys_seen(task);
   return {a.block_tables + task.seq * a.max_blocks_per_seq,
           task.kv_begin / BS,
           (kv_stop - task.kv_begin + BS - 1) / BS,
@@ -665,7 +668,7 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
 #ifdef BATCHGEN_DOT_BF16
   if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
-    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + 16 * kTileKeys);
+    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kMaxGroupRows * kTileKeys);
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
 #endif
@@ -685,7 +688,6 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   const T* k_cache = static_cast<const T*>(a.key_cache);
   const T* v_cache = static_cast<const T*>(a.value_cache);
   const TileWalk walk = tile_walk(a, task);
-  const int64_t keys_end = min_i64(task.kv_end, task.q_pos + task.q_count);  // past the keys the last row sees
   const int64_t num_tiles = walk.tiles();
   // The tiles after this task's last are the next task's.
   const TileWalk next_walk = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
@@ -723,15 +725,16 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
 #ifdef BATCHGEN_AMX
     if constexpr (kPairs<T>) {
       if (vt != nullptr) {
-        interleave_values(tile, D, BS, static_cast<int>(min_i64(int64_t{tile.count} * BS, keys_end - start)), vt);
-        rows_per_group = kAmxGroup;
+        const int64_t keys = min_i64(int64_t{tile.count} * BS, keys_seen(task) - start);
+        interleave_values(tile, D, BS, static_cast<int>(keys), vt);
+        rows_per_group = kAmxRows;
       }
     }
 #endif
     const Rows<T> head_rows = rows.from(h * per_head, D);
     for (int64_t r0 = 0; r0 < per_head; r0 += rows_per_group) {
       const int ng = static_cast<int>(min_i64(rows_per_group, per_head - r0));
-      int limit[16];
+      int limit[kMaxGroupRows];
       int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);

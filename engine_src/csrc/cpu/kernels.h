@@ -70,13 +70,14 @@ struct AttnTask {
 using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, const AttnTask* next, float* scratch);
 
 constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attention (attention_impl.h)
+constexpr int kMaxGroupRows = 16;  // query rows of a row group at most (4 on the vector loop, 16 on AMX tiles)
 
 // Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs:
 // queries, accumulators, maxima and sums per row, the scores of one row group (<= 16 rows on AMX,
 // else 4) x one tile, and one tile's K transposed into pairs of 4 bytes (on a 64-byte boundary) and
 // its V interleaved by pairs of keys (AMX).
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  return 2 * rows * head_dim + 2 * rows + 16 * kTileKeys + kTileKeys * head_dim + 16;
+  return 2 * rows * head_dim + 2 * rows + kMaxGroupRows * kTileKeys + kTileKeys * head_dim + 16;
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).
