@@ -115,6 +115,21 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert len({t.untyped_storage().data_ptr() for t in panels}) == (1 if ops.has_gemm_bf16() else 0)
 
 
+def test_loaded_model_has_a_real_rotary_table(tiny_model_dirs):
+    """The model is built on the meta device; the rotary table is its one tensor no checkpoint fills."""
+    from transformers import AutoConfig
+
+    from batchgen.layers.rotary import RotaryEmbedding
+    from batchgen.models.loader import load_model
+
+    path = tiny_model_dirs["llama"]
+    model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
+    rotary = model.rotary
+    fresh = RotaryEmbedding(rotary.head_dim, rotary.max_position, rotary.theta, rotary.scaling).cos_sin
+    assert rotary.cos_sin.device.type == "cpu" and rotary.cos_sin.dtype == torch.bfloat16
+    assert torch.equal(rotary.cos_sin, fresh.bfloat16())
+
+
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
 def test_gathered_panels_give_the_same_outputs():
     gen = torch.Generator().manual_seed(4)

@@ -38,15 +38,25 @@ class Rope:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponents)
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        scaling = self.scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type not in ("default", None):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
-        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
+        angles = torch.arange(self.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+    def reset_table(self) -> None:
+        """Recomputes the table in place, in the buffer's dtype and device (after `Module.to_empty`)."""
+        with torch.device("cpu"):
+            self.cos_sin.copy_(self._table())
 
     def angles(self, positions: torch.Tensor) -> Rope:
         return Rope(positions, self.cos_sin)
