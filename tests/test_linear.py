@@ -115,19 +115,21 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert len({t.untyped_storage().data_ptr() for t in panels}) == (1 if ops.has_gemm_bf16() else 0)
 
 
-def test_loaded_model_has_a_real_rotary_table(tiny_model_dirs):
-    """The model is built on the meta device; the rotary table is its one tensor no checkpoint fills."""
+def test_loaded_model_buffers_equal_a_fresh_build(tiny_model_dirs):
+    """The loader builds the model on the meta device, so no checkpoint fills its buffers (today the rotary
+    table): every buffer must equal that of a model built the ordinary way."""
     from transformers import AutoConfig
 
-    from batchgen.layers.rotary import RotaryEmbedding
-    from batchgen.models.loader import load_model
+    from batchgen.models.llama import LlamaForCausalLM
+    from batchgen.models.loader import load_model, native_config
 
     path = tiny_model_dirs["llama"]
-    model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
-    rotary = model.rotary
-    fresh = RotaryEmbedding(rotary.head_dim, rotary.max_position, rotary.theta, rotary.scaling).cos_sin
-    assert rotary.cos_sin.device.type == "cpu" and rotary.cos_sin.dtype == torch.bfloat16
-    assert torch.equal(rotary.cos_sin, fresh.bfloat16())
+    hf_config = AutoConfig.from_pretrained(path)
+    loaded = dict(load_model(path, hf_config, torch.bfloat16, torch.device("cpu"), 256).named_buffers())
+    fresh = dict(LlamaForCausalLM(native_config(hf_config, 256)).to(torch.bfloat16).named_buffers())
+    assert "rotary.cos_sin" in fresh and loaded.keys() == fresh.keys()
+    for name, buffer in fresh.items():
+        assert loaded[name].device.type == "cpu" and torch.equal(loaded[name], buffer), name
 
 
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
