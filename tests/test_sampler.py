@@ -213,6 +213,33 @@ def test_sample_tokens_matches_the_torch_reference_on_every_isa():
         _C.set_cpu_isa(active)
 
 
+def test_sample_tokens_finds_candidates_in_every_lane_and_the_ragged_tail():
+    """The kernels collect a filter's candidates a vector of weights at a time: a token holding the nucleus at
+    any lane of a vector, in the last whole vector or past it (4,099 is 3 past a multiple of 16), is the one
+    drawn; and with three such tokens and top_k 3, the draws split between exactly those three."""
+    vocab = 4099
+    places = [0, 1, 7, 8, 15, 16, 31, 4079, 4095, 4096, 4097, 4098]
+    logits = 0.1 * torch.randn(len(places), vocab, generator=torch.Generator().manual_seed(12))
+    for row, place in enumerate(places):
+        logits[row, place] = 30.0
+    rows = len(places)
+    args = (torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.5), torch.zeros(rows),
+            torch.rand(rows, generator=torch.Generator().manual_seed(13)))
+    trio = torch.zeros(300, vocab)
+    trio[:, [5, 2050, 4098]] = 20.0
+    u = (torch.arange(300) + 0.5) / 300
+    active = _C.cpu_isa()
+    try:
+        for isa in _C.supported_cpu_isas():
+            _C.set_cpu_isa(isa)
+            assert ops.sample_tokens(logits, *args).tolist() == places, isa
+            drawn = ops.sample_tokens(trio, torch.ones(300), torch.full((300,), 3), torch.ones(300),
+                                      torch.zeros(300), u)
+            assert torch.bincount(drawn, minlength=vocab)[[5, 2050, 4098]].tolist() == [100, 100, 100], isa
+    finally:
+        _C.set_cpu_isa(active)
+
+
 def test_sample_tokens_reads_bf16_logits_as_their_float32_values():
     logits, *per_row = _filter_cases(300, 4099, torch.Generator().manual_seed(11))
     bf16 = logits.to(torch.bfloat16)

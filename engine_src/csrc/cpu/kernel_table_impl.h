@@ -28,6 +28,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
                              {&summarise_row<float>, &summarise_row<BF16>, nullptr},
                              {&weights_row<float>, &weights_row<BF16>, nullptr},
+                             &collect_row,
 #ifdef BATCHGEN_AMX
                              &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>
 #elif defined(BATCHGEN_DOT_BF16)

@@ -88,6 +88,8 @@ using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_
 using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, float* log_total);
 // The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
+// The sampler's candidates: ids of the weights >= threshold (and > 0) in id order, their sum; returns their count.
+using CollectRowFn = int64_t (*)(const float* w, int64_t n, float threshold, int32_t* ids, float* mass);
 
 // One bf16 GEMM call (gemm_impl.h): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < rows, n < cols;
 // or, with `up` set, silu(x w^T) * (x up^T). out is bf16, or float32 (the sums unrounded) with
@@ -130,6 +132,7 @@ struct KernelTable {
   RotaryRowFn rotary_row[kNumDTypes];
   SummariseRowFn summarise_row[kNumDTypes];
   WeightsRowFn weights_row[kNumDTypes];
+  CollectRowFn collect_row;
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product
 };
 

@@ -1,5 +1,5 @@
-// Row kernels of the element-wise layer ops (layer_ops.cpp) and of the sampler's row summary and
-// weights (sampling_ops.cpp), compiled once per instruction set by kernel_table_impl.h after
+// Row kernels of the element-wise layer ops (layer_ops.cpp) and of the sampler's row summary,
+// weights and candidates (sampling_ops.cpp), compiled once per instruction set by kernel_table_impl.h after
 // attention_impl.h, whose vector exp the sampler's kernels use. Mostly plain loops, vectorised by the
 // compiler for the target at hand: AVX-512 runs the bf16 conversions, which dominate these
 // memory-light loops, twice as wide as the AVX2 baseline.
@@ -142,6 +142,31 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
   p.store(tail);
   for (int j = 0; i + j < n; ++j) w[i + j] = tail[j];
   return reduce_add(sum + p);
+}
+
+// The sampler's candidates of a row of weights (from weights_row): the ids of the weights >= threshold
+// and > 0, in id order, into ids; their sum into *mass (summed in id order); returns their count.
+// The comparison is vectorised and only the hits are visited, so a low threshold (thousands of
+// candidates spread over the vocabulary) costs about what a high one does.
+int64_t collect_row(const float* w, int64_t n, float threshold, int32_t* ids, float* mass) {
+  int64_t count = 0;
+  float sum = 0.0f;
+  auto take = [&](int64_t id) {
+    if (!(w[id] > 0.0f)) return;  // threshold 0: zero weights (banned tokens) are no candidates
+    ids[count++] = static_cast<int32_t>(id);
+    sum += w[id];
+  };
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    for (uint32_t bits = lanes_at_least(Vec::load(w + i), threshold); bits != 0; bits &= bits - 1) {
+      take(i + __builtin_ctz(bits));
+    }
+  }
+  for (; i < n; ++i) {
+    if (w[i] >= threshold) take(i);
+  }
+  *mass = sum;
+  return count;
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -18,7 +19,7 @@
 namespace batchgen::cpu {
 namespace {
 
-// Rows are scanned in chunks of this many weights, each summed or tested as a whole (vectorised)
+// draw_in_id_order scans a row in chunks of this many weights, each summed as a whole (vectorised)
 // before any of its weights is looked at one by one.
 constexpr int64_t kChunk = 64;
 
@@ -49,56 +50,47 @@ int64_t draw_in_id_order(const float* w, int64_t n, float total, float u) {
   return n - 1;
 }
 
-// Every token the filter can keep, and maybe some more, into cand: the tokens at or above a
-// weight threshold, lowered 16-fold until their mass reaches top_p, or there are top_k of them,
-// or the threshold is min_p (tokens are kept most likely first, so the kept ones are among them).
-void collect_candidates(const float* w, int64_t n, float total, const RowFilter& f, std::vector<int32_t>& cand) {
+// Every token the filter can keep, and maybe some more, into cand (room for n ids); returns their
+// count: the tokens at or above a weight threshold, lowered 16-fold until their mass reaches top_p,
+// or there are top_k of them, or the threshold is min_p (tokens are kept most likely first, so the
+// kept ones are among them).
+int64_t collect_candidates(CollectRowFn collect_row, const float* w, int64_t n, float total, const RowFilter& f,
+                           int32_t* cand) {
   const float needed_mass = f.top_p * total * 1.0001f;  // a margin for the order of the sums
   for (float threshold = std::max(f.min_p, 1.0f / 16);; threshold /= 16) {
     if (threshold < 1e-30f) threshold = 0.0f;
-    cand.clear();
     float mass = 0.0f;
-    for (int64_t c = 0; c < n; c += kChunk) {
-      const int64_t end = std::min(c + kChunk, n);
-      int hit = 0;
-#pragma omp simd reduction(| : hit)
-      for (int64_t i = c; i < end; ++i) hit |= w[i] >= threshold && w[i] > 0.0f;
-      for (int64_t i = c; hit && i < end; ++i) {
-        if (w[i] >= threshold && w[i] > 0.0f) {
-          cand.push_back(static_cast<int32_t>(i));
-          mass += w[i];
-        }
-      }
-    }
-    if ((f.top_p < 1.0f && mass >= needed_mass) || (f.top_k > 0 && static_cast<int64_t>(cand.size()) >= f.top_k) ||
+    const int64_t count = collect_row(w, n, threshold, cand, &mass);
+    if ((f.top_p < 1.0f && mass >= needed_mass) || (f.top_k > 0 && count >= f.top_k) ||
         (f.min_p > 0.0f && threshold <= f.min_p) || threshold == 0.0f) {
-      break;
+      if (count > 0) return count;
+      // None: min_p = 1 where rounding left the top weight a hair under 1.
+      cand[0] = static_cast<int32_t>(std::max_element(w, w + n) - w);
+      return 1;
     }
-  }
-  if (cand.empty()) {  // min_p = 1 where rounding left the top weight a hair under 1
-    cand.push_back(static_cast<int32_t>(std::max_element(w, w + n) - w));
   }
 }
 
 // The token drawn at u from a row's distribution: weights w (from weights_row, total their sum),
 // restricted by the filter to a prefix of the tokens in order of decreasing weight (ties: lower id
 // first), or, with no filter, all tokens in id order; the first token whose cumulative weight
-// exceeds u times the kept total.
-int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, float u, std::vector<int32_t>& cand) {
+// exceeds u times the kept total. cand: room for n ids.
+int64_t draw_row(CollectRowFn collect_row, const float* w, int64_t n, float total, const RowFilter& f, float u,
+                 int32_t* cand) {
   if (!(total > 0.0f)) return 0;  // every logit -inf (or NaN)
   if (f.top_k <= 0 && f.top_p >= 1.0f && f.min_p <= 0.0f) return draw_in_id_order(w, n, total, u);
-  collect_candidates(w, n, total, f, cand);
+  int64_t count = collect_candidates(collect_row, w, n, total, f, cand);
   auto before = [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
-  if (f.top_k > 0 && static_cast<int64_t>(cand.size()) > f.top_k) {
-    std::nth_element(cand.begin(), cand.begin() + f.top_k, cand.end(), before);
-    cand.resize(f.top_k);
+  if (f.top_k > 0 && count > f.top_k) {
+    std::nth_element(cand, cand + f.top_k, cand + count, before);
+    count = f.top_k;
   }
-  std::sort(cand.begin(), cand.end(), before);
+  std::sort(cand, cand + count, before);
   // The kept prefix: the nucleus (probability mass before a token below top_p) and min_p; the
   // most likely token always stays.
-  size_t kept = 1;
+  int64_t kept = 1;
   float mass = w[cand[0]] / total, kept_total = w[cand[0]];
-  for (; kept < cand.size(); ++kept) {
+  for (; kept < count; ++kept) {
     const float weight = w[cand[kept]];
     if (mass >= f.top_p || weight < f.min_p) break;
     mass += weight / total;
@@ -106,7 +98,7 @@ int64_t draw_row(const float* w, int64_t n, float total, const RowFilter& f, flo
   }
   const float target = u * kept_total;
   float cdf = 0.0f;
-  for (size_t j = 0; j < kept; ++j) {
+  for (int64_t j = 0; j < kept; ++j) {
     cdf += w[cand[j]];
     if (cdf > target) return cand[j];
   }
@@ -119,6 +111,7 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                    torch::Tensor& tokens) {
   const WeightsRowFn weights_row = active_kernels().weights_row[static_cast<int>(dtype_of(logits))];
+  const CollectRowFn collect_row = active_kernels().collect_row;
   const int64_t n = logits.size(1), stride = logits.stride(0) * logits.element_size();
   const char* x = static_cast<const char*>(logits.data_ptr());
   const float* temp = temperature.data_ptr<float>();
@@ -129,10 +122,10 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(n);
-    std::vector<int32_t> cand;
+    const std::unique_ptr<int32_t[]> cand(new int32_t[n]);  // not zeroed: collect_row writes what is read
     for (int64_t r = begin; r < end; ++r) {
       const float total = weights_row(x + r * stride, n, temp[r], w.data());
-      out[r] = draw_row(w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], cand);
+      out[r] = draw_row(collect_row, w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], cand.get());
     }
   });
 }

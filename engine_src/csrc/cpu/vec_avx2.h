@@ -57,6 +57,11 @@ inline Vec scale_pow2(Vec p, Vec n) {
   return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)))};
 }
 
+// Bit i set where lane i of x is >= limit.
+inline uint32_t lanes_at_least(Vec x, float limit) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ)));
+}
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   return {_mm256_and_ps(value.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ))};
 }

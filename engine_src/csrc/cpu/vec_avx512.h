@@ -53,6 +53,11 @@ inline Vec scale_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  //
 // The mask of lanes [0, count), count 0 to 16.
 inline __mmask16 first_lanes(int count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
+// Bit i set where lane i of x is >= limit.
+inline uint32_t lanes_at_least(Vec x, float limit) {
+  return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
+}
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
   return {_mm512_maskz_mov_ps(keep, value.v)};

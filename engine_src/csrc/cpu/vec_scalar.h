@@ -72,6 +72,13 @@ inline Vec scale_pow2(Vec p, Vec n) {
   for (int i = 0; i < Vec::N; ++i) p.x[i] = std::ldexp(p.x[i], static_cast<int>(n.x[i]));
   return p;
 }
+// Bit i set where lane i of x is >= limit.
+inline uint32_t lanes_at_least(Vec x, float limit) {
+  uint32_t bits = 0;
+  for (int i = 0; i < Vec::N; ++i) bits |= static_cast<uint32_t>(x.x[i] >= limit) << i;
+  return bits;
+}
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   for (int i = 0; i < Vec::N; ++i) value.x[i] = x.x[i] >= limit ? value.x[i] : 0.0f;
   return value;
