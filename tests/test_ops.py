@@ -145,6 +145,8 @@ SHARED_RUNS = [
 ]
 # Runs enough for a task per run over all kv heads (few runs get one task per kv head).
 MANY_SHARED_RUNS = [(g, 3, 8, [(8, 1 + g), (8, 7), (9, 2 * g)]) for g in range(10)]
+# One run: on 2 threads its members are cut into parts, each reading the shared blocks.
+ONE_SHARED_RUN = [(0, 8, 6, [(6 + j % 3, 1 + 5 * j) for j in range(8)])]
 
 
 def shared_prefix_case(runs, block_size, num_heads, num_kv_heads, head_dim, dtype, device, gen):
@@ -170,11 +172,12 @@ def shared_prefix_case(runs, block_size, num_heads, num_kv_heads, head_dim, dtyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("runs", [SHARED_RUNS, MANY_SHARED_RUNS], ids=["few_runs", "many_runs"])
+@pytest.mark.parametrize("runs", [SHARED_RUNS, MANY_SHARED_RUNS, ONE_SHARED_RUN], ids=["few_runs", "many_runs",
+                                                                                   "one_run"])
 @pytest.mark.parametrize("dtype,head_dim,block_size,heads", crossed_with_heads(), ids=case_id)
 def test_decode_of_samples_sharing_blocks_matches_reference(device, isas, runs, dtype, head_dim, block_size, heads):
-    """With seq_groups the CPU kernel reads a run's shared blocks once for all its samples and
-    combines that with each sample's own blocks; the result must not change (beyond rounding)."""
+    """With seq_groups the CPU kernel reads a run's shared blocks once for all its samples (or for
+    parts of them), then each sample's own blocks; the result must not change (beyond rounding)."""
     gen = torch.Generator().manual_seed(4)
     args, groups = shared_prefix_case(runs, block_size, *heads, head_dim, dtype, device, gen)
     with single_threaded():

@@ -25,8 +25,9 @@ constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more 
 constexpr int64_t kMinBytesPerWorker = 256 << 10;
 constexpr int64_t kTasksPerWorker = 4;       // tasks per worker that balance ragged lengths
 // A run reads its shared blocks once when that spares reading at least this many keys (n - 1
-// times the shared ones): below it the extra task and the combine of two partial results cost
-// about what they save (2 samples sharing 64 keys: 10% slower, 128 keys: 10% faster).
+// times the shared ones): below it the grouped task costs about what it saves (measured when the
+// shared and own parts were separate tasks whose partial results were combined: 2 samples sharing
+// 64 keys 10% slower, 128 keys 10% faster).
 constexpr int64_t kMinKeysSpared = 128;
 
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -165,40 +166,42 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
 
 // Decode where runs of samples share their prompt's blocks: one task per run (and kv head
 // group) reads the shared blocks once for all the run's query rows, as prefill reads a block for
-// all its tokens; each member's own task reads the rest; the two partial results are combined.
-// Sequences in no run are decoded as usual, straight into out.
+// all its tokens, then each member's own blocks for that member's rows (AttnTask::member_lens).
+// Sequences in no run are decoded as usual.
 void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, const int32_t* lens, int64_t num_seqs,
                    const std::vector<SharedRun>& runs, int64_t heads_per_task, int64_t workers) {
-  const int64_t group = args.num_heads / args.num_kv_heads, row = args.head_dim + 2;
-  // A run's task holds most of the arithmetic: with few runs, one task per kv head keeps threads busy.
-  const int64_t run_heads = static_cast<int64_t>(runs.size()) >= kTasksPerWorker * workers ? heads_per_task : 1;
-  torch::Tensor partial = torch::empty({num_seqs, args.num_heads, 2, row}, out.options().dtype(torch::kFloat32));
-  float* part = partial.data_ptr<float>();
-  auto partial_at = [&](int64_t seq, int64_t kv_head, int64_t split) {
-    return part + ((seq * args.num_heads + kv_head * group) * 2 + split) * row;
-  };
-  std::vector<int64_t> shared(num_seqs, 0);  // keys read by the sequence's run
+  const int64_t group = args.num_heads / args.num_kv_heads;
+  const int64_t wanted_tasks = workers == 1 ? 1 : kTasksPerWorker * workers;
+  // A run's task holds most of the arithmetic: with few runs, one task per kv head keeps threads
+  // busy, and with fewer still the runs are cut into parts of 2 or more members (each part reads
+  // the shared blocks once), as a task holds its members' own blocks too.
+  const int64_t run_count = static_cast<int64_t>(runs.size());
+  const int64_t run_heads = run_count >= kTasksPerWorker * workers ? heads_per_task : 1;
+  const int64_t head_tasks = run_count * ((args.num_kv_heads + run_heads - 1) / run_heads);
+  const int64_t parts = std::max<int64_t>(1, (wanted_tasks + head_tasks - 1) / head_tasks);
+  std::vector<bool> in_run(num_seqs, false);
   std::vector<AttnTask> tasks;
   int64_t widest = 1;
   for (const SharedRun& run : runs) {
-    widest = std::max(widest, run.count);
-    std::fill(shared.begin() + run.first, shared.begin() + run.first + run.count, run.tokens);
-    for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
-      tasks.push_back({run.first, h, run.first, run.count, run.tokens, 0, run.tokens, partial_at(run.first, h, 0),
-                       2 * row, run_heads, args.num_heads * 2 * row});
+    const int64_t end = run.first + run.count;
+    const int64_t part = std::max<int64_t>(2, (run.count + parts - 1) / parts);
+    widest = std::max(widest, std::min(part, run.count));
+    std::fill(in_run.begin() + run.first, in_run.begin() + end, true);
+    for (int64_t first = run.first; first < end; first += part) {
+      const int64_t count = std::min(part, end - first);
+      for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
+        tasks.push_back({first, h, first, count, run.tokens, 0, run.tokens, nullptr, 0, run_heads, lens});
+      }
     }
   }
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (in_run[s]) continue;
     for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task) {
-      float* dst = shared[s] != 0 ? partial_at(s, h, 1) : nullptr;
-      tasks.push_back({s, h, s, 1, lens[s] - 1, shared[s], lens[s], dst, 2 * row, heads_per_task});
+      tasks.push_back({s, h, s, 1, lens[s] - 1, 0, lens[s], nullptr, 0, heads_per_task});
     }
   }
   run_tasks(args, attend, tasks, workers,
             attend_scratch_floats(std::max(heads_per_task, run_heads * widest) * group, args.head_dim));
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits", [&] {
-    combine_splits<scalar_t>(partial, [&](int64_t s) { return shared[s] != 0 ? 2 : 0; }, out);
-  });
 }
 
 }  // namespace

@@ -589,8 +589,7 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
   if (task.partial != nullptr) {
     for (int64_t r = 0; r < count; ++r) {
       const RowIndex at = row_index(task, group, r);
-      float* dst = task.partial + (at.token - task.q_begin) * task.partial_token_stride +
-                   (at.head - task.kv_head * group) * task.partial_row_stride;
+      float* dst = task.partial + (at.head - task.kv_head * group) * task.partial_row_stride;
       for (int i = 0; i < D; ++i) dst[i] = rows.acc[r * D + i];
       dst[D] = rows.m[r];
       dst[D + 1] = rows.l[r];
@@ -653,46 +652,21 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
           block_tile_elems};
 }
 
+// One walk over a task's tiles (see TileWalk) for `rows`: per_head rows for each of the walk's kv
+// heads, head_stride rows apart; `task` says which keys each row sees. The tiles after the walk's
+// last are next_walk's, whose first ones are prefetched. kt (and on AMX vt) hold the tile's K
+// transposed (V interleaved) when the row groups share it, else null.
 template <typename T>
-void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
+void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
+                 const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt,
+                 [[maybe_unused]] BF16* vt) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
-  const int64_t heads = task.kv_head_count;
-  const int64_t per_head = task.q_count * group;  // rows of one kv head
-  const int64_t count = heads * per_head;
-  Rows<T> rows;  // q takes rows * D floats whatever its type (see attend_scratch_floats)
-  rows.q = reinterpret_cast<QueryT<T>*>(scratch);
-  rows.acc = scratch + count * D;
-  rows.m = rows.acc + count * D;
-  rows.l = rows.m + count;
-  rows.s = rows.l + count;
-  uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
-#ifdef BATCHGEN_DOT_BF16
-  if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
-    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kMaxGroupRows * kTileKeys);
-    kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
-  }
-#endif
-#ifdef BATCHGEN_AMX
-  // The tiles take the row groups when K is transposed: V interleaved after it.
-  BF16* vt = kPairs<T> && kt != nullptr && can_attend_on_tiles(D) ? reinterpret_cast<BF16*>(kt + kTileKeys * D / 2)
-                                                                 : nullptr;
-  if (vt != nullptr) configure_tiles();
-#endif
-  load_queries<T>(a, task, group, rows.q);
-  for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
-  for (int64_t r = 0; r < count; ++r) {
-    rows.m[r] = kNegInf;
-    rows.l[r] = 0.0f;
-  }
-
+  const int64_t heads = walk.heads;
   const T* k_cache = static_cast<const T*>(a.key_cache);
   const T* v_cache = static_cast<const T*>(a.value_cache);
-  const TileWalk walk = tile_walk(a, task);
   const int64_t num_tiles = walk.tiles();
-  // The tiles after this task's last are the next task's.
-  const TileWalk next_walk = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   const int64_t all_tiles = num_tiles + next_walk.tiles();
   const int64_t bytes = walk.block_tile_elems * int64_t{sizeof(T)};
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
@@ -733,7 +707,7 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
       }
     }
 #endif
-    const Rows<T> head_rows = rows.from(h * per_head, D);
+    const Rows<T> head_rows = rows.from(h * head_stride, D);
     for (int64_t r0 = 0; r0 < per_head; r0 += rows_per_group) {
       const int ng = static_cast<int>(min_i64(rows_per_group, per_head - r0));
       int limit[kMaxGroupRows];
@@ -755,6 +729,71 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
       }
 #endif
       attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
+    }
+  }
+}
+
+// Member j of a task over samples sharing blocks (AttnTask::member_lens): its own keys only.
+inline AttnTask member_task(const AttnTask& task, int64_t j) {
+  AttnTask member = task;
+  member.seq = member.q_begin = task.q_begin + j;
+  member.q_count = 1;
+  member.kv_end = task.member_lens[member.seq];
+  member.q_pos = member.kv_end - 1;
+  member.kv_begin = task.kv_end;
+  member.member_lens = nullptr;
+  return member;
+}
+
+template <typename T>
+void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
+  const int D = a.head_dim;
+  [[maybe_unused]] const int BS = a.block_size;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int64_t heads = task.kv_head_count;
+  const int64_t per_head = task.q_count * group;  // rows of one kv head
+  const int64_t count = heads * per_head;
+  Rows<T> rows;  // q takes rows * D floats whatever its type (see attend_scratch_floats)
+  rows.q = reinterpret_cast<QueryT<T>*>(scratch);
+  rows.acc = scratch + count * D;
+  rows.m = rows.acc + count * D;
+  rows.l = rows.m + count;
+  rows.s = rows.l + count;
+  uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
+#ifdef BATCHGEN_DOT_BF16
+  if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
+    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kMaxGroupRows * kTileKeys);
+    kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
+  }
+#endif
+  BF16* vt = nullptr;
+#ifdef BATCHGEN_AMX
+  // The tiles take the row groups when K is transposed: V interleaved after it.
+  if (kPairs<T> && kt != nullptr && can_attend_on_tiles(D)) vt = reinterpret_cast<BF16*>(kt + kTileKeys * D / 2);
+  if (vt != nullptr) configure_tiles();
+#endif
+  load_queries<T>(a, task, group, rows.q);
+  for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
+  for (int64_t r = 0; r < count; ++r) {
+    rows.m[r] = kNegInf;
+    rows.l[r] = 0.0f;
+  }
+  // The tiles after this task's last are the next task's.
+  const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
+  if (task.member_lens == nullptr) {
+    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, vt);
+  } else {
+    // The shared keys for every member's rows, then each member's own keys for its rows alone: the
+    // online softmax carries on, so no partial results need combining.
+    AttnTask member = member_task(task, 0);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member), rows, per_head, per_head, kt, vt);
+    for (int64_t j = 0; j < task.q_count; ++j) {
+      const bool last = j + 1 == task.q_count;
+      const AttnTask next = last ? member : member_task(task, j + 1);
+      const TileWalk next_walk = last ? after : tile_walk(a, next);
+      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group, nullptr,
+                     nullptr);
+      member = next;
     }
   }
 #ifdef BATCHGEN_AMX

@@ -45,11 +45,14 @@ struct AttnArgs {
 // One unit of work: the query tokens [q_begin, q_begin + q_count) of sequence `seq`, all query
 // heads of kv heads [kv_head, kv_head + kv_head_count). Query token q_begin + j sits at position q_pos + j and reads the
 // keys at positions [kv_begin, min(kv_end, q_pos + j + 1)); kv_begin is a multiple of block_size.
-// With `partial` set, the unnormalised result of query token q_begin + j, head (kv_head + h) * group + g
-// goes to partial + j * partial_token_stride + (h * group + g) * partial_row_stride as (acc[head_dim],
-// running max, running sum) instead of out. A task over several kv heads walks each K/V block through all of
+// With `partial` set (tasks of one query token), the unnormalised result of head (kv_head + h) * group + g
+// goes to partial + (h * group + g) * partial_row_stride as (acc[head_dim], running max, running sum)
+// instead of out. A task over several kv heads walks each K/V block through all of
 // them: the heads of a block lie side by side in the cache, so its reads are long contiguous
 // runs, which the processor's prefetchers follow far better than one head's scattered tiles.
+// With `member_lens` set (decode of samples sharing their first blocks), the task's query tokens are
+// sequences q_begin + j, which all read the shared keys [kv_begin, kv_end) of sequence `seq`, and then
+// each its own keys [kv_end, member_lens[q_begin + j]) from its own block table.
 struct AttnTask {
   int64_t seq;
   int64_t kv_head;
@@ -61,7 +64,7 @@ struct AttnTask {
   float* partial;
   int64_t partial_row_stride;
   int64_t kv_head_count = 1;
-  int64_t partial_token_stride = 0;
+  const int32_t* member_lens = nullptr;
 };
 
 // `next`, the task the calling thread runs after this one (or null), has its first K/V tile prefetched
