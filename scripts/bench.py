@@ -37,7 +37,11 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # batchgen from this checkout, installed or not
+# batchgen from this checkout, installed or not, but after PYTHONPATH's entries: a build copied elsewhere
+# and named there is the one measured, as in A/B runs of two builds.
+_NAMED = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+sys.path.insert(max((i + 1 for i, p in enumerate(sys.path) if p and os.path.abspath(p) in _NAMED), default=0),
+                str(Path(__file__).resolve().parents[1]))
 BLOCK = 16
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 SETTINGS = {  # full and --quick sizes
