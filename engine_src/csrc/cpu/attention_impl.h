@@ -785,15 +785,12 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    AttnTask member = member_task(task, 0);
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member), rows, per_head, per_head, kt, vt);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head, kt, vt);
     for (int64_t j = 0; j < task.q_count; ++j) {
-      const bool last = j + 1 == task.q_count;
-      const AttnTask next = last ? member : member_task(task, j + 1);
-      const TileWalk next_walk = last ? after : tile_walk(a, next);
+      const AttnTask member = member_task(task, j);
+      const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(task, j + 1)) : after;
       attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group, nullptr,
                      nullptr);
-      member = next;
     }
   }
 #ifdef BATCHGEN_AMX
