@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -71,21 +73,44 @@ int64_t collect_candidates(CollectRowFn collect_row, const float* w, int64_t n, 
   }
 }
 
+// A thread's room for one row's candidates (n of each).
+struct RowScratch {
+  std::unique_ptr<int32_t[]> ids;
+  std::unique_ptr<uint64_t[]> keys;
+
+  explicit RowScratch(int64_t n) : ids(new int32_t[n]), keys(new uint64_t[n]) {}  // not zeroed
+};
+
+// Puts the candidates cand[0, count) in order of decreasing weight, ties lower id first, keeping
+// the first `keep` of that order. Each is sorted as one integer: a positive float's bits order as
+// the float does, so (bits << 32) | ~id orders by weight and then by id, and the comparisons read
+// no weights (rows of thousands of candidates, 16 a call: 1.97 -> 1.43 ms against sorting ids).
+int64_t order_candidates(const float* w, int32_t* cand, int64_t count, int64_t keep, uint64_t* keys) {
+  for (int64_t j = 0; j < count; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, w + cand[j], sizeof(bits));
+    keys[j] = static_cast<uint64_t>(bits) << 32 | ~static_cast<uint32_t>(cand[j]);
+  }
+  if (keep < count) {
+    std::nth_element(keys, keys + keep, keys + count, std::greater<>());
+    count = keep;
+  }
+  std::sort(keys, keys + count, std::greater<>());
+  for (int64_t j = 0; j < count; ++j) cand[j] = static_cast<int32_t>(~static_cast<uint32_t>(keys[j]));
+  return count;
+}
+
 // The token drawn at u from a row's distribution: weights w (from weights_row, total their sum),
 // restricted by the filter to a prefix of the tokens in order of decreasing weight (ties: lower id
 // first), or, with no filter, all tokens in id order; the first token whose cumulative weight
-// exceeds u times the kept total. cand: room for n ids.
+// exceeds u times the kept total.
 int64_t draw_row(CollectRowFn collect_row, const float* w, int64_t n, float total, const RowFilter& f, float u,
-                 int32_t* cand) {
+                 RowScratch& scratch) {
   if (!(total > 0.0f)) return 0;  // every logit -inf (or NaN)
   if (f.top_k <= 0 && f.top_p >= 1.0f && f.min_p <= 0.0f) return draw_in_id_order(w, n, total, u);
+  int32_t* cand = scratch.ids.get();
   int64_t count = collect_candidates(collect_row, w, n, total, f, cand);
-  auto before = [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
-  if (f.top_k > 0 && count > f.top_k) {
-    std::nth_element(cand, cand + f.top_k, cand + count, before);
-    count = f.top_k;
-  }
-  std::sort(cand, cand + count, before);
+  count = order_candidates(w, cand, count, f.top_k > 0 ? f.top_k : count, scratch.keys.get());
   // The kept prefix: the nucleus (probability mass before a token below top_p) and min_p; the
   // most likely token always stays.
   int64_t kept = 1;
@@ -122,10 +147,10 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(n);
-    const std::unique_ptr<int32_t[]> cand(new int32_t[n]);  // not zeroed: collect_row writes what is read
+    RowScratch scratch(n);
     for (int64_t r = begin; r < end; ++r) {
       const float total = weights_row(x + r * stride, n, temp[r], w.data());
-      out[r] = draw_row(collect_row, w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], cand.get());
+      out[r] = draw_row(collect_row, w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], scratch);
     }
   });
 }
