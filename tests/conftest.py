@@ -85,3 +85,14 @@ def smollm2_dir():
     from batchgen.models.smollm2 import ensure_smollm2
 
     return ensure_smollm2()
+
+
+@pytest.fixture
+def cpu_isas():
+    """Every instruction set the CPU kernels were built for; the one active before the test is
+    active again after it, whichever the test switched to."""
+    from batchgen import _C
+
+    active = _C.cpu_isa()
+    yield _C.supported_cpu_isas()
+    _C.set_cpu_isa(active)

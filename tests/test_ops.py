@@ -55,15 +55,10 @@ def case_id(value):
 
 
 @pytest.fixture
-def isas(device):
-    """The CPU instruction sets to run each case on (restoring the active one afterwards), or
-    [None] on CUDA, where there is only one implementation."""
-    if device != "cpu":
-        yield [None]
-        return
-    active = _C.cpu_isa()
-    yield _C.supported_cpu_isas()
-    _C.set_cpu_isa(active)
+def isas(device, cpu_isas):
+    """The CPU instruction sets to run each case on (cpu_isas), or [None] on CUDA, where there is
+    only one implementation."""
+    return cpu_isas if device == "cpu" else [None]
 
 
 def check_on_isas(isas, run, expected, dtype, what=""):

@@ -126,7 +126,7 @@ def test_seeded_row_is_independent_of_its_chunk():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_argmax_logsumexp_matches_torch(dtype):
+def test_argmax_logsumexp_matches_torch(dtype, cpu_isas):
     gen = torch.Generator().manual_seed(4)
     logits = (torch.randn(37, 49157, generator=gen) * 4).to(dtype)  # a vocabulary with a ragged tail
     logits[3, 100] = logits[3, 20000] = logits[3].max() + 1  # a tie: the first index wins
@@ -134,16 +134,12 @@ def test_argmax_logsumexp_matches_torch(dtype):
     logits[6] = float("-inf")  # nothing allowed: argmax 0, logsumexp -inf
     logits[7, 1234] = float("nan")  # a NaN is the maximum, as for torch.argmax
     expected = torch.logsumexp(logits.float(), dim=-1)
-    active = _C.cpu_isa()
-    try:
-        for isa in _C.supported_cpu_isas():  # each instruction set's row kernel
-            _C.set_cpu_isa(isa)
-            argmax, log_total = ops.argmax_logsumexp(logits)
-            assert torch.equal(argmax, logits.argmax(dim=-1)), isa
-            assert log_total.dtype == torch.float32
-            torch.testing.assert_close(log_total, expected, rtol=1e-6, atol=1e-5, equal_nan=True, msg=isa)
-    finally:
-        _C.set_cpu_isa(active)
+    for isa in cpu_isas:  # each instruction set's row kernel
+        _C.set_cpu_isa(isa)
+        argmax, log_total = ops.argmax_logsumexp(logits)
+        assert torch.equal(argmax, logits.argmax(dim=-1)), isa
+        assert log_total.dtype == torch.float32
+        torch.testing.assert_close(log_total, expected, rtol=1e-6, atol=1e-5, equal_nan=True, msg=isa)
 
 
 @pytest.mark.parametrize("with_bans", [True, False], ids=["bans", "no_bans"])
@@ -198,22 +194,18 @@ def _filter_cases(count: int, vocab: int, gen: torch.Generator):
     return logits, temperature.float(), top_k.long(), top_p.float(), min_p.float(), u
 
 
-def test_sample_tokens_matches_the_torch_reference_on_every_isa():
+def test_sample_tokens_matches_the_torch_reference_on_every_isa(cpu_isas):
     from batchgen.ops import reference
 
     case = _filter_cases(300, 4099, torch.Generator().manual_seed(8))  # a vocabulary with a ragged tail
     expected = reference.sample_tokens(*case)
     assert expected[2] == 17 and bool((expected[3] >= 4099 // 2).all()) and (case[0][3, expected[3]] > -1e9)
-    active = _C.cpu_isa()
-    try:
-        for isa in _C.supported_cpu_isas():  # each instruction set's weights kernel
-            _C.set_cpu_isa(isa)
-            assert torch.equal(ops.sample_tokens(*case), expected), isa
-    finally:
-        _C.set_cpu_isa(active)
+    for isa in cpu_isas:  # each instruction set's weights kernel
+        _C.set_cpu_isa(isa)
+        assert torch.equal(ops.sample_tokens(*case), expected), isa
 
 
-def test_sample_tokens_finds_candidates_in_every_lane_and_the_ragged_tail():
+def test_sample_tokens_finds_candidates_in_every_lane_and_the_ragged_tail(cpu_isas):
     """The kernels collect a filter's candidates a vector of weights at a time: a token holding the nucleus at
     any lane of a vector, in the last whole vector or past it (4,099 is 3 past a multiple of 16), is the one
     drawn; and with three such tokens and top_k 3, the draws split between exactly those three."""
@@ -228,32 +220,24 @@ def test_sample_tokens_finds_candidates_in_every_lane_and_the_ragged_tail():
     trio = torch.zeros(300, vocab)
     trio[:, [5, 2050, 4098]] = 20.0
     u = (torch.arange(300) + 0.5) / 300
-    active = _C.cpu_isa()
-    try:
-        for isa in _C.supported_cpu_isas():
-            _C.set_cpu_isa(isa)
-            assert ops.sample_tokens(logits, *args).tolist() == places, isa
-            drawn = ops.sample_tokens(trio, torch.ones(300), torch.full((300,), 3), torch.ones(300),
-                                      torch.zeros(300), u)
-            assert torch.bincount(drawn, minlength=vocab)[[5, 2050, 4098]].tolist() == [100, 100, 100], isa
-    finally:
-        _C.set_cpu_isa(active)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        assert ops.sample_tokens(logits, *args).tolist() == places, isa
+        drawn = ops.sample_tokens(trio, torch.ones(300), torch.full((300,), 3), torch.ones(300),
+                                  torch.zeros(300), u)
+        assert torch.bincount(drawn, minlength=vocab)[[5, 2050, 4098]].tolist() == [100, 100, 100], isa
 
 
-def test_sample_tokens_reads_bf16_logits_as_their_float32_values():
+def test_sample_tokens_reads_bf16_logits_as_their_float32_values(cpu_isas):
     logits, *per_row = _filter_cases(300, 4099, torch.Generator().manual_seed(11))
     bf16 = logits.to(torch.bfloat16)
     every_other = bf16[::2]  # rows further apart than a row
-    active = _C.cpu_isa()
-    try:
-        for isa in _C.supported_cpu_isas():
-            _C.set_cpu_isa(isa)
-            assert torch.equal(ops.sample_tokens(bf16, *per_row), ops.sample_tokens(bf16.float(), *per_row)), isa
-            halves = [t[::2].contiguous() for t in per_row]
-            assert torch.equal(ops.sample_tokens(every_other, *halves),
-                               ops.sample_tokens(every_other.float(), *halves)), isa
-    finally:
-        _C.set_cpu_isa(active)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        assert torch.equal(ops.sample_tokens(bf16, *per_row), ops.sample_tokens(bf16.float(), *per_row)), isa
+        halves = [t[::2].contiguous() for t in per_row]
+        assert torch.equal(ops.sample_tokens(every_other, *halves),
+                           ops.sample_tokens(every_other.float(), *halves)), isa
 
 
 def test_sample_tokens_draws_each_kept_token_in_proportion():

@@ -96,12 +96,15 @@ void run_tasks(const AttnArgs& args, AttendFn attend, const std::vector<AttnTask
   });
 }
 
+// Tasks that keep `workers` threads busy through ragged task sizes (one thread needs no balance).
+inline int64_t wanted_tasks(int64_t workers) { return workers == 1 ? 1 : kTasksPerWorker * workers; }
+
 // Tokens per decode split (a multiple of block_size). Splitting the keys of a sequence only pays
 // when there are too few (sequence, kv head) tasks to keep every worker busy.
 int64_t decode_split_tokens(int64_t num_tasks, int64_t workers, int64_t max_len, int64_t block_size) {
-  const int64_t wanted_tasks = workers == 1 ? 1 : kTasksPerWorker * workers;
-  if (num_tasks >= wanted_tasks || max_len <= kMinSplitTokens) return max_len;
-  const int64_t splits = (wanted_tasks + num_tasks - 1) / num_tasks;
+  const int64_t wanted = wanted_tasks(workers);
+  if (num_tasks >= wanted || max_len <= kMinSplitTokens) return max_len;
+  const int64_t splits = (wanted + num_tasks - 1) / num_tasks;
   const int64_t tokens = std::max((max_len + splits - 1) / splits, kMinSplitTokens);
   return (tokens + block_size - 1) / block_size * block_size;
 }
@@ -172,14 +175,14 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
 void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, const int32_t* lens, int64_t num_seqs,
                    const std::vector<SharedRun>& runs, int64_t heads_per_task, int64_t workers) {
   const int64_t group = args.num_heads / args.num_kv_heads;
-  const int64_t wanted_tasks = workers == 1 ? 1 : kTasksPerWorker * workers;
+  const int64_t wanted = wanted_tasks(workers);
   // A run's task holds most of the arithmetic: with few runs, one task per kv head keeps threads
   // busy, and with fewer still the runs are cut into parts of 2 or more members (each part reads
   // the shared blocks once), as a task holds its members' own blocks too.
   const int64_t run_count = static_cast<int64_t>(runs.size());
   const int64_t run_heads = run_count >= kTasksPerWorker * workers ? heads_per_task : 1;
   const int64_t head_tasks = run_count * ((args.num_kv_heads + run_heads - 1) / run_heads);
-  const int64_t parts = std::max<int64_t>(1, (wanted_tasks + head_tasks - 1) / head_tasks);
+  const int64_t parts = std::max<int64_t>(1, (wanted + head_tasks - 1) / head_tasks);
   std::vector<bool> in_run(num_seqs, false);
   std::vector<AttnTask> tasks;
   int64_t widest = 1;
