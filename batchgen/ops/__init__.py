@@ -32,6 +32,7 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 __all__ = [
+    "DecoderStack",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -181,6 +182,14 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     _C.gemm_silu_mul_bf16(out, x, gate, up)
     return out
+
+
+# A Llama model's decoder layers on CPU in one call: DecoderStack(layers, qkv_biases, num_heads, num_kv_heads,
+# head_dim, hidden, intermediate, eps, scale), each layer [input_norm, qkv, o, post_norm, gate, up, down] (the
+# projections as `pack_gemm_weight` panels), then .forward(...) with the step's embeddings, positions, rotary table,
+# caches and AttentionMetadata's fields; it returns (the last layer's output, the residual stream). It calls the
+# checked ops above in DecoderLayer's order (engine_src/csrc/decoder_stack.h); batchgen/models/llama.py builds it.
+DecoderStack = _C.DecoderStack
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "checked_ops.h"
 #include "cpu/isa.h"
+#include "decoder_stack.h"
 #include "ops.h"
 #ifdef WITH_CUDA
 #include "cuda_ops.h"
@@ -132,6 +134,10 @@ void check_block_mapping(const char* op, const Tensor& block_mapping, int64_t sr
   }
 }
 
+}  // namespace
+
+namespace batchgen::checked {
+
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping) {
   const char* op = "reshape_and_cache";
@@ -197,6 +203,10 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
                                            query_start_loc, scale);
   }
 }
+
+}  // namespace batchgen::checked
+
+namespace {
 
 void copy_blocks(std::vector<Tensor>& key_caches, std::vector<Tensor>& value_caches, const Tensor& block_mapping) {
   const char* op = "copy_blocks";
@@ -271,6 +281,10 @@ void check_norm_weight(const char* op, const Tensor& weight, const Tensor& input
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
 }
 
+}  // namespace
+
+namespace batchgen::checked {
+
 void rms_norm(Tensor& out, const Tensor& input, const Tensor& weight, double eps) {
   const char* op = "rms_norm";
   check_activation(op, "input", input);
@@ -305,6 +319,10 @@ void rotary_embedding(const Tensor& positions, Tensor& x, const Tensor& cos_sin_
                     cos_sin_cache.device());
   batchgen::cpu::rotary_embedding(positions, x, cos_sin_cache);
 }
+
+}  // namespace batchgen::checked
+
+namespace {
 
 void argmax_logsumexp(const Tensor& logits, Tensor& argmax, Tensor& log_total) {
   const char* op = "argmax_logsumexp";
@@ -369,6 +387,10 @@ void check_gemm_operands(const char* op, const Tensor& out, const Tensor& x, con
                     out.size(1), " columns do not fill ", name, "'s ", weight.size(0), " panels of ", cols);
 }
 
+}  // namespace
+
+namespace batchgen::checked {
+
 void gemm_bf16(Tensor& out, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
   const char* op = "gemm_bf16";
   check_gemm_operands(op, out, x, weight, "weight");
@@ -387,6 +409,10 @@ void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const 
   batchgen::cpu::gemm_silu_mul_bf16(out, x, gate, up);
 }
 
+}  // namespace batchgen::checked
+
+namespace {
+
 bool has_cuda() {
 #ifdef WITH_CUDA
   return true;
@@ -399,6 +425,7 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  using namespace batchgen::checked;  // NOLINT: the checked ops are what Python calls
   // The ops run without the GIL, so other Python threads (readers, writers) keep going meanwhile.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "batchgen paged KV cache kernels (see engine_src/README.md for layouts and contracts)";
@@ -433,6 +460,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), no_gil);
   m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16, "out = silu(x gate^T) * (x up^T) on bf16 panels", py::arg("out"),
         py::arg("x"), py::arg("gate"), py::arg("up"), no_gil);
+  py::class_<batchgen::DecoderStack>(m, "DecoderStack",
+                                     "A Llama model's decoder layers on CPU in one call (built by batchgen/models/llama.py)")
+      .def(py::init([](const std::vector<std::vector<Tensor>>& layers,
+                       const std::vector<c10::optional<Tensor>>& qkv_biases, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t hidden, int64_t intermediate, double eps, double scale) {
+             TORCH_CHECK_VALUE(qkv_biases.size() == layers.size(), "DecoderStack: ", layers.size(), " layers but ",
+                               qkv_biases.size(), " qkv biases");
+             std::vector<batchgen::DecoderLayerWeights> weights;
+             for (size_t i = 0; i < layers.size(); ++i) {
+               const std::vector<Tensor>& l = layers[i];
+               TORCH_CHECK_VALUE(l.size() == 7, "DecoderStack: layer ", i,
+                                 " needs 7 tensors (input_norm, qkv, o, post_norm, gate, up, down), got ", l.size());
+               weights.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], qkv_biases[i]});
+             }
+             return batchgen::DecoderStack(std::move(weights),
+                                           {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale});
+           }),
+           py::arg("layers"), py::arg("qkv_biases"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
+      .def("forward", &batchgen::DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos_sin"),
+           py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
+           py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),
+           py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_start_loc"), no_gil)
+      .def_property_readonly("num_layers", &batchgen::DecoderStack::num_layers);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

@@ -1,0 +1,25 @@
+// The ops as Python calls them (bindings.cpp): arguments checked, then the CPU or CUDA
+// implementation. For C++ callers that must behave exactly like the Python ones (decoder_stack.cpp).
+#pragma once
+#include <torch/extension.h>
+
+namespace batchgen::checked {
+
+void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, double scale,
+                            const c10::optional<torch::Tensor>& seq_groups);
+void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps);
+void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);
+void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+               const c10::optional<torch::Tensor>& bias);
+void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
+                        const torch::Tensor& up);
+
+}  // namespace batchgen::checked

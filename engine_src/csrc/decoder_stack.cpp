@@ -1,0 +1,93 @@
+#include "decoder_stack.h"
+
+#include <utility>
+
+#include "checked_ops.h"
+
+namespace batchgen {
+
+using torch::Tensor;
+
+DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, DecoderShape shape)
+    : layers_(std::move(layers)), shape_(shape) {
+  const DecoderShape& s = shape_;
+  TORCH_CHECK_VALUE(!layers_.empty(), "DecoderStack: no layers");
+  TORCH_CHECK_VALUE(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0 && s.head_dim > 0 &&
+                        s.hidden > 0 && s.intermediate > 0,
+                    "DecoderStack: bad shape: ", s.num_heads, " heads, ", s.num_kv_heads, " kv heads, head_dim ",
+                    s.head_dim, ", hidden ", s.hidden, ", intermediate ", s.intermediate);
+}
+
+namespace {
+
+const Tensor& required(const c10::optional<Tensor>& t, const char* name, const char* when) {
+  TORCH_CHECK_VALUE(t.has_value(), "DecoderStack.forward: ", name, " is needed ", when);
+  return *t;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> DecoderStack::forward(
+    Tensor x, const Tensor& positions, const Tensor& cos_sin, std::vector<Tensor> key_caches,
+    std::vector<Tensor> value_caches, const Tensor& slot_mapping, int64_t num_decode_tokens,
+    const c10::optional<Tensor>& decode_block_tables, const c10::optional<Tensor>& decode_seq_lens,
+    const c10::optional<Tensor>& decode_seq_groups, const c10::optional<Tensor>& prefill_block_tables,
+    const c10::optional<Tensor>& prefill_seq_lens, const c10::optional<Tensor>& prefill_query_start_loc) const {
+  const DecoderShape& s = shape_;
+  const size_t count = layers_.size();
+  TORCH_CHECK_VALUE(key_caches.size() == count && value_caches.size() == count, "DecoderStack.forward: ", count,
+                    " layers but ", key_caches.size(), " key and ", value_caches.size(), " value caches");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == s.hidden, "DecoderStack.forward: x must be [tokens, ", s.hidden,
+                    "], got ", x.sizes());
+  const int64_t tokens = x.size(0), decodes = num_decode_tokens;
+  TORCH_CHECK_VALUE(decodes >= 0 && decodes <= tokens, "DecoderStack.forward: num_decode_tokens ", decodes,
+                    " is not in [0, ", tokens, "]");
+  const int64_t heads = s.num_heads, kv_heads = s.num_kv_heads, head_dim = s.head_dim;
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const auto options = x.options();
+  Tensor residual;
+  for (size_t i = 0; i < count; ++i) {
+    const DecoderLayerWeights& w = layers_[i];
+    if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
+      residual = x;
+      x = torch::empty_like(residual);
+      checked::rms_norm(x, residual, w.input_norm, s.eps);
+    } else {
+      checked::fused_add_rms_norm(x, residual, w.input_norm, s.eps);
+    }
+    Tensor qkv = torch::empty({tokens, q_size + 2 * kv_size}, options);
+    checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias);
+    Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim});
+    const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    checked::rotary_embedding(positions, qk, cos_sin);
+    const Tensor q = qk.narrow(1, 0, heads);
+    checked::reshape_and_cache(qk.narrow(1, heads, kv_heads), v, key_caches[i], value_caches[i], slot_mapping);
+    Tensor attn = torch::empty({tokens, heads, head_dim}, options);
+    if (decodes > 0) {
+      Tensor out = attn.narrow(0, 0, decodes);
+      const char* when = "for decode tokens";
+      checked::paged_attention_decode(out, q.narrow(0, 0, decodes), key_caches[i], value_caches[i],
+                                      required(decode_block_tables, "decode_block_tables", when),
+                                      required(decode_seq_lens, "decode_seq_lens", when), s.scale,
+                                      decode_seq_groups);
+    }
+    if (decodes < tokens) {
+      Tensor out = attn.narrow(0, decodes, tokens - decodes);
+      const char* when = "for prefill tokens";
+      checked::paged_attention_prefill(out, q.narrow(0, decodes, tokens - decodes), key_caches[i], value_caches[i],
+                                       required(prefill_block_tables, "prefill_block_tables", when),
+                                       required(prefill_seq_lens, "prefill_seq_lens", when),
+                                       required(prefill_query_start_loc, "prefill_query_start_loc", when), s.scale);
+    }
+    Tensor o = torch::empty({tokens, s.hidden}, options);
+    checked::gemm_bf16(o, attn.view({tokens, q_size}), w.o, c10::nullopt);
+    checked::fused_add_rms_norm(o, residual, w.post_norm, s.eps);
+    Tensor h = torch::empty({tokens, s.intermediate}, options);
+    checked::gemm_silu_mul_bf16(h, o, w.gate, w.up);
+    x = torch::empty({tokens, s.hidden}, options);
+    checked::gemm_bf16(x, h, w.down, c10::nullopt);
+  }
+  return {x, residual};
+}
+
+}  // namespace batchgen

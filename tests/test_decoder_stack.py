@@ -1,0 +1,67 @@
+"""The decoder layers in one C++ call (ops.DecoderStack) against the Python layers they stand in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llm import make_prompts
+
+from batchgen import LLM, SamplingParams, ops
+
+pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
+
+
+class CountingStack:
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def run(llm: LLM, stack) -> list:
+    """Samples (n=3, sharing their prompt's blocks) and greedy rows, long prompts in chunks of 64 tokens: steps
+    mix decodes, first chunks and chunks with context."""
+    model = llm.engine.runner.model
+    saved, model.decoder_stack = model.decoder_stack, stack
+    try:
+        prompts = make_prompts(400, [5, 17, 40, 70, 130, 200])
+        params = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=10, ignore_eos=True, logprobs=2)
+                  if i % 2 else SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
+                  for i in range(len(prompts))]
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model.decoder_stack = saved
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on the qkv projection
+def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch):
+    llm = LLM(tiny_model_dirs[arch], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
+              max_num_seqs=16, enable_prefix_caching=False)
+    stack = llm.engine.runner.model.decoder_stack
+    assert stack is not None and stack.num_layers == 2
+    counting = CountingStack(stack)
+    ours, theirs = run(llm, counting), run(llm, None)
+    assert counting.calls > 0
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen3", "bfloat16"), ("llama", "float32")])
+def test_no_stack_where_the_layers_need_more_than_it_does(tiny_model_dirs, arch, dtype):
+    """q/k norms (qwen3) and weights outside the bf16 GEMM's panels keep the Python layers."""
+    llm = LLM(tiny_model_dirs[arch], dtype=dtype, kv_cache_memory="32MiB")
+    assert llm.engine.runner.model.decoder_stack is None
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_stack_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs 7 tensors"):
+        ops.DecoderStack([[]], [None], 4, 2, 64, 128, 256, 1e-6, 0.125)
+    with pytest.raises(ValueError, match="bad shape"):
+        ops.DecoderStack([[torch.empty(0)] * 7], [None], 4, 3, 64, 128, 256, 1e-6, 0.125)
+    with pytest.raises(ValueError, match="no layers"):
+        ops.DecoderStack([], [], 4, 2, 64, 128, 256, 1e-6, 0.125)
