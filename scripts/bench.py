@@ -200,6 +200,9 @@ class StepProfile:
         self._wrap(engine.runner.model, "compute_logits", "logits")
         for layer in engine.runner.model.attention_layers():
             self._wrap(layer, "forward", "attention")
+        # The layers in one C++ call (ops.DecoderStack) time their own ops.
+        self.stack = engine.runner.model.decoder_stack
+        self.stack_start = self.stack.op_seconds() if self.stack is not None else {}
 
     def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
         fn = getattr(obj, name)
@@ -213,6 +216,13 @@ class StepProfile:
             return result
 
         setattr(obj, name, timed)
+
+    def stack_attention(self) -> None:
+        """Adds the stack's attention (with its cache writes, as PagedAttention.forward has them) since __init__."""
+        if self.stack is not None:
+            now = self.stack.op_seconds()
+            self.totals["attention"] += sum(now[k] - self.stack_start[k]
+                                            for k in ("cache_write", "decode_attention", "prefill_attention"))
 
     def is_decode_only(self) -> bool:
         out = self.last
@@ -260,6 +270,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
             if s.used_device_blocks:
                 utilisation.append(s.slot_utilization)
         seconds = time.perf_counter() - start
+    profile.stack_attention()
     stats = llm.stats()
     outputs = sum(len(c.token_ids) for r in finished for c in r.outputs)
     extra = dict(slot_utilization=sum(utilisation) / max(1, len(utilisation)), peak_blocks=stats["peak_device_blocks"],

@@ -483,7 +483,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
            py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),
            py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_start_loc"), no_gil)
-      .def_property_readonly("num_layers", &batchgen::DecoderStack::num_layers);
+      .def_property_readonly("num_layers", &batchgen::DecoderStack::num_layers)
+      .def("op_seconds", &batchgen::DecoderStack::op_seconds,
+           "Seconds spent in each kind of op since construction (for profiles such as scripts/bench.py's)");
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

@@ -1,5 +1,6 @@
 #include "decoder_stack.h"
 
+#include <chrono>
 #include <utility>
 
 #include "checked_ops.h"
@@ -19,6 +20,14 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, DecoderShape
 }
 
 namespace {
+
+// Runs fn, adding its seconds to total.
+template <typename Fn>
+void timed(double& total, Fn&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 const Tensor& required(const c10::optional<Tensor>& t, const char* name, const char* when) {
   TORCH_CHECK_VALUE(t.has_value(), "DecoderStack.forward: ", name, " is needed ", when);
@@ -46,48 +55,68 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const auto options = x.options();
   Tensor residual;
+  double* const seconds = seconds_.data();
   for (size_t i = 0; i < count; ++i) {
     const DecoderLayerWeights& w = layers_[i];
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
       residual = x;
       x = torch::empty_like(residual);
-      checked::rms_norm(x, residual, w.input_norm, s.eps);
+      timed(seconds[kNorms], [&] { checked::rms_norm(x, residual, w.input_norm, s.eps); });
     } else {
-      checked::fused_add_rms_norm(x, residual, w.input_norm, s.eps);
+      timed(seconds[kNorms], [&] { checked::fused_add_rms_norm(x, residual, w.input_norm, s.eps); });
     }
     Tensor qkv = torch::empty({tokens, q_size + 2 * kv_size}, options);
-    checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias);
+    timed(seconds[kQkv], [&] { checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias); });
     Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-    checked::rotary_embedding(positions, qk, cos_sin);
+    timed(seconds[kRotary], [&] { checked::rotary_embedding(positions, qk, cos_sin); });
     const Tensor q = qk.narrow(1, 0, heads);
-    checked::reshape_and_cache(qk.narrow(1, heads, kv_heads), v, key_caches[i], value_caches[i], slot_mapping);
+    timed(seconds[kCacheWrite], [&] {
+      checked::reshape_and_cache(qk.narrow(1, heads, kv_heads), v, key_caches[i], value_caches[i], slot_mapping);
+    });
     Tensor attn = torch::empty({tokens, heads, head_dim}, options);
     if (decodes > 0) {
       Tensor out = attn.narrow(0, 0, decodes);
       const char* when = "for decode tokens";
-      checked::paged_attention_decode(out, q.narrow(0, 0, decodes), key_caches[i], value_caches[i],
-                                      required(decode_block_tables, "decode_block_tables", when),
-                                      required(decode_seq_lens, "decode_seq_lens", when), s.scale,
-                                      decode_seq_groups);
+      const Tensor& tables = required(decode_block_tables, "decode_block_tables", when);
+      const Tensor& lens = required(decode_seq_lens, "decode_seq_lens", when);
+      timed(seconds[kDecodeAttention], [&] {
+        checked::paged_attention_decode(out, q.narrow(0, 0, decodes), key_caches[i], value_caches[i], tables, lens,
+                                        s.scale, decode_seq_groups);
+      });
     }
     if (decodes < tokens) {
       Tensor out = attn.narrow(0, decodes, tokens - decodes);
       const char* when = "for prefill tokens";
-      checked::paged_attention_prefill(out, q.narrow(0, decodes, tokens - decodes), key_caches[i], value_caches[i],
-                                       required(prefill_block_tables, "prefill_block_tables", when),
-                                       required(prefill_seq_lens, "prefill_seq_lens", when),
-                                       required(prefill_query_start_loc, "prefill_query_start_loc", when), s.scale);
+      const Tensor& tables = required(prefill_block_tables, "prefill_block_tables", when);
+      const Tensor& lens = required(prefill_seq_lens, "prefill_seq_lens", when);
+      const Tensor& starts = required(prefill_query_start_loc, "prefill_query_start_loc", when);
+      timed(seconds[kPrefillAttention], [&] {
+        checked::paged_attention_prefill(out, q.narrow(0, decodes, tokens - decodes), key_caches[i],
+                                         value_caches[i], tables, lens, starts, s.scale);
+      });
     }
     Tensor o = torch::empty({tokens, s.hidden}, options);
-    checked::gemm_bf16(o, attn.view({tokens, q_size}), w.o, c10::nullopt);
-    checked::fused_add_rms_norm(o, residual, w.post_norm, s.eps);
+    timed(seconds[kO], [&] { checked::gemm_bf16(o, attn.view({tokens, q_size}), w.o, c10::nullopt); });
+    timed(seconds[kNorms], [&] { checked::fused_add_rms_norm(o, residual, w.post_norm, s.eps); });
     Tensor h = torch::empty({tokens, s.intermediate}, options);
-    checked::gemm_silu_mul_bf16(h, o, w.gate, w.up);
+    timed(seconds[kGateUp], [&] { checked::gemm_silu_mul_bf16(h, o, w.gate, w.up); });
     x = torch::empty({tokens, s.hidden}, options);
-    checked::gemm_bf16(x, h, w.down, c10::nullopt);
+    timed(seconds[kDown], [&] { checked::gemm_bf16(x, h, w.down, c10::nullopt); });
   }
   return {x, residual};
+}
+
+std::map<std::string, double> DecoderStack::op_seconds() const {
+  return {{"norms", seconds_[kNorms]},
+          {"qkv", seconds_[kQkv]},
+          {"rotary", seconds_[kRotary]},
+          {"cache_write", seconds_[kCacheWrite]},
+          {"decode_attention", seconds_[kDecodeAttention]},
+          {"prefill_attention", seconds_[kPrefillAttention]},
+          {"o", seconds_[kO]},
+          {"gate_up", seconds_[kGateUp]},
+          {"down", seconds_[kDown]}};
 }
 
 }  // namespace batchgen

@@ -4,6 +4,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <array>
+#include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -39,9 +42,17 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Seconds spent in each kind of op since construction (norms, qkv, rotary, cache_write,
+  // decode_attention, prefill_attention, o, gate_up, down): the breakdown that timing the Python
+  // layers' calls gave (scripts/bench.py). Two clock reads an op, ~13 us a SmolLM2 step.
+  std::map<std::string, double> op_seconds() const;
+
  private:
+  enum Stage { kNorms, kQkv, kRotary, kCacheWrite, kDecodeAttention, kPrefillAttention, kO, kGateUp, kDown, kStages };
+
   std::vector<DecoderLayerWeights> layers_;
   DecoderShape shape_;
+  mutable std::array<double, kStages> seconds_{};
 };
 
 }  // namespace batchgen
