@@ -181,16 +181,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_decoder_stack(self) -> None:
         """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
-        AVX512-BF16), `forward` runs the layers as one `ops.DecoderStack` call: the same checked ops in
+        AVX512-BF16), `forward` runs the layers (with Qwen3's q/k norms where the model has them) as one
+        `ops.DecoderStack` call: the same checked ops in
         the same order as `DecoderLayer.forward`, so the same results bit for bit, without the Python
         around them (~60 us a layer: ~2 ms of a ~8 ms SmolLM2 decode step of 8 sequences)."""
         cfg = self.cfg
         projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.packed_gate_up,
                         layer.mlp.down_proj) for layer in self.layers]
-        if cfg.qk_norm or not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
+        if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
             return
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]
+                   + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else [])
                    for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)]
         self.decoder_stack = ops.DecoderStack(
             weights, [qkv.bias for qkv, *_ in projections], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

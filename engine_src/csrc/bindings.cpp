@@ -460,8 +460,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), no_gil);
   m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16, "out = silu(x gate^T) * (x up^T) on bf16 panels", py::arg("out"),
         py::arg("x"), py::arg("gate"), py::arg("up"), no_gil);
-  py::class_<batchgen::DecoderStack>(m, "DecoderStack",
-                                     "A Llama model's decoder layers on CPU in one call (built by batchgen/models/llama.py)")
+  py::class_<batchgen::DecoderStack>(m, "DecoderStack", "A Llama model's decoder layers on CPU in one call")
       .def(py::init([](const std::vector<std::vector<Tensor>>& layers,
                        const std::vector<c10::optional<Tensor>>& qkv_biases, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t hidden, int64_t intermediate, double eps, double scale) {
@@ -470,9 +469,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              std::vector<batchgen::DecoderLayerWeights> weights;
              for (size_t i = 0; i < layers.size(); ++i) {
                const std::vector<Tensor>& l = layers[i];
-               TORCH_CHECK_VALUE(l.size() == 7, "DecoderStack: layer ", i,
-                                 " needs 7 tensors (input_norm, qkv, o, post_norm, gate, up, down), got ", l.size());
+               TORCH_CHECK_VALUE(l.size() == 7 || l.size() == 9, "DecoderStack: layer ", i,
+                                 " needs 7 tensors (input_norm, qkv, o, post_norm, gate, up, down) and optionally "
+                                 "q_norm and k_norm, got ", l.size());
                weights.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], qkv_biases[i]});
+               if (l.size() == 9) {
+                 weights.back().q_norm = l[7];
+                 weights.back().k_norm = l[8];
+               }
              }
              return batchgen::DecoderStack(std::move(weights),
                                            {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale});

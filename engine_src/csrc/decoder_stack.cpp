@@ -13,6 +13,10 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, DecoderShape
     : layers_(std::move(layers)), shape_(shape) {
   const DecoderShape& s = shape_;
   TORCH_CHECK_VALUE(!layers_.empty(), "DecoderStack: no layers");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    TORCH_CHECK_VALUE(layers_[i].q_norm.has_value() == layers_[i].k_norm.has_value(), "DecoderStack: layer ", i,
+                      " has a q norm or a k norm without the other");
+  }
   TORCH_CHECK_VALUE(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0 && s.head_dim > 0 &&
                         s.hidden > 0 && s.intermediate > 0,
                     "DecoderStack: bad shape: ", s.num_heads, " heads, ", s.num_kv_heads, " kv heads, head_dim ",
@@ -69,10 +73,16 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
     timed(seconds[kQkv], [&] { checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias); });
     Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
+    if (w.q_norm.has_value()) {
+      timed(seconds[kNorms], [&] {
+        checked::rms_norm(q, q, *w.q_norm, s.eps);
+        checked::rms_norm(k, k, *w.k_norm, s.eps);
+      });
+    }
     timed(seconds[kRotary], [&] { checked::rotary_embedding(positions, qk, cos_sin); });
-    const Tensor q = qk.narrow(1, 0, heads);
     timed(seconds[kCacheWrite], [&] {
-      checked::reshape_and_cache(qk.narrow(1, heads, kv_heads), v, key_caches[i], value_caches[i], slot_mapping);
+      checked::reshape_and_cache(k, v, key_caches[i], value_caches[i], slot_mapping);
     });
     Tensor attn = torch::empty({tokens, heads, head_dim}, options);
     if (decodes > 0) {

@@ -13,10 +13,11 @@
 namespace batchgen {
 
 // One layer's weights: the norms' weights ([hidden], the activation dtype) and the projections as
-// bf16 GEMM panels (ops.h); qkv_bias float32 [q + 2 * kv] or none.
+// bf16 GEMM panels (ops.h); qkv_bias float32 [q + 2 * kv] or none; q_norm and k_norm ([head_dim],
+// Qwen3's norms of each head's q and k before the rotary embedding) both or neither.
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate, up, down;
-  c10::optional<torch::Tensor> qkv_bias;
+  c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;
 };
 
 struct DecoderShape {
