@@ -150,11 +150,11 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.angles(positions)
         if self.decoder_stack is not None and ops.has_gemm_bf16():
-            caches = [(a.key_cache, a.value_cache) for a in self.attention_layers()]
+            attn = self.attention_layers()
             x, residual = self.decoder_stack.forward(
-                x, positions, rope.cos_sin, [k for k, _ in caches], [v for _, v in caches], meta.slot_mapping,
-                meta.num_decode_tokens, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_seq_groups,
-                meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc)
+                x, positions, rope.cos_sin, [a.key_cache for a in attn], [a.value_cache for a in attn],
+                meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_seq_lens,
+                meta.decode_seq_groups, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, rope, meta)
@@ -181,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_decoder_stack(self) -> None:
         """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
-        AVX512-BF16), `forward` runs the layers (with Qwen3's q/k norms where the model has them) as one
-        `ops.DecoderStack` call: the same checked ops in
-        the same order as `DecoderLayer.forward`, so the same results bit for bit, without the Python
-        around them (~60 us a layer: ~2 ms of a ~8 ms SmolLM2 decode step of 8 sequences)."""
+        AVX512-BF16), `forward` runs the layers (Qwen3's q/k norms included) as one `ops.DecoderStack`
+        call: the same checked ops in the same order as `DecoderLayer.forward`, so the same results bit
+        for bit, without the Python around them (~60 us a layer: ~1.6 ms of a 7.6 ms SmolLM2 decode step
+        of 8 sequences). The stack holds the packed weights: packing again means building it again."""
         cfg = self.cfg
         projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.packed_gate_up,
                         layer.mlp.down_proj) for layer in self.layers]
