@@ -268,6 +268,20 @@ void scores_transposed(std::true_type /*pairs*/, const BF16* q, const uint32_t* 
 template <int NG>
 void scores_transposed(std::false_type /*pairs*/, const float*, const uint32_t*, int, int, float*) {}
 
+// What masks a tile's scores from key `limit` on, in registers (storing -inf over the scores and loading
+// them again became a memcpy call per row): the scores from the limit on are zeroed (they may be NaN, from
+// K rows past a sequence's end) where -t + limit - 0.5 < 0, then kKeyMask.add + kTileKeys - limit is
+// added, 0 before the key and -inf from it.
+struct KeyMask {
+  float minus_index[kTileKeys];
+  float add[2 * kTileKeys];
+  constexpr KeyMask() : minus_index(), add() {
+    for (int t = 0; t < kTileKeys; ++t) minus_index[t] = static_cast<float>(-t);
+    for (int i = kTileKeys; i < 2 * kTileKeys; ++i) add[i] = kNegInf;
+  }
+};
+constexpr KeyMask kKeyMask{};
+
 // Online softmax step of rows 0 .. NG - 1 of a row group over one tile, row g's scores at
 // s + g * kTileKeys: scales the raw scores, masks those at and past limit[g], updates m[g] and l[g],
 // leaves the tile's probabilities exp(s - m) in s and sets correction[g], the factor by which the
@@ -290,10 +304,13 @@ __attribute__((always_inline)) inline void softmax_rows(float* s, const int* lim
     m_new[g] = m[g];
     if (limit[g] <= 0) continue;  // this row sees none of the tile (causal prefill)
     for (int i = 0; i < vecs; ++i) x[g][i] = Vec::load(row + i * Vec::N) * vscale;
-    if (limit[g] < width) {  // the last tile of a row
-      for (int i = 0; i < vecs; ++i) x[g][i].store(row + i * Vec::N);
-      for (int t = limit[g]; t < width; ++t) row[t] = kNegInf;
-      for (int i = 0; i < vecs; ++i) x[g][i] = Vec::load(row + i * Vec::N);
+    if (limit[g] < width) {  // the last tile of a row: -inf from the key at limit on
+      const Vec before = Vec::set1(static_cast<float>(limit[g]) - 0.5f);  // limit - t > 0 before the limit
+      const float* infinities = kKeyMask.add + kTileKeys - limit[g];
+      for (int i = 0; i < vecs; ++i) {
+        const Vec ahead = Vec::load(kKeyMask.minus_index + i * Vec::N) + before;
+        x[g][i] = zero_if_below(x[g][i], ahead, 0.0f) + Vec::load(infinities + i * Vec::N);
+      }
     }
     Vec vmax = x[g][0];
     for (int i = 1; i < vecs; ++i) vmax = max(vmax, x[g][i]);
