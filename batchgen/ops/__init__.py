@@ -184,11 +184,8 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return out
 
 
-# A Llama model's decoder layers on CPU in one call: DecoderStack(layers, qkv_biases, num_heads, num_kv_heads,
-# head_dim, hidden, intermediate, eps, scale), each layer [input_norm, qkv, o, post_norm, gate, up, down] (the
-# projections as `pack_gemm_weight` panels), then .forward(...) with the step's embeddings, positions, rotary table,
-# caches and AttentionMetadata's fields; it returns (the last layer's output, the residual stream). It calls the
-# checked ops above in DecoderLayer's order (engine_src/csrc/decoder_stack.h); batchgen/models/llama.py builds it.
+# A Llama model's decoder layers on CPU in one call, through the ops above (contract: engine_src/README.md;
+# built by LlamaForCausalLM._build_decoder_stack).
 DecoderStack = _C.DecoderStack
 
 

@@ -180,7 +180,7 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
   // busy, and with fewer still the runs are cut into parts of 2 or more members (each part reads
   // the shared blocks once), as a task holds its members' own blocks too.
   const int64_t run_count = static_cast<int64_t>(runs.size());
-  const int64_t run_heads = run_count >= kTasksPerWorker * workers ? heads_per_task : 1;
+  const int64_t run_heads = run_count >= wanted ? heads_per_task : 1;
   const int64_t head_tasks = run_count * ((args.num_kv_heads + run_heads - 1) / run_heads);
   const int64_t parts = std::max<int64_t>(1, (wanted + head_tasks - 1) / head_tasks);
   std::vector<bool> in_run(num_seqs, false);
