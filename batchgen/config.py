@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from batchgen.engine.config import batch_limits_problem
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -18,6 +20,32 @@ def parse_bytes(value: int | str, name: str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"{name}: {value!r} is not a size (use bytes or a unit, e.g. '4GiB', '512MB')")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def samples_problem(n: int, max_num_seqs: int) -> str | None:
+    """The n samples of a request run together, so they must fit in max_num_seqs."""
+    if n <= max_num_seqs:
+        return None
+    return f"{n} samples of one request run together and need max_num_seqs >= {n} (it is {max_num_seqs})"
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """An engine option that cannot work; ``option`` is "model" for the model itself."""
+
+    option: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.option}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """Engine options that cannot work, every one of them in ``problems``."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        self.problems = problems
+        super().__init__("; ".join(map(str, problems)))
 
 
 @dataclass
@@ -36,10 +64,30 @@ class EngineConfig:
     preemption_mode: str = "swap"
     seed: int = 0
     num_threads: int | None = None
+    skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
 
     def __post_init__(self) -> None:
-        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        self.swap_bytes = parse_bytes(self.swap_space, "swap_space")
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def swap_bytes(self) -> int:
+        return parse_bytes(self.swap_space, "swap_space")
+
+    def problems(self) -> list[ConfigProblem]:
+        """Every option that is wrong on its own or with the others (the model is not looked at)."""
+        problems = []
+        limits = batch_limits_problem(self.max_num_seqs, self.max_num_batched_tokens)
+        for name in ("kv_cache_memory", "swap_space"):
+            try:
+                parse_bytes(getattr(self, name), name)
+            except ValueError as e:
+                problems.append(ConfigProblem(name, str(e).split(": ", 1)[1]))
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "must be auto, float32, bfloat16 or float16"),
@@ -52,7 +100,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
             (self.preemption_mode in ("swap", "recompute"), "preemption_mode", "must be swap or recompute"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
+            (limits is None, "max_num_batched_tokens", limits),
         ]
-        for ok, name, why in checks:
-            if not ok:
-                raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+        problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]
+        return problems

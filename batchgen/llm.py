@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from batchgen.config import EngineConfig
+from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.llm_engine import LLMEngine, Prompt
+from batchgen.engine.preflight import plan_model
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -16,12 +17,22 @@ class LLM:
 
     Engine options (vLLM's names): dtype, device, block_size, kv_cache_memory (CPU), gpu_memory_utilization
     (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
-    preemption_mode, seed, num_threads.
+    preemption_mode, seed, num_threads, skip_tokenizer_init.
     """
 
     def __init__(self, model: str, **options):
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._ids = itertools.count()
+
+    @staticmethod
+    def check_config(model: str, **options) -> list[ConfigProblem]:
+        """The problems `LLM(model, **options)` would refuse to start with, found without loading
+        the weights (an empty list: none). A missing model path raises FileNotFoundError."""
+        try:
+            plan_model(EngineConfig(model=str(model), **options))
+        except ConfigError as e:
+            return e.problems
+        return []
 
     @property
     def tokenizer(self):

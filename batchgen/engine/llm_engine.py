@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.config import EngineConfig
+from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.config import SchedulerConfig
 from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.engine.model_runner import CacheShape, ModelRunner
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.preflight import plan_model, too_few_blocks
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stopping import StopChecker
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
-from batchgen.models.loader import load_model, native_config, resolve_model_dir
+from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -38,46 +39,28 @@ class _Request:
     stop_reasons: dict[int, int | str | None] = field(default_factory=dict)  # seq_id -> why it stopped
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def _pick_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if device.type == "cpu" and dtype == torch.float16:
-        return torch.bfloat16  # CPU float16 GEMMs are slow; bf16 keeps the range and is fast
-    return dtype
+# A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
+# many requests were blamed in a row, with no step succeeding in between, is the engine's own and
+# is raised: a broken engine must end the run, not turn every row into an error row.
+MAX_BLAMED_IN_A_ROW = 3
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from transformers import AutoConfig, AutoTokenizer
-
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model_dir(config.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        native_config(hf_config)  # an unsupported architecture fails here, before anything heavy
+        plan = plan_model(config)  # every option checked against the model before anything heavy
         self.model_name = str(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.device = _pick_device(config.device)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(plan.model_dir)
+        self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
         if self.device.type == "cpu":
             retain_freed_memory()
-        self.dtype = _pick_dtype(config.dtype, hf_config, self.device)
-        self.max_model_len = self._max_model_len(hf_config)
-        model = load_model(model_dir, hf_config, self.dtype, self.device, self.max_model_len)
+        model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len)
         if self.device.type == "cpu":
             release_freed_memory()
-        cfg = model.cfg
-        shape = CacheShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, self.dtype)
+        self.vocab_size = model.cfg.vocab_size
+        shape = plan.cache_shape
         num_device_blocks = self._num_device_blocks(shape)
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block
         self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device)
@@ -91,24 +74,21 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             preemption_mode=config.preemption_mode,
         ))
-        self.stopper = StopChecker(self.tokenizer, self._eos_ids(model_dir), self.max_model_len)
+        self.stopper = StopChecker(self.tokenizer, self._eos_ids(plan.model_dir, plan.hf_config), self.max_model_len)
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        # After a failed step of several requests (see _step_failed): the requests waiting outside
+        # the scheduler, those of the failed step still to be tried, and how many to try at once.
+        self._isolating = False
+        self._held: list[str] = []
+        self._suspects: list[str] = []
+        self._trial_size = 0
+        self._blamed_in_a_row = 0
 
     # --- set-up helpers -------------------------------------------------------------------
-    def _max_model_len(self, hf_config) -> int:
-        limit = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            limit = min(limit, window)  # we attend to everything, so stay where that is exact
-        asked = self.config.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len: {asked} is more than the model supports ({limit})")
-        return asked or limit
-
     def _num_device_blocks(self, shape: CacheShape) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -117,50 +97,77 @@ class LLMEngine:
         else:
             budget = self.config.kv_cache_bytes
         blocks = int(budget // shape.bytes_per_block)
-        if blocks < 2:
-            raise ValueError(
-                f"the KV cache budget leaves {max(blocks, 0)} blocks of {shape.bytes_per_block} bytes; "
-                "raise kv_cache_memory (CPU) or gpu_memory_utilization (CUDA)"
-            )
+        if few := too_few_blocks(blocks, shape):
+            raise ConfigError([few])
         return blocks
 
-    def _eos_ids(self, model_dir) -> set[int]:
+    def _eos_ids(self, model_dir, hf_config) -> set[int]:
         from transformers import GenerationConfig
 
         ids: set[int] = set()
         try:
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         except OSError:
-            pass
-        if self.tokenizer.eos_token_id is not None:
+            eos = None if self.tokenizer is not None else getattr(hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; token ids given as a prompt are checked, not trusted."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._needs_tokenizer("a text prompt").encode(prompt)
         if prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        return None, list(prompt)
+            tokenizer = self._needs_tokenizer("a chat prompt")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return text, tokenizer.encode(text, add_special_tokens=False)
+        return None, self._checked_token_ids("prompt", prompt)
+
+    def _needs_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"prompt: {what} needs a tokenizer, and this engine has none "
+                             "(skip_tokenizer_init=True); give token ids")
+        return self.tokenizer
+
+    def _checked_token_ids(self, field: str, ids: object, allow_empty: bool = False) -> list[int]:
+        """Token ids the embedding can look up: a ValueError naming the field and the bad id
+        here, instead of an IndexError in a step that holds other requests."""
+        if not isinstance(ids, (list, tuple)) or (not ids and not allow_empty):
+            raise ValueError(f"{field}: expected a non-empty list of token ids, got {type(ids).__name__}")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"{field}: [{i}] is {t!r}, not an integer token id")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{field}: token id {t} at [{i}] is outside the model's vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
+        return list(ids)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, token_ids = self.encode(prompt)
+        self._checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
         arrival = next(self._arrivals)
         seed = params.seed if params.seed is not None else mix_seed(self.config.seed, arrival)
         seq = Sequence(next(self._seq_ids), token_ids)
         group = SequenceGroup(request_id, arrival, params, [seq])
         self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()))
-        self.scheduler.add(group)
+        if self._isolating:
+            self._held.append(request_id)
+        else:
+            self.scheduler.add(group)
 
     def abort_request(self, request_id: str) -> None:
         """Drops a request between steps; it produces no output."""
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+            for parked in (self._held, self._suspects):
+                if request_id in parked:
+                    parked.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -170,9 +177,15 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._isolating and not self.scheduler.has_unfinished():
+            self._next_trial()
         out = self.scheduler.schedule()
         finished = [self._finish_request(group.request_id) for group in out.ignored]
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception as error:
+            return finished + self._step_failed(out, error)
+        self._blamed_in_a_row = 0
         self.scheduler.on_step_done(out)
         now = time.time()
         sampled = [s for s in out.scheduled if s.samples]
@@ -198,6 +211,54 @@ class LLMEngine:
         for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
             finished.append(self._finish_request(request_id))
         return finished
+
+    # --- failed steps ---------------------------------------------------------------------------
+    # A forward that raises has written nothing the engine keeps: its requests are aborted before
+    # on_step_done, so none of their K/V is marked computed or shared through the prefix cache.
+    def _step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """One request in the step: it fails alone with the error. Several: every request leaves
+        the scheduler; the failed step's are tried again in halves, with nothing else, until a
+        request fails alone (bisection), and the others start over afterwards (same seeds, so
+        the same tokens)."""
+        failed = list(dict.fromkeys(s.group.request_id for s in out.scheduled))
+        if not failed or (len(failed) == 1 and self._blamed_in_a_row + 1 >= MAX_BLAMED_IN_A_ROW):
+            raise error
+        if len(failed) == 1:
+            self._blamed_in_a_row += 1
+            self.scheduler.abort(failed[0])
+            self.scheduler.on_step_done(out)
+            self._requests[failed[0]].group.error = (
+                f"the engine failed on this request: {type(error).__name__}: {error}")
+            self._trial_size = len(self._suspects)  # the rest of the failed step, all together
+            return [self._finish_request(failed[0])]
+        parked = set(self._held) | set(self._suspects)
+        in_scheduler = [request_id for request_id in self._requests if request_id not in parked]
+        for request_id in in_scheduler:
+            self.scheduler.abort(request_id)
+        self.scheduler.on_step_done(out)
+        self._suspects = failed + self._suspects
+        self._held += [request_id for request_id in in_scheduler if request_id not in set(failed)]
+        self._trial_size = len(failed) // 2
+        self._isolating = True
+        return []
+
+    def _next_trial(self) -> None:
+        """The scheduler is empty: the next suspects go in, or, once none is left, all held ones."""
+        if self._suspects:
+            size = max(1, self._trial_size)
+            batch, self._suspects = self._suspects[:size], self._suspects[size:]
+        else:
+            batch, self._held, self._isolating = self._held, [], False
+        for request_id in batch:
+            self._restart(request_id)
+
+    def _restart(self, request_id: str) -> None:
+        """Puts a request into the scheduler from its prompt again, as a new arrival."""
+        req = self._requests[request_id]
+        seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids)
+        req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq])
+        req.stop_reasons.clear()
+        self.scheduler.add(req.group)
 
     def _sampling_row(self, req: _Request, seq: Sequence) -> SamplingRow:
         outputs = seq.output_token_ids
@@ -233,7 +294,7 @@ class LLMEngine:
             stop_reason = req.stop_reasons.get(seq.seq_id)
             completions.append(CompletionOutput(
                 index=seq.sample_index,
-                text=self.stopper.final_text(params, output, stop_reason) if output else "",
+                text=self.stopper.final_text(params, output, stop_reason) if output and self.tokenizer else "",
                 token_ids=output,
                 finish_reason=seq.finish_reason,
                 cumulative_logprob=seq.cumulative_logprob if output else None,

@@ -12,6 +12,9 @@ from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "*spiece*.model",
+                   "sentencepiece*.model")
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -28,6 +31,33 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
             return convert_gguf(ggufs[0])
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     return path
+
+
+def missing_tokenizer(model_dir: Path) -> str | None:
+    """Why the directory cannot give a tokenizer (None if it has one's files)."""
+    if any(next(model_dir.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        return None
+    return (f"model directory {str(model_dir)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); "
+            "add them, or pass skip_tokenizer_init=True to give token ids and get token ids back")
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer; a one-line ValueError when it has none or it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    missing = missing_tokenizer(model_dir)
+    if missing:
+        raise ValueError(missing)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot load the tokenizer of {str(model_dir)!r}: {first_line(e)}") from None
+
+
+def first_line(error: Exception) -> str:
+    """An error's first line (transformers' messages run to many), or its type when empty."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _rope(hf_config) -> tuple[float, dict | None]:

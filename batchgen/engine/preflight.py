@@ -1,0 +1,101 @@
+"""The engine's checks of its options against the model, made before anything heavy is loaded.
+
+LLMEngine makes them when it is built, and `LLM.check_config` makes the same ones without
+building anything (for `batchgen validate`): options that cannot work are refused once, each
+named, instead of failing every request or the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.config import ConfigError, ConfigProblem, EngineConfig
+from batchgen.engine.model_runner import CacheShape
+from batchgen.models.loader import first_line, missing_tokenizer, native_config, resolve_model_dir
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the options come to for this model."""
+
+    model_dir: Path
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    cache_shape: CacheShape
+
+
+def plan_model(config: EngineConfig) -> ModelPlan:
+    """Resolves the options against the model; raises ConfigError naming every option that
+    cannot work (FileNotFoundError when there is no model at that path)."""
+    model_dir = resolve_model_dir(config.model)
+    hf_config = _read_hf_config(model_dir)
+    try:
+        cfg = native_config(hf_config)
+    except ValueError as e:
+        raise ConfigError([ConfigProblem("model", str(e))]) from None
+    problems: list[ConfigProblem] = []
+    if not config.skip_tokenizer_init and (missing := missing_tokenizer(model_dir)):
+        problems.append(ConfigProblem("model", missing))
+    device = _pick_device(config.device, problems)
+    dtype = _pick_dtype(config.dtype, hf_config, device)
+    max_model_len = _max_model_len(config.max_model_len, hf_config, problems)
+    shape = CacheShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+    if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
+        problems.append(few)
+    if problems:
+        raise ConfigError(problems)
+    return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape)
+
+
+def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
+    if num_blocks >= 2:
+        return None
+    return ConfigProblem("kv_cache_memory", f"the KV cache budget leaves {max(num_blocks, 0)} blocks of "
+                                            f"{shape.bytes_per_block} bytes; raise kv_cache_memory (CPU) or "
+                                            "gpu_memory_utilization (CUDA)")
+
+
+def _read_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        problem = ConfigProblem("model", f"cannot read {model_dir / 'config.json'}: {first_line(e)}")
+        raise ConfigError([problem]) from None
+
+
+def _pick_device(name: str, problems: list[ConfigProblem]) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(ConfigProblem("device", "cuda was asked for but torch sees no CUDA device"))
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # CPU float16 GEMMs are slow; bf16 keeps the range and is fast
+    return dtype
+
+
+def _max_model_len(asked: int | None, hf_config: Any, problems: list[ConfigProblem]) -> int:
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # we attend to everything, so stay where that is exact
+    if asked is not None and asked > limit:
+        problems.append(ConfigProblem("max_model_len", f"{asked} is more than the model supports ({limit})"))
+        return limit
+    return asked or limit
