@@ -62,6 +62,8 @@ def run(
         "--shard", help="INDEX/COUNT, e.g. 0/8; default: job file, then SLURM_ARRAY_TASK_ID/COUNT.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Continue an output dir written with another job configuration.")] = False,
+    retry_errors: Annotated[bool, typer.Option(
+        "--retry-errors", help="Generate the rows recorded as errors again (after fixing the input or job).")] = False,
     grace: Annotated[float, typer.Option(
         "--grace", min=0, help="Seconds to let in-flight requests finish after SIGTERM/SIGINT.")] = 60.0,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
@@ -76,7 +78,7 @@ def run(
         factory = load_factory(engine)
         spec = validate_job_file(job)
         the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
-        result = Runner(spec, the_shard, factory, force=force, grace=grace).run()
+        result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace).run()
     if result.status == "interrupted":
         _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished rows are saved, "
              "run the same command again to resume")
@@ -84,12 +86,16 @@ def run(
 
 
 @app.command()
-def validate(job: Annotated[Path, typer.Argument(help="The job file (YAML).")]) -> None:
-    """Check a job file, its model path and its input files; list every problem."""
+def validate(
+    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
+) -> None:
+    """Check a job file, its model (without loading the weights) and its input files; list every problem."""
+    from .job.engine import load_factory
     from .job.validate import validate_job_file
 
     try:
-        validate_job_file(job)
+        spec = validate_job_file(job, load_factory(engine))
     except JobInvalid as e:
         for p in e.problems:
             _err(str(p))
@@ -98,6 +104,8 @@ def validate(job: Annotated[Path, typer.Argument(help="The job file (YAML).")]) 
     except JobError as e:
         _err(f"batchgen: error: {e}")
         raise typer.Exit(e.exit_code) from None
+    for warning in spec.warnings:
+        _err(f"warning: {warning}")
     print("ok")
 
 

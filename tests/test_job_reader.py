@@ -110,10 +110,12 @@ def test_missing_columns_are_job_level_problems(tmp_path):
     write_parquet(tmp_path / "b.parquet", {"id": [1], "prompt": ["x"]})
     r = reader(tmp_path, id_column="uid", carry_columns=["topic"], overrides={"max_tokens": "mt"})
     problems = r.check()
-    assert [str(p).split(" (")[0] for p in problems] == [
-        "input.id_column: column 'uid' not found in in.jsonl",
-        "sampling.overrides.max_tokens: column 'mt' not found in in.jsonl",
-        "input.carry_columns[0]: column 'topic' not found in in.jsonl",
+    assert [str(p).split(" (")[0] for p in problems] == ["input.id_column: column 'uid' not found in in.jsonl"]
+    assert r.warnings == [  # optional JSONL columns may be missing on any line: null there
+        "sampling.overrides.max_tokens: column 'mt' is in none of the first 1000 lines of in.jsonl; "
+        "rows without it take null there",
+        "input.carry_columns[0]: column 'topic' is in none of the first 1000 lines of in.jsonl; "
+        "rows without it take null there",
     ]
     problems = reader(tmp_path, paths=["b.parquet"], prompt_column="text").check()
     assert [str(p) for p in problems] == [
@@ -125,7 +127,7 @@ def test_derived_ids_use_file_and_physical_line(tmp_path):
     write_jsonl(tmp_path / "data" / "in.jsonl", [{"prompt": "a"}, "", {"prompt": "b"}])
     ids = [r.id for r in reader(tmp_path, paths=["data/*.jsonl"]).rows()]
     assert ids == ["data/in.jsonl:0", "data/in.jsonl:2"]
-    assert list(reader(tmp_path, paths=["data"]).ids()) == ids  # a directory means the files in it
+    assert [k.id for k in reader(tmp_path, paths=["data"]).ids()] == ids  # a directory: the files in it
 
 
 def test_incomplete_last_line_waits_for_its_newline(tmp_path):

@@ -3,12 +3,13 @@ per-row errors, SIGKILL and resume with identical text, and shards that add up t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 
-from jobkit import REPO, batchgen_cmd, outputs_by_key, write_job, write_jsonl
+from jobkit import REPO, batchgen_cmd, cli, outputs_by_key, write_job, write_jsonl
 
 
 def _env() -> dict[str, str]:
@@ -73,3 +74,52 @@ def test_real_engine_job_errors_resume_and_shards(tmp_path, tiny_model_dirs):
     for i in range(3):
         _run(sharded, "--shard", f"{i}/3")
     assert outputs_by_key(tmp_path / "sharded" / "out") == reference
+
+
+def _small_job(root, model_dir, records, **changes):
+    write_jsonl(root / "in.jsonl", records)
+    job = {
+        "model": {"path": str(model_dir), "dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256},
+        "input": {"paths": ["in.jsonl"], "id_column": "id", "prompt_column": "prompt"},
+        "sampling": {"temperature": 0, "max_tokens": 4, "ignore_eos": True},
+        "output": {"dir": "out", "fields": ["text", "token_ids"]},
+        "progress_interval": 3600,
+    }
+    for section, values in changes.items():
+        job[section] = {**job[section], **values}
+    return write_job(root / "job.yaml", job)
+
+
+def test_a_token_id_outside_the_vocabulary_is_that_rows_error(tmp_path, tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    job = _small_job(tmp_path, model, [
+        {"id": "t", "prompt": [vocab]},
+        {"id": "ids", "prompt": [5, 6, 7]},
+        {"id": "text", "prompt": "the quick brown fox"},
+        {"id": "negative", "prompt": [3, -2]},
+    ])
+    r = cli("run", job)
+    assert r.exit_code == 0, r.output
+    out = outputs_by_key(tmp_path / "out")
+    assert out[("t", 0)] == (None, f"in.jsonl line 1: field 'prompt': token id {vocab} at [0] is outside "
+                                   f"the model's vocabulary (0..{vocab - 1})")
+    assert out[("negative", 0)][1].startswith("in.jsonl line 4: field 'prompt': expected a string or a non-empty")
+    assert out[("ids", 0)][1] is None and out[("text", 0)][1] is None
+    r = cli("run", job)
+    assert r.exit_code == 0 and "nothing to do" in r.stdout
+
+
+def test_validate_asks_the_engine_about_the_model(tmp_path, tiny_model_dirs):
+    """The engine's own checks against the model, each at its job-file field, before any run."""
+    job = _small_job(tmp_path, tiny_model_dirs["llama"], [{"id": "a", "prompt": "hi"}],
+                     model={"max_model_len": 5000, "kv_cache_memory": "40KiB", "device": "cpu"})
+    r = cli("validate", job)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    problems = r.stderr.splitlines()
+    assert "model.max_model_len: 5000 is more than the model supports (1024)" in problems
+    assert any(p.startswith("model.kv_cache_memory: the KV cache budget leaves 1 blocks") for p in problems)
+    r = cli("run", job)  # the same checks when the engine is built, before any row
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "max_model_len: 5000 is more than the model supports" in r.stderr
+    assert not list((tmp_path / "out").glob("part-*"))

@@ -262,3 +262,108 @@ def test_output_dir_inside_the_input_glob_is_not_input(tmp_path):
     r = run(job)
     assert r.exit_code == 0 and "1 this run" in r.stdout
     assert {k[0] for k in outputs_by_key(tmp_path / "data" / "out")} == {"x", "y", "z"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_duplicate_ids_first_row_wins_and_reruns_do_nothing(tmp_path, fmt):
+    first = [{"id": "a", "prompt": "first a"}, {"id": "b", "prompt": "first b"}, {"id": "a", "prompt": "again a"}]
+    second = [{"id": "c", "prompt": "c"}, {"id": "b", "prompt": "again b"}]
+    if fmt == "jsonl":
+        write_jsonl(tmp_path / "in1.jsonl", first)
+        write_jsonl(tmp_path / "in2.jsonl", second)
+        where = ["in1.jsonl line 3", "in1.jsonl line 1", "in2.jsonl line 2", "in1.jsonl line 2"]
+    else:
+        for name, rows in (("in1", first), ("in2", second)):
+            write_parquet(tmp_path / f"{name}.{fmt}", pa.Table.from_pylist(rows))
+        where = ["in1.parquet row 2", "in1.parquet row 0", "in2.parquet row 1", "in1.parquet row 1"]
+    job = setup_job(tmp_path, rows=0, input={"paths": [f"in*.{fmt}"], "carry_columns": []})
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert "5 this run (2 errors)" in r.stdout
+    out = outputs_by_key(tmp_path / "out")  # each (id, sample) once
+    ext = "jsonl" if fmt == "jsonl" else "parquet"
+    assert out[(f"in1.{ext}:2", 0)][1] == (f"{where[0]}: field 'id': duplicate id 'a', first at {where[1]}; "
+                                           "only that row is generated")
+    assert out[(f"in2.{ext}:1", 0)][1] == (f"{where[2]}: field 'id': duplicate id 'b', first at {where[3]}; "
+                                           "only that row is generated")
+    ref = setup_job(tmp_path / "ref", rows=0, input={"carry_columns": []})
+    write_jsonl(tmp_path / "ref" / "in.jsonl", [first[0], first[1], second[0]])
+    assert run(ref).exit_code == 0
+    assert {k: v for k, v in out.items() if k[0] in "abc"} == outputs_by_key(tmp_path / "ref" / "out")
+    r = run(job)
+    assert r.exit_code == 0 and "nothing to do" in r.stdout
+    r = cli("status", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert "warning: 2 input rows repeat the id of an earlier row" in r.stdout
+    assert f"  {where[0]}: field 'id': duplicate id 'a', first at {where[1]}" in r.stdout
+    total = next(line.split() for line in r.stdout.splitlines() if line.startswith("total"))
+    assert total[2:] == ["5", "2", "0"]  # rows done, errors, missing: nothing is left to do
+
+
+def test_a_duplicate_appended_later_becomes_an_error_row_once(tmp_path):
+    job = setup_job(tmp_path, rows=4, input={"carry_columns": []})
+    assert run(job).exit_code == 0
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "q0001", "prompt": "late copy"}], mode="a")
+    r = run(job)
+    assert r.exit_code == 0 and "1 this run (1 errors)" in r.stdout
+    assert outputs_by_key(tmp_path / "out")[("in.jsonl:4", 0)][1].startswith(
+        "in.jsonl line 5: field 'id': duplicate id 'q0001', first at in.jsonl line 2")
+    assert "nothing to do" in run(job).stdout
+
+
+def test_an_override_column_missing_from_some_lines_means_null_there(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "none", "prompt": "no mt here"},
+        {"id": "three", "prompt": "mt is three", "mt": 1},
+        {"id": "null", "prompt": "mt is null", "mt": None},
+    ])
+    job = setup_job(tmp_path, rows=0, input={"carry_columns": ["topic"]}, sampling={"overrides": {"max_tokens": "mt"}})
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == [  # the carried column is on no line: a warning, not an error
+        "warning: input.carry_columns[0]: column 'topic' is in none of the first 1000 lines of in.jsonl; "
+        "rows without it take null there"]
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    rows = read_rows(tmp_path / "out")
+    assert all(row["error"] is None and row["topic"] is None for row in rows)
+    assert max(row["num_output_tokens"] for row in rows if row["id"] == "three") == 1
+    assert max(row["num_output_tokens"] for row in rows if row["id"] != "three") > 1  # the job's 6
+
+
+@pytest.mark.parametrize("model, sampling, problem", [
+    ({"max_num_seqs": 64, "max_num_batched_tokens": 16}, {},
+     "model.max_num_batched_tokens: must be >= max_num_seqs (64) so every running sequence can decode (got 16)"),
+    ({"max_num_seqs": 2}, {"n": 4},
+     "sampling.n: 4 samples of one request run together and need max_num_seqs >= 4 (it is 2)"),
+])
+def test_engine_limits_are_refused_by_validate_and_before_any_row(tmp_path, model, sampling, problem):
+    job = setup_job(tmp_path, rows=5, model={"path": "model", **model}, sampling=sampling)
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 1 and r.stderr.splitlines()[0] == problem, r.output
+    r = run(job)
+    assert r.exit_code == 1 and r.stderr.strip() == f"batchgen: error: {problem}"
+    assert not (tmp_path / "out").exists()  # nothing was admitted, nothing to skip later
+
+
+def test_retry_errors_generates_error_rows_again(tmp_path):
+    make_model(tmp_path / "model", max_model_len=40)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"ok{i}", "prompt": "short"} for i in range(5)] +
+                [{"id": "long", "prompt": "x" * 100}, {"id": "empty", "prompt": ""}])
+    job = setup_job(tmp_path, rows=0, input={"carry_columns": []}, output={"rows_per_part": 3})
+    r = run(job)
+    assert r.exit_code == 0 and "7 this run (2 errors)" in r.stdout
+    make_model(tmp_path / "model", max_model_len=400)  # the fix; the job's configuration is the same
+    assert "nothing to do" in run(job).stdout  # error rows count as done...
+    before = outputs_by_key(tmp_path / "out")
+    r = run(job, "--retry-errors")  # ...until asked to retry them
+    assert r.exit_code == 0, r.output
+    assert "removed 2 error rows of shard 0/1" in r.stdout and "2 this run (1 errors)" in r.stdout
+    after = outputs_by_key(tmp_path / "out")  # still each (id, sample) once
+    assert after[("long", 0)][1] is None and after[("long", 1)][1] is None
+    assert after[("empty", 0)][1] == "in.jsonl line 7: field 'prompt': empty prompt"
+    assert {k: v for k, v in after.items() if k[0].startswith("ok")} == {
+        k: v for k, v in before.items() if k[0].startswith("ok")}
+    metas = {pq.read_schema(p).metadata[b"batchgen.config_hash"] for p in (tmp_path / "out").glob("part-*")}
+    assert len(metas) == 1  # rewritten parts keep their metadata
+    assert "nothing to do" in run(job).stdout

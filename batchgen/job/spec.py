@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..config import samples_problem
 from ..sampling_params import SamplingParams
 from .errors import JobError, JobInvalid, Problem
 
@@ -66,6 +67,7 @@ class ModelSpec(_Section):
     enable_prefix_caching: bool = True
     preemption_mode: Literal["swap", "recompute"] = "swap"
     seed: int = 0
+    skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
 
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
         """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory)."""
@@ -192,6 +194,7 @@ class Job:
     base_dir: Path
     text: str = ""  # the job file as written; saved next to the outputs
     source: Path | None = None
+    warnings: list[str] = field(default_factory=list)  # from validation: worth a look, not fatal
 
     def resolve(self, p: str) -> Path:
         return resolve_path(self.base_dir, p)
@@ -300,11 +303,31 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
     if wants_logprobs and sampling is not None and sampling.logprobs is None:
         problems.append(Problem("output.fields", "'logprobs' needs sampling.logprobs "
                                                  "(0: the sampled token's logprob only; k: also the top k)"))
+    model = model_part(raw)
+    if model is not None and sampling is not None:
+        problems += engine_fit_problems(model, sampling, raw.get("input"), output)
     inp = raw.get("input")
     carry = inp.get("carry_columns") if isinstance(inp, dict) else None
     for i, col in enumerate(carry if isinstance(carry, list) else []):
         if col in RESERVED_COLUMNS:
             problems.append(Problem(f"input.carry_columns[{i}]", f"{col!r} is an output column name"))
+    return problems
+
+
+def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: OutputSpec | None) -> list[Problem]:
+    """Sampling and input settings the engine options cannot serve: refused here, before any
+    row, instead of failing every row."""
+    problems = []
+    if too_many := samples_problem(sampling.n, model.max_num_seqs):
+        problems.append(Problem("sampling.n", too_many))
+    if model.skip_tokenizer_init:
+        why = "needs the model's tokenizer, which model.skip_tokenizer_init leaves out"
+        if isinstance(inp, dict) and inp.get("messages_column"):
+            problems.append(Problem("input.messages_column", f"chat messages: {why}; give token ids"))
+        if output is not None and "text" in output.fields:
+            problems.append(Problem("output.fields", f"'text' {why}; use token_ids"))
+        if sampling.stop:
+            problems.append(Problem("sampling.stop", f"stop strings: {why}; use stop_token_ids"))
     return problems
 
 
@@ -330,6 +353,12 @@ def sampling_problems(spec: Any) -> list[Problem]:
             hint = _suggest(key, names)
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
     return problems
+
+
+def model_part(raw: dict[str, Any]) -> ModelSpec | None:
+    """The model section as far as it is valid (``model: PATH`` is short for ``{path: PATH}``)."""
+    section = raw.get("model")
+    return valid_part(ModelSpec, {"path": section} if isinstance(section, str) else section)
 
 
 def valid_part(model: type[BaseModel], raw: Any) -> Any:

@@ -16,6 +16,8 @@ from .saved import load_saved_job, read_saved
 from .shard import Shard, shard_of
 from .writer import list_parts, read_part
 
+_SHOWN_DUPLICATES = 5
+
 
 @dataclass
 class ShardStatus:
@@ -44,7 +46,9 @@ class Report:
     count: int
     shards: list[ShardStatus] = field(default_factory=list)
     other_parts: int = 0  # parts written under another shard count
-    duplicates: int = 0
+    written_twice: int = 0  # ids in more than one part (should never happen)
+    duplicates: int = 0  # input rows repeating the id of an earlier row
+    duplicate_examples: list[str] = field(default_factory=list)  # the first few, as error messages
     input_error: str | None = None
 
 
@@ -76,7 +80,7 @@ def collect(out_dir: Path, with_input: bool = True) -> Report:
         st.rows += len(id_list)
         st.errors += errors
         st.started = True
-    report.duplicates = sum(1 for n in seen.values() if n > 1)
+    report.written_twice = sum(1 for n in seen.values() if n > 1)
     for path, sh in lock_shards.items():
         if sh.count == count:
             per[sh.index].started = True
@@ -86,11 +90,15 @@ def collect(out_dir: Path, with_input: bool = True) -> Report:
             reader = InputReader.for_job(job)
             totals: Counter[int] = Counter()
             missing: Counter[int] = Counter()
-            for row_id in reader.ids():
-                s = shard_of(row_id, count)
+            for key in reader.ids():
+                s = shard_of(key.shard_id, count)
                 totals[s] += 1
-                if row_id not in seen:
+                if key.id not in seen:
                     missing[s] += 1
+                if key.duplicate:
+                    report.duplicates += 1
+                    if len(report.duplicate_examples) < _SHOWN_DUPLICATES:
+                        report.duplicate_examples.append(key.duplicate)
             for i, st in per.items():
                 st.input_rows, st.missing = totals[i], missing[i]
         except Exception as e:  # the input may have moved; still show what is done
@@ -116,8 +124,13 @@ def render(report: Report) -> str:
         lines.append(f"note: {report.other_parts} parts were written with another shard count "
                      "(their rows count as done)")
     if report.duplicates:
-        lines.append(f"warning: {report.duplicates} ids appear in more than one part "
-                     "(duplicate ids in the input?)")
+        lines.append(f"warning: {report.duplicates:,} input rows repeat the id of an earlier row; only the "
+                     "first row of an id is generated, the others are error rows:")
+        lines += [f"  {d}" for d in report.duplicate_examples]
+        if report.duplicates > len(report.duplicate_examples):
+            lines.append(f"  ... and {report.duplicates - len(report.duplicate_examples):,} more")
+    if report.written_twice:
+        lines.append(f"warning: {report.written_twice} ids appear in more than one part")
     if report.input_error:
         lines.append(f"note: cannot read the input to count missing rows: {report.input_error}")
     return "\n".join(lines)

@@ -4,13 +4,13 @@ checked on its own so one broken section does not hide the problems of another."
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
 from .reader import InputReader, discover
 from .spec import (
@@ -20,79 +20,84 @@ from .spec import (
     ModelSpec,
     OutputSpec,
     SamplingSpec,
+    model_part,
     parse_yaml,
     read_job_text,
     resolve_path,
     spec_problems,
-    valid_part,
 )
 
 
-def validate_job_file(path: str | Path) -> Job:
-    """The validated job; raises ``JobInvalid`` listing every problem found."""
+def validate_job_file(path: str | Path, factory: EngineFactory | None = None) -> Job:
+    """The validated job, with warnings (e.g. optional columns seen nowhere) in ``Job.warnings``;
+    raises ``JobInvalid`` listing every problem found. With an engine ``factory`` the engine also
+    checks its options against the model (``batchgen validate``); without one, only the options
+    (``batchgen run``, whose engine checks the rest when it is built, before any row)."""
     path = Path(path)
     text = read_job_text(path)
     raw = parse_yaml(text)
     base_dir = path.resolve().parent
     problems = spec_problems(raw)
-    model_raw = raw.get("model")
-    model = valid_part(ModelSpec, {"path": model_raw} if isinstance(model_raw, str) else model_raw)
+    model = model_part(raw)
     if model is not None:
-        problems += model_problems(model, base_dir)
+        problems += model_problems(model, base_dir, factory)
     inp = _part(InputSpec, raw.get("input"))
+    warnings: list[str] = []
     if inp is not None:
         sampling = _part(SamplingSpec, raw.get("sampling") or {})
         output = _part(OutputSpec, raw.get("output"))
         exclude = None if output is None else resolve_path(base_dir, output.dir)
-        problems += input_problems(inp, base_dir, sampling.overrides if sampling is not None else {}, exclude)
+        overrides = sampling.overrides if sampling is not None else {}
+        problems += input_problems(inp, base_dir, overrides, exclude, warnings)
     if problems:
         raise JobInvalid(sorted(problems, key=_section_rank))
-    return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=path.resolve())
+    return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=path.resolve(),
+               warnings=warnings)
 
 
-def model_problems(model: ModelSpec, base_dir: Path) -> list[Problem]:
+def model_problems(model: ModelSpec, base_dir: Path, factory: EngineFactory | None = None) -> list[Problem]:
     p = resolve_path(base_dir, model.path)
-    problems = []
-    if not p.exists():
-        problems.append(Problem("model.path", f"no model directory at {p}"))
-    elif not p.is_dir():
-        problems.append(Problem("model.path", f"{p} is not a directory (need a Hugging Face model dir)"))
-    return problems + engine_option_problems(model.engine_kwargs(p))
+    if p.is_dir():
+        return engine_option_problems(model.engine_kwargs(p), factory)
+    why = f"no model directory at {p}" if not p.exists() else f"{p} is not a directory (need a Hugging Face model dir)"
+    return [Problem("model.path", why), *engine_option_problems(model.engine_kwargs(p))]
 
 
-def engine_option_problems(kwargs: dict[str, Any]) -> list[Problem]:
-    """The engine's own option checks (``batchgen.config.EngineConfig``), every field reported:
-    on an error, note it, reset that option to its default and ask again. Skipped when the
-    engine's config is not importable (the job layer needs only the engine's public API)."""
+def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None = None) -> list[Problem]:
+    """The engine's own checks, each problem at its field: of the options against the model when
+    the factory offers them (``check_config``, as ``batchgen.LLM`` does), else of the options alone
+    (``batchgen.config.EngineConfig``, skipped when the engine is not importable)."""
+    check = config_checker(factory) if factory is not None else None
     try:
-        from ..config import EngineConfig
+        if check is not None:
+            found = check(**kwargs)
+        else:
+            from ..config import ConfigError, EngineConfig
+
+            try:
+                EngineConfig(**kwargs)
+                found = []
+            except ConfigError as e:
+                found = e.problems
     except ImportError:
         return []
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name in kwargs}
-    kwargs = dict(kwargs)
-    problems: list[Problem] = []
-    for _ in range(len(kwargs) + 1):
-        try:
-            EngineConfig(**kwargs)
-            break
-        except (ValueError, TypeError) as e:
-            m = re.match(r"(\w+): (.*)$", str(e), re.DOTALL)
-            name = m.group(1) if m else None
-            if name not in defaults or kwargs[name] == defaults[name]:
-                problems.append(Problem("model", str(e)))
-                break
-            problems.append(Problem(f"model.{name}", m.group(2)))
-            kwargs[name] = defaults[name]
-    return problems
+    except (OSError, ValueError) as e:  # e.g. a model dir without config.json
+        return [Problem("model.path", str(e))]
+    return [Problem("model.path" if p.option == "model" else f"model.{p.option}", p.message) for p in found]
 
 
 def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str],
-                   exclude: Path | None = None) -> list[Problem]:
+                   exclude: Path | None = None, warnings: list[str] | None = None) -> list[Problem]:
+    """Problems of the input files and columns; the reader's warnings are added to ``warnings``."""
     files, problems = discover(inp, base_dir, exclude)
+    reader = InputReader(inp, base_dir, overrides, files=files)
     try:
-        return problems + InputReader(inp, base_dir, overrides, files=files).check()
+        problems += reader.check()
     except JobError as e:
-        return [*problems, Problem("input", str(e))]
+        problems.append(Problem("input", str(e)))
+    if warnings is not None:
+        warnings += reader.warnings
+    return problems
 
 
 _SECTIONS = ["", "model", "input", "sampling", "output", "shard"]

@@ -105,11 +105,11 @@ def error_rows(row: Row, message: str) -> list[dict[str, Any]]:
 
 @dataclass
 class Recovered:
-    done: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)  # ids to skip (for other shard counts, not only ours)
+    done_here: int = 0  # of them, the ids this shard owns
     next_seq: int = 0
     parts: int = 0
-    rows: int = 0
-    errors: int = 0
+    retried: int = 0  # error rows removed so that their rows are generated again
 
 
 def read_part(path: Path, with_errors: bool = False) -> tuple[pa.Table, int]:
@@ -132,12 +132,15 @@ def part_metadata(path: Path) -> dict[bytes, bytes]:
         raise JobError(f"cannot read part {path}: {e}") from None
 
 
-def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False) -> Recovered:
+def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
+            retry_errors: bool = False) -> Recovered:
     """What this shard already did: complete ids and the next part number.
 
-    Also reads parts written under another shard count (a re-sharded job), keeping the ids that
-    now belong to this shard, so re-sharding never duplicates rows. Deletes this shard's stale
-    temp files (the caller holds the shard lock, so no writer of ours is alive).
+    Also reads parts written under another shard count (a re-sharded job); all their ids count
+    as done, so re-sharding never duplicates rows. Deletes this shard's stale temp files (the
+    caller holds the shard lock, so no writer of ours is alive). With ``retry_errors``, this
+    shard's error rows are removed from its parts first, so those rows are generated again;
+    error rows in parts of another shard count stay (another shard may be reading them).
     """
     for p in out_dir.glob(f".part-{shard.tag}-*.tmp"):
         p.unlink(missing_ok=True)
@@ -152,15 +155,38 @@ def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False) 
                 f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
                 f"this job {config_hash}); use a new output.dir, or pass --force to keep its rows and "
                 "do the rest with the new configuration")
-        ids, _ = read_part(part.path)
-        id_list = ids.column("id").to_pylist()
         if same_count:
             rec.next_seq = max(rec.next_seq, part.seq + 1)
+            if retry_errors:
+                rec.retried += drop_error_rows(part.path)
+                if not part.path.exists():
+                    continue
             rec.parts += 1
-            rec.done.update(id_list)
-        else:
-            rec.done.update(i for i in id_list if shard.owns(i))
+        id_list = read_part(part.path)[0].column("id").to_pylist()
+        rec.done.update(id_list)
+        rec.done_here += len(id_list) if same_count else sum(map(shard.owns, id_list))
     return rec
+
+
+def drop_error_rows(path: Path) -> int:
+    """Rewrite a part without its error rows (atomically; deleted if nothing is left); how many."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise JobError(f"cannot read part {path}: {e}") from None
+    errors = table.num_rows - table.column("error").null_count
+    if errors == 0:
+        return 0
+    kept = table.filter(pc.is_null(table.column("error")))
+    if kept.num_rows:
+        write_atomic(kept, path)
+    else:
+        try:
+            path.unlink()
+            fsync_dir(path.parent)
+        except OSError as e:
+            raise JobError(f"cannot remove {path}: {e}") from None
+    return errors
 
 
 # -------------------------------------------------------------------------------------- writing
@@ -204,23 +230,28 @@ class PartWriter:
         meta[b"batchgen.created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z").encode()
         table = pa.Table.from_pylist(self._buffer, schema=self.schema.with_metadata(meta))
         final = self.out_dir / part_name(self.shard, self.seq)
-        tmp = self.out_dir / f".{final.stem}.tmp"
-        try:
-            pq.write_table(table, tmp, compression="zstd")
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            fsync_dir(self.out_dir)
-        except OSError as e:
-            raise JobError(f"cannot write {final}: {e}") from None
+        write_atomic(table, final)
         self.seq += 1
         self.parts_written += 1
         self._buffer.clear()
         self._requests = 0
         return final
+
+
+def write_atomic(table: pa.Table, final: Path) -> None:
+    """Write a part under a hidden temp name, fsync it, rename it into place, fsync the dir."""
+    tmp = final.parent / f".{final.stem}.tmp"
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except OSError as e:
+        raise JobError(f"cannot write {final}: {e}") from None
 
 
 @contextmanager
