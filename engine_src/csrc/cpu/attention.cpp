@@ -21,7 +21,6 @@ namespace {
 // serves all its rows (its K transposed once), so larger tasks go faster (32 -> 256 rows: 341-token
 // prompts 1.15x) as long as there are tasks enough for every thread.
 constexpr int64_t kPrefillRowsPerTask = 256;
-constexpr int64_t kMinSplitTokens = 512;     // shorter decode splits cost more in the combine than they gain
 constexpr int64_t kMinBytesPerWorker = 256 << 10;
 constexpr int64_t kTasksPerWorker = 4;       // tasks per worker that balance ragged lengths
 // A run reads its shared blocks once when that spares reading at least this many keys (n - 1
@@ -99,50 +98,10 @@ void run_tasks(const AttnArgs& args, AttendFn attend, const std::vector<AttnTask
 // Tasks that keep `workers` threads busy through ragged task sizes (one thread needs no balance).
 inline int64_t wanted_tasks(int64_t workers) { return workers == 1 ? 1 : kTasksPerWorker * workers; }
 
-// Tokens per decode split (a multiple of block_size). Splitting the keys of a sequence only pays
-// when there are too few (sequence, kv head) tasks to keep every worker busy.
-int64_t decode_split_tokens(int64_t num_tasks, int64_t workers, int64_t max_len, int64_t block_size) {
-  const int64_t wanted = wanted_tasks(workers);
-  if (num_tasks >= wanted || max_len <= kMinSplitTokens) return max_len;
-  const int64_t splits = (wanted + num_tasks - 1) / num_tasks;
-  const int64_t tokens = std::max((max_len + splits - 1) / splits, kMinSplitTokens);
-  return (tokens + block_size - 1) / block_size * block_size;
-}
-
-// out[s, h] from the partial results (acc, max, sum) of the first used_splits(s) splits of
-// sequence s; a sequence with none is left alone (its tasks wrote out themselves).
-template <typename T, typename UsedSplits>
-void combine_splits(const torch::Tensor& partial, const UsedSplits& used_splits, torch::Tensor& out) {
-  const int64_t num_seqs = partial.size(0), num_heads = partial.size(1), splits = partial.size(2);
-  const int64_t D = out.size(2);
-  const float* part = partial.data_ptr<float>();
-  T* dst = out.data_ptr<T>();
-  const int64_t seq_stride = out.stride(0), head_stride = out.stride(1);
-  at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t used = used_splits(row / num_heads);
-      if (used == 0) continue;
-      const float* p = part + row * splits * (D + 2);
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < used; ++i) m = std::max(m, p[i * (D + 2) + D]);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      float l = 0.0f;
-      for (int64_t i = 0; i < used; ++i) {
-        const float* split = p + i * (D + 2);
-        const float w = std::exp(split[D] - m);
-        l += w * split[D + 1];
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * split[d];
-      }
-      T* out_row = dst + row / num_heads * seq_stride + row % num_heads * head_stride;
-      for (int64_t d = 0; d < D; ++d) out_row[d] = static_cast<T>(acc[d] / l);
-    }
-  });
-}
-
 // Sequences side by side with the same group id (the samples of one request) whose block tables
 // start with the same blocks: decode reads those blocks once for all of them. Only whole blocks
-// before every member's last block count (a sequence writes its last block, so that one is its own).
+// before every member's last block count (a sequence writes its last block, so that one is its own),
+// and only whole tiles of them: a member's own keys then start on a tile, as in its own walk.
 struct SharedRun {
   int64_t first;
   int64_t count;
@@ -162,7 +121,7 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
       const int64_t limit = std::min<int64_t>(blocks, (lens[s] - 1) / block_size);
       for (blocks = 0; blocks < limit && table[blocks] == lead[blocks];) ++blocks;
     }
-    const int64_t tokens = blocks * block_size;
+    const int64_t tokens = blocks * block_size / kTileKeys * kTileKeys;
     if ((end - first - 1) * tokens >= kMinKeysSpared) runs.push_back({first, end - first, tokens});
   }
   return runs;
@@ -194,14 +153,14 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
     for (int64_t first = run.first; first < end; first += part) {
       const int64_t count = std::min(part, end - first);
       for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
-        tasks.push_back({first, h, first, count, run.tokens, 0, run.tokens, nullptr, 0, run_heads, lens});
+        tasks.push_back({first, h, first, count, run.tokens, 0, run.tokens, run_heads, lens});
       }
     }
   }
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (in_run[s]) continue;
     for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task) {
-      tasks.push_back({s, h, s, 1, lens[s] - 1, 0, lens[s], nullptr, 0, heads_per_task});
+      tasks.push_back({s, h, s, 1, lens[s] - 1, 0, lens[s], heads_per_task});
     }
   }
   run_tasks(args, attend, tasks, workers,
@@ -231,50 +190,24 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t group = args.num_heads / args.num_kv_heads;
-  const int64_t max_len = *std::max_element(lens, lens + num_seqs);
   const int64_t total_len = std::accumulate(lens, lens + num_seqs, int64_t{0});
   const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * query.element_size());
   // A task takes all kv heads of its sequence when there are sequences enough to keep the
-  // workers busy (reading whole blocks, see AttnTask), one kv head otherwise.
+  // workers busy (reading whole blocks, see AttnTask), one kv head otherwise. A sequence's keys are
+  // never split between tasks: partial results combined afterwards would round differently from
+  // one walk (batch invariance, see attention_impl.h).
   const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? args.num_kv_heads : 1;
-  const int64_t head_tasks = args.num_kv_heads / heads_per_task;  // per sequence
-  const int64_t scratch = attend_scratch_floats(heads_per_task * group, args.head_dim);
-  const int64_t split_tokens = decode_split_tokens(num_seqs * head_tasks, workers, max_len, block_size);
-  const int64_t splits = (max_len + split_tokens - 1) / split_tokens;
-
-  if (splits == 1) {
-    if (seq_groups.has_value()) {
-      const std::vector<SharedRun> runs = shared_runs(seq_groups->data_ptr<int32_t>(), lens,
-                                                      args.block_tables, num_seqs, args.max_blocks_per_seq, block_size);
-      if (!runs.empty()) return decode_shared(out, args, attend, lens, num_seqs, runs, heads_per_task, workers);
-    }
-    std::vector<AttnTask> tasks;
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task)
-        tasks.push_back({seq, h, seq, 1, lens[seq] - 1, 0, lens[seq], nullptr, 0, heads_per_task});
-    }
-    return run_tasks(args, attend, tasks, workers, scratch);
+  if (seq_groups.has_value()) {
+    const std::vector<SharedRun> runs = shared_runs(seq_groups->data_ptr<int32_t>(), lens, args.block_tables,
+                                                    num_seqs, args.max_blocks_per_seq, block_size);
+    if (!runs.empty()) return decode_shared(out, args, attend, lens, num_seqs, runs, heads_per_task, workers);
   }
-
-  const int64_t row = args.head_dim + 2;  // acc, max, sum
-  torch::Tensor partial = torch::empty({num_seqs, args.num_heads, splits, row}, query.options().dtype(torch::kFloat32));
-  float* part = partial.data_ptr<float>();
   std::vector<AttnTask> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t len = lens[seq];
-    for (int64_t kv_head = 0; kv_head < args.num_kv_heads; kv_head += heads_per_task) {
-      for (int64_t split = 0; split * split_tokens < len; ++split) {
-        const int64_t kv_begin = split * split_tokens;
-        float* dst = part + ((seq * args.num_heads + kv_head * group) * splits + split) * row;
-        tasks.push_back({seq, kv_head, seq, 1, len - 1, kv_begin, std::min(len, kv_begin + split_tokens), dst,
-                         splits * row, heads_per_task});
-      }
-    }
+    for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task)
+      tasks.push_back({seq, h, seq, 1, lens[seq] - 1, 0, lens[seq], heads_per_task});
   }
-  run_tasks(args, attend, tasks, workers, scratch);
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, out.scalar_type(), "combine_splits", [&] {
-    combine_splits<scalar_t>(partial, [&](int64_t s) { return (lens[s] + split_tokens - 1) / split_tokens; }, out);
-  });
+  run_tasks(args, attend, tasks, workers, attend_scratch_floats(heads_per_task * group, args.head_dim));
 }
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -313,7 +246,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
       const int64_t count = std::min(tile, q_len - j);
       keys_read += args.num_kv_heads * (context + j + count);
       for (int64_t h = 0; h < args.num_kv_heads; ++h) {
-        tasks.push_back({s, h, starts[s] + j, count, context + j, 0, lens[s], nullptr, 0});
+        tasks.push_back({s, h, starts[s] + j, count, context + j, 0, lens[s]});
       }
     }
   }

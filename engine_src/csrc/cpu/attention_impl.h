@@ -4,12 +4,21 @@
 //
 // A task (see AttnTask) copies its query rows to scratch memory and streams the K and V of its
 // sequence in tiles of kTileKeys keys (one or more cache blocks of one kv head). Each tile serves
-// groups of up to kGroup query rows at once (the heads sharing a kv head, and for prefill several
+// groups of up to kGroupRows query rows at once (the heads sharing a kv head, and for prefill several
 // tokens), so a task reads K/V from memory once. Softmax is online, in fp32: per row a running
 // max m, a running sum l and an unnormalised accumulator acc, rescaled whenever the max grows.
 // Its per-tile cost (reductions, the max's dependency chain, the accumulator's rescale) is why a
 // tile spans 64 keys rather than one 16-token block: prefill 1.3x faster, decode from L2 1.25x;
 // 128 keys gained nothing more.
+//
+// Batch invariance: a row's result is a function of its query, its position and its keys' K/V
+// alone, bit for bit, whatever else the call holds. Every row takes the same path: tiles start at
+// absolute key positions (multiples of kTileKeys), a score is one dot product in one order
+// (tile_scores), the softmax step is per row, and a tile's values go into a fixed number of sums
+// chosen by each key's index in the tile, so keys past a row's limit (read for other rows of its
+// group) add exact zeros. Prefill and decode, chunked or not, alone or beside other sequences, from
+// shared blocks or not, on any number of threads, give the same bits; the engine's seeded
+// reproducibility rests on this (tests/test_attention_invariance.py).
 #ifndef BATCHGEN_ISA_NS
 #error "define BATCHGEN_ISA_NS before including attention_impl.h"
 #endif
@@ -22,14 +31,10 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
-#ifdef BATCHGEN_AMX
-#include "cpu/amx_tiles.h"
-#endif
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
 
-constexpr int kGroup = 4;          // query rows sharing one pass over a K/V tile
 constexpr int kMaxTileBlocks = kTileKeys / 8;  // blocks of the smallest size in a tile
 constexpr float kExpLow = -87.0f;  // exp below this counts as 0 (it is about 2^-125.5)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -141,8 +146,9 @@ struct Tile {
 
 inline int lines_for(int64_t bytes) { return static_cast<int>((bytes + 63) / 64); }
 
-// Tokens handled side by side by tile_scores and tile_values: enough independent FMA chains
-// (NG * tokens) to hide the FMA latency, few enough accumulators to stay in registers.
+// Tokens handled side by side by tile_scores: enough independent FMA chains (NG * tokens) to hide
+// the FMA latency, few enough accumulators to stay in registers. A score's own sum is one chain
+// whatever the step, so a row's scores do not depend on NG.
 template <int NG>
 constexpr int kTokenStep = NG <= 2 ? 4 : 2;
 
@@ -216,57 +222,7 @@ void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile, i
   }
 }
 
-// Prefill tiles serve several row groups, which pays for transposing their K once into pairs:
-// kt[j * kTileKeys + t] holds elements 2j, 2j + 1 of key t, so one vector holds pair j of 16 keys
-// and the scores need no horizontal sums (341-token prompts: 1.2x faster). Blocks must be whole
-// 16-key and head_dim whole 32-element pieces.
-inline bool can_transpose_keys(int D, int BS) { return D % 32 == 0 && BS % 16 == 0; }
-
-template <typename T>
-void transpose_keys(Tile<T>& tile, int D, int BS, uint32_t* kt) {
-  const int W = D / 2;  // pairs per key
-  const int lines = lines_for(int64_t{BS} * D * sizeof(BF16));
-  for (int b = 0; b < tile.count; ++b) {
-    tile.block[b].next_k.lines(lines);
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(tile.block[b].k);
-    for (int t = 0; t < BS; t += 16)
-      for (int j = 0; j < W; j += 16) transpose16x16(k + t * W + j, W, kt + j * kTileKeys + b * BS + t, kTileKeys);
-  }
-}
-
-// s[g][t] = q_g . k_t for keys t < KC * 16 of a transposed tile.
-template <int NG, int KC>
-void scores_transposed(const BF16* q, const uint32_t* kt, int D, float* s) {
-  Vec acc[NG][KC];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < KC; ++c) acc[g][c] = Vec::zero();
-  for (int j = 0; j < D / 2; ++j) {
-    BF16Pairs k[KC];
-    for (int c = 0; c < KC; ++c) k[c] = BF16Pairs::load(reinterpret_cast<const BF16*>(kt + j * kTileKeys + c * 16), 32);
-    for (int g = 0; g < NG; ++g) {
-      const BF16Pairs w = BF16Pairs::broadcast_pair(q + g * D + 2 * j);
-      for (int c = 0; c < KC; ++c) acc[g][c] = dot_pairs(k[c], w, acc[g][c]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < KC; ++c) acc[g][c].store(s + g * kTileKeys + c * 16);
-}
-
-template <int NG>
-void scores_transposed(std::true_type /*pairs*/, const BF16* q, const uint32_t* kt, int D, int n, float* s) {
-  static_assert(kTileKeys == 64 && Vec::N == 16, "four vectors of 16 keys per tile");
-  switch ((n + 15) / 16) {
-    case 1: return scores_transposed<NG, 1>(q, kt, D, s);
-    case 2: return scores_transposed<NG, 2>(q, kt, D, s);
-    case 3: return scores_transposed<NG, 3>(q, kt, D, s);
-    default: return scores_transposed<NG, 4>(q, kt, D, s);
-  }
-}
 #endif
-
-// Keys are only transposed on the pair path: elsewhere attend leaves kt null.
-template <int NG>
-void scores_transposed(std::false_type /*pairs*/, const float*, const uint32_t*, int, int, float*) {}
 
 // What masks a tile's scores from key `limit` on, in registers (storing -inf over the scores and loading
 // them again became a memcpy call per row): the scores from the limit on are zeroed (they may be NaN, from
@@ -341,38 +297,42 @@ __attribute__((always_inline)) inline void softmax_rows(float* s, const int* lim
   }
 }
 
+// A tile's values are summed in kValueChains independent chains (enough to hide the FMA latency),
+// key t of the tile into chain t % kValueChains, then the chains in order: the same sums for a row
+// whatever the rows beside it, the block size (a multiple of kValueChains) or how many keys its
+// group reads (those past the row's limit have p = 0 and add exact zeros).
+constexpr int kValueChains = 4;
+
 // acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
-// accumulators of one output chunk stay in registers, one per (row, token phase), across the
-// tile's blocks. `prefetch` lines of each block's next V go out per chunk.
+// accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
+// blocks. `prefetch` lines of each block's next V go out per chunk.
 template <typename T, int NG>
 void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int n, int c, int prefetch,
                   float* acc) {
-  constexpr int TS = kTokenStep<NG>;
-  Vec sum[TS][NG];
+  constexpr int C = kValueChains;
+  Vec sum[C][NG];
   for (int g = 0; g < NG; ++g) {
     sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
-    for (int i = 1; i < TS; ++i) sum[i][g] = Vec::zero();
+    for (int i = 1; i < C; ++i) sum[i][g] = Vec::zero();
   }
+  auto add_key = [&](int i, const T* v, const float* pb, int t) {
+    const Vec x = Vec::load(v + t * D + c);
+    for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[i][g]);
+  };
   for (int b = 0; b * BS < n; ++b) {
     tile.block[b].next_v.lines(prefetch);
     const T* v = tile.block[b].v;
     const float* pb = p + b * BS;
     const int nb = min_i64(BS, n - b * BS);
     int t = 0;
-    for (; t + TS <= nb; t += TS) {
-      for (int i = 0; i < TS; ++i) {
-        const Vec x = Vec::load(v + (t + i) * D + c);
-        for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t + i]), x, sum[i][g]);
-      }
-    }
-    for (; t < nb; ++t) {
-      const Vec x = Vec::load(v + t * D + c);
-      for (int g = 0; g < NG; ++g) sum[0][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[0][g]);
-    }
+    for (; t + C <= nb; t += C)
+      for (int i = 0; i < C; ++i) add_key(i, v, pb, t + i);
+    for (int i = 0; i < C - 1; ++i)  // t is a multiple of C: key t + i goes to chain i
+      if (t + i < nb) add_key(i, v, pb, t + i);
   }
   for (int g = 0; g < NG; ++g) {
     Vec total = sum[0][g];
-    for (int i = 1; i < TS; ++i) total = total + sum[i][g];
+    for (int i = 1; i < C; ++i) total = total + sum[i][g];
     total.store(acc + g * D + c);
   }
 }
@@ -391,11 +351,13 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // tile_values on bf16 pairs: V rows t and t + 1 interleaved element by element, times the pair
 // (p_t, p_t+1) in bf16. The interleave works within 128-bit lanes, so the accumulators hold
 // each kPairChunk chunk permuted (see unpermute_pairs); a last half chunk (head_dim 80) goes
-// through values_chunk, in order.
+// through values_chunk, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
+// whatever the rows (as in values_chunk).
 template <typename T, int NG>
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
                  int n, float* acc) {
-  constexpr int TP = NG <= 2 ? 2 : 1;  // token pairs side by side, for independent chains
+  constexpr int TP = 2;  // chains of token pairs
+  static_assert(8 % (2 * TP) == 0, "every block size holds whole steps of the chains");
   BF16 pb[NG][kTileKeys];           // p in bf16; zero past each row's limit, as p is
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   for (int g = 0; g < NG; ++g)
@@ -427,7 +389,8 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       int t = 0;
       for (; t + 2 * TP <= nb; t += 2 * TP)
         for (int i = 0; i < TP; ++i) step(i, t + 2 * i);
-      for (; t < nb; t += 2) step(0, t);
+      for (int i = 0; i < TP; ++i)  // t is a multiple of 2 * TP: pair t + 2i goes to chain i
+        if (t + 2 * i < nb) step(i, t + 2 * i);
     }
     for (int g = 0; g < NG; ++g) {
       Vec total_lo = lo[0][g], total_hi = hi[0][g];
@@ -460,26 +423,20 @@ struct Rows {
   float* acc;    // [rows][D]
   float* m;      // [rows]
   float* l;      // [rows]
-  float* s;      // [kGroup][kTileKeys], the scores of the row group at work
+  float* s;      // [kGroupRows][kTileKeys], the scores of the row group at work
 
   Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
 
-// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's first limit[g] keys. kt is
-// the tile's K transposed (see transpose_keys) or null.
+// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's first limit[g] keys.
 template <typename T, int NG>
-void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt, int D, int BS,
-                 float scale) {
+void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS, float scale) {
   int n = 0;
   for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
   // The score loops may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  if (kt != nullptr) {
-    scores_transposed<NG>(PairsTag<T>{}, rows.q + r0 * D, kt, D, n, rows.s);
-  } else {
-    for (int b = 0; b * BS < n; ++b)
-      tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
-  }
+  for (int b = 0; b * BS < n; ++b)
+    tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float correction[NG];
   softmax_rows<NG>(rows.s, limit, width, scale, rows.m + r0, rows.l + r0, correction);
@@ -487,141 +444,15 @@ void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& til
 }
 
 template <typename T>
-void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt,
-                      int D, int BS, float scale) {
+void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS,
+                      float scale) {
   switch (ng) {
-    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, kt, D, BS, scale);
-    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, kt, D, BS, scale);
-    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, kt, D, BS, scale);
-    default: return attend_tile<T, 4>(rows, r0, limit, tile, kt, D, BS, scale);
+    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, D, BS, scale);
+    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, D, BS, scale);
+    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, D, BS, scale);
+    default: return attend_tile<T, 4>(rows, r0, limit, tile, D, BS, scale);
   }
 }
-
-#ifdef BATCHGEN_AMX
-// Prefill on AMX tiles (the amx_bf16 table): where a tile's K is transposed for several row groups,
-// groups of 16 rows get their scores and their values' sums from the tile unit, whose bf16 products
-// the vector dot product of such processors computes at a sixteenth of the rate; the softmax step is
-// the vector one. Rows past a group's last are whatever follows in memory; the tiles keep rows apart,
-// and those rows' results are never read. Decode stays on the vector loop: its few rows per kv head
-// leave the tiles mostly empty, and computing K q^T from the blocks as they lie (the 16 x 16 sums
-// transposed back) ran 20-30% slower than the vector loop (40 sequences x 190 keys, SmolLM2's heads).
-static_assert(kAmxRows == kMaxGroupRows, "a row group on the tiles fills a tile's rows");
-
-inline bool can_attend_on_tiles(int D) { return D % 64 == 0; }
-
-// vt[p] = the tile's V rows 2p and 2p + 1 interleaved, for each 32-element chunk c of the head the
-// interleave_lo pairs at 2c and the interleave_hi pairs at 2c + 32 (the pair path's permuted order);
-// rows at and past n are zeros (V there may be NaN, and 0 * NaN is not 0 on tiles either).
-inline void interleave_values(Tile<BF16>& tile, int D, int BS, int n, BF16* vt) {
-  const int lines = lines_for(int64_t{BS} * D * sizeof(BF16));
-  for (int b = 0; b < tile.count; ++b) tile.block[b].next_v.lines(lines);
-  auto row = [&](int t) {
-    return t < n ? tile.block[t / BS].v + static_cast<int64_t>(t % BS) * D : nullptr;
-  };
-  for (int p = 0; p < kTileKeys / 2; ++p) {
-    const BF16* x = row(2 * p);
-    const BF16* y = row(2 * p + 1);
-    BF16* dst = vt + static_cast<int64_t>(p) * 2 * D;
-    for (int c = 0; c < D; c += 2 * Vec::N) {
-      const BF16Pairs xc = x != nullptr ? BF16Pairs::load(x + c, 2 * Vec::N) : BF16Pairs::zero();
-      const BF16Pairs yc = y != nullptr ? BF16Pairs::load(y + c, 2 * Vec::N) : BF16Pairs::zero();
-      _mm512_storeu_si512(dst + 2 * c, interleave_lo(xc, yc).v);
-      _mm512_storeu_si512(dst + 2 * c + 2 * Vec::N, interleave_hi(xc, yc).v);
-    }
-  }
-}
-
-constexpr int kScoreRowBytes = kTileKeys * sizeof(float);
-
-// Both products of the tiles are 16 rows x 64 columns: tiles 0-3 hold the sums of four 16-column
-// slices, tile 4 the A operand, 5-7 the B operands.
-inline void zero_sums() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
-// Sums += a (16 rows of 64 bytes, a_stride bytes apart) x the four 64-byte-wide B operands side by
-// side at b (rows b_stride bytes apart).
-inline void add_products(const void* a, int a_stride, const char* b, int b_stride) {
-  _tile_loadd(4, a, a_stride);
-  _tile_loadd(5, b, b_stride);
-  _tile_loadd(6, b + 64, b_stride);
-  _tile_loadd(7, b + 128, b_stride);
-  _tile_dpbf16ps(0, 4, 5);
-  _tile_dpbf16ps(1, 4, 6);
-  _tile_dpbf16ps(2, 4, 7);
-  _tile_loadd(5, b + 192, b_stride);
-  _tile_dpbf16ps(3, 4, 5);
-}
-
-// out[r][0 .. 64) = the sums' row r, rows kScoreRowBytes apart.
-inline void store_sums(float* out) {
-  _tile_stored(0, out, kScoreRowBytes);
-  _tile_stored(1, out + 16, kScoreRowBytes);
-  _tile_stored(2, out + 32, kScoreRowBytes);
-  _tile_stored(3, out + 48, kScoreRowBytes);
-}
-
-// rows.s[g][t] = q_{r0 + g} . k_t for a group of 16 rows and the tile's 64 keys, from kt, the tile's K
-// transposed (B operands: 16 pairs of the head by 16 keys).
-inline void scores_from_transposed_keys(const Rows<BF16>& rows, int64_t r0, const uint32_t* kt, int D) {
-  zero_sums();
-  for (int d = 0; d < D; d += 2 * kAmxPairs) {
-    add_products(rows.q + r0 * D + d, D * sizeof(BF16), reinterpret_cast<const char*>(kt + d / 2 * kTileKeys),
-                 kScoreRowBytes);
-  }
-  store_sums(rows.s);
-}
-
-// The rest of a tile for rows r0 .. r0 + ng - 1 (ng <= 16) once rows.s holds their scores: the
-// softmax step, then acc = acc * correction + p V on the tiles, with vt the tile's V interleaved (B
-// operands: 16 pairs of keys by 16 outputs), 64 outputs of the head per pass.
-inline void values_on_tiles(const Rows<BF16>& rows, int64_t r0, int ng, const int* limit, const BF16* vt, int D,
-                            float scale) {
-  int n = 0;
-  for (int g = 0; g < ng; ++g) n = limit[g] > n ? limit[g] : n;
-  const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
-  float correction[kAmxRows];
-  // The probabilities, zero past each row's limit and past n (where V is zero: NaN there would spread);
-  // rows from ng on reach only sums that are not read.
-  alignas(64) BF16 p[kAmxRows * kTileKeys];
-  for (int g = 0; g < ng; g += kGroup) {
-    float* const s = rows.s + g * kTileKeys;
-    float *const m = rows.m + r0 + g, *const l = rows.l + r0 + g;
-    switch (ng - g) {
-      case 1: softmax_rows<1>(s, limit + g, width, scale, m, l, correction + g); break;
-      case 2: softmax_rows<2>(s, limit + g, width, scale, m, l, correction + g); break;
-      case 3: softmax_rows<3>(s, limit + g, width, scale, m, l, correction + g); break;
-      default: softmax_rows<kGroup>(s, limit + g, width, scale, m, l, correction + g);
-    }
-  }
-  for (int g = 0; g < ng; ++g) {
-    const float* row = rows.s + g * kTileKeys;
-    for (int c = 0; c < kTileKeys; c += Vec::N) {
-      store_bf16(c < width ? Vec::load(row + c) : Vec::zero(), p + g * kTileKeys + c);
-    }
-  }
-  alignas(64) float sums[kAmxRows * kTileKeys];
-  const int vt_row_bytes = 2 * D * sizeof(BF16);
-  for (int d0 = 0; d0 < D; d0 += 64) {
-    zero_sums();
-    for (int k0 = 0; k0 < width; k0 += 2 * kAmxPairs) {
-      const BF16* v = vt + static_cast<int64_t>(k0 / 2) * 2 * D + 2 * d0;
-      add_products(p + k0, kTileKeys * sizeof(BF16), reinterpret_cast<const char*>(v), vt_row_bytes);
-    }
-    store_sums(sums);
-    for (int g = 0; g < ng; ++g) {
-      float* acc = rows.acc + (r0 + g) * D + d0;
-      const Vec c = Vec::set1(correction[g]);
-      for (int i = 0; i < 64; i += Vec::N) {
-        fma(Vec::load(acc + i), c, Vec::load(sums + g * kTileKeys + i)).store(acc + i);
-      }
-    }
-  }
-}
-#endif
 
 template <typename T>
 void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T>& rows) {
@@ -632,16 +463,6 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
     for (int64_t r = 0; r < count; ++r) unpermute_pairs(rows.acc + r * D, D);
   }
 #endif
-  if (task.partial != nullptr) {
-    for (int64_t r = 0; r < count; ++r) {
-      const RowIndex at = row_index(task, group, r);
-      float* dst = task.partial + (at.head - task.kv_head * group) * task.partial_row_stride;
-      for (int i = 0; i < D; ++i) dst[i] = rows.acc[r * D + i];
-      dst[D] = rows.m[r];
-      dst[D + 1] = rows.l[r];
-    }
-    return;
-  }
   for (int64_t r = 0; r < count; ++r) {
     const RowIndex at = row_index(task, group, r);
     T* dst = static_cast<T*>(a.out) + at.token * a.out_token_stride + at.head * a.out_head_stride;
@@ -700,12 +521,10 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
 
 // One walk over a task's tiles (see TileWalk) for `rows`: per_head rows for each of the walk's kv
 // heads, head_stride rows apart; `task` says which keys each row sees. The tiles after the walk's
-// last are next_walk's, whose first ones are prefetched. kt (and on AMX vt) hold the tile's K
-// transposed (V interleaved) when the row groups share it, else null.
+// last are next_walk's, whose first ones are prefetched.
 template <typename T>
 void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
-                 const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt,
-                 [[maybe_unused]] BF16* vt) {
+                 const Rows<T>& rows, int64_t head_stride, int64_t per_head) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
@@ -740,23 +559,10 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         kv.next_v = {next_v, next_v + bytes};
       }
     }
-#ifdef BATCHGEN_DOT_BF16
-    if (kt != nullptr) transpose_keys(tile, D, BS, kt);
-#endif
-    int rows_per_group = kGroup;
-#ifdef BATCHGEN_AMX
-    if constexpr (kPairs<T>) {
-      if (vt != nullptr) {
-        const int64_t keys = min_i64(int64_t{tile.count} * BS, keys_seen(task) - start);
-        interleave_values(tile, D, BS, static_cast<int>(keys), vt);
-        rows_per_group = kAmxRows;
-      }
-    }
-#endif
     const Rows<T> head_rows = rows.from(h * head_stride, D);
-    for (int64_t r0 = 0; r0 < per_head; r0 += rows_per_group) {
-      const int ng = static_cast<int>(min_i64(rows_per_group, per_head - r0));
-      int limit[kMaxGroupRows];
+    for (int64_t r0 = 0; r0 < per_head; r0 += kGroupRows) {
+      const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
+      int limit[kGroupRows];
       int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
@@ -765,16 +571,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         any |= limit[i];
       }
       if (any == 0) continue;
-#ifdef BATCHGEN_AMX
-      if constexpr (kPairs<T>) {
-        if (vt != nullptr) {
-          scores_from_transposed_keys(head_rows, r0, kt, D);
-          values_on_tiles(head_rows, r0, ng, limit, vt, D, a.scale);
-          continue;
-        }
-      }
-#endif
-      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
+      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, D, BS, a.scale);
     }
   }
 }
@@ -794,7 +591,6 @@ inline AttnTask member_task(const AttnTask& task, int64_t j) {
 template <typename T>
 void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
   const int D = a.head_dim;
-  [[maybe_unused]] const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t heads = task.kv_head_count;
   const int64_t per_head = task.q_count * group;  // rows of one kv head
@@ -805,19 +601,6 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   rows.m = rows.acc + count * D;
   rows.l = rows.m + count;
   rows.s = rows.l + count;
-  uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
-#ifdef BATCHGEN_DOT_BF16
-  if (kPairs<T> && per_head > kGroup && can_transpose_keys(D, BS)) {
-    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kMaxGroupRows * kTileKeys);
-    kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
-  }
-#endif
-  BF16* vt = nullptr;
-#ifdef BATCHGEN_AMX
-  // The tiles take the row groups when K is transposed: V interleaved after it.
-  if (kPairs<T> && kt != nullptr && can_attend_on_tiles(D)) vt = reinterpret_cast<BF16*>(kt + kTileKeys * D / 2);
-  if (vt != nullptr) configure_tiles();
-#endif
   load_queries<T>(a, task, group, rows.q);
   for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
   for (int64_t r = 0; r < count; ++r) {
@@ -827,21 +610,17 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   // The tiles after this task's last are the next task's.
   const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   if (task.member_lens == nullptr) {
-    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, vt);
+    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head);
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head, kt, vt);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(task, j + 1)) : after;
-      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group, nullptr,
-                     nullptr);
+      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group);
     }
   }
-#ifdef BATCHGEN_AMX
-  if (vt != nullptr) _tile_release();
-#endif
   write_rows<T>(a, task, group, rows);
 }
 

@@ -44,15 +44,15 @@ struct AttnArgs {
 
 // One unit of work: the query tokens [q_begin, q_begin + q_count) of sequence `seq`, all query
 // heads of kv heads [kv_head, kv_head + kv_head_count). Query token q_begin + j sits at position q_pos + j and reads the
-// keys at positions [kv_begin, min(kv_end, q_pos + j + 1)); kv_begin is a multiple of block_size.
-// With `partial` set (tasks of one query token), the unnormalised result of head (kv_head + h) * group + g
-// goes to partial + (h * group + g) * partial_row_stride as (acc[head_dim], running max, running sum)
-// instead of out. A task over several kv heads walks each K/V block through all of
+// keys at positions [kv_begin, min(kv_end, q_pos + j + 1)); kv_begin is a multiple of kTileKeys, so
+// that a row's tiles start at the same absolute positions in every task (batch invariance, see
+// attention_impl.h). A task over several kv heads walks each K/V block through all of
 // them: the heads of a block lie side by side in the cache, so its reads are long contiguous
 // runs, which the processor's prefetchers follow far better than one head's scattered tiles.
 // With `member_lens` set (decode of samples sharing their first blocks), the task's query tokens are
 // sequences q_begin + j, which all read the shared keys [kv_begin, kv_end) of sequence `seq`, and then
-// each its own keys [kv_end, member_lens[q_begin + j]) from its own block table.
+// each its own keys [kv_end, member_lens[q_begin + j]) from its own block table (kv_end a multiple of
+// kTileKeys too).
 struct AttnTask {
   int64_t seq;
   int64_t kv_head;
@@ -61,8 +61,6 @@ struct AttnTask {
   int64_t q_pos;
   int64_t kv_begin;
   int64_t kv_end;
-  float* partial;
-  int64_t partial_row_stride;
   int64_t kv_head_count = 1;
   const int32_t* member_lens = nullptr;
 };
@@ -73,14 +71,12 @@ struct AttnTask {
 using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, const AttnTask* next, float* scratch);
 
 constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attention (attention_impl.h)
-constexpr int kMaxGroupRows = 16;  // query rows of a row group at most (4 on the vector loop, 16 on AMX tiles)
+constexpr int kGroupRows = 4;  // query rows sharing one pass over a K/V tile
 
 // Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs:
-// queries, accumulators, maxima and sums per row, the scores of one row group (<= 16 rows on AMX,
-// else 4) x one tile, and one tile's K transposed into pairs of 4 bytes (on a 64-byte boundary) and
-// its V interleaved by pairs of keys (AMX).
+// queries, accumulators, maxima and sums per row, and the scores of one row group x one tile.
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  return 2 * rows * head_dim + 2 * rows + kMaxGroupRows * kTileKeys + kTileKeys * head_dim + 16;
+  return 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys;
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).

@@ -1,0 +1,153 @@
+"""The CPU attention kernels give a query row bit-identical results however its step is made up.
+
+A row's output may depend only on its query, its position and the K/V of its own keys: not on
+how its prompt was chunked, whether it is computed by prefill or by decode, which other rows or
+sequences share the call, which physical blocks hold its keys, whether its keys are shared with
+other samples (`seq_groups`), or how many threads run the call. The engine's seeded
+reproducibility (prefix cache, preemption, batch size, shards, resume) rests on this.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DTYPES, torch_threads
+
+from batchgen import ops
+
+BLOCK_SIZE = 16
+SEQ_LEN = 300  # several 64-key tiles, and a last partial block
+# (num_heads, num_kv_heads, head_dim): SmolLM2's heads, GQA 4:1 with a half chunk of the pair path
+SHAPES = ((9, 3, 64), (8, 2, 80))
+
+
+class Cache:
+    """A K/V cache with a pool of blocks handed out in a random order."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 400):
+        gen = torch.Generator().manual_seed(1)
+        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+        self.k = torch.randn(shape, generator=gen).to(dtype)
+        self.v = torch.randn(shape, generator=gen).to(dtype)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def take(self, count: int) -> list[int]:
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def copy(self, table: list[int]) -> list[int]:
+        """The same contents in other blocks (as after a swap-in or a recompute)."""
+        new = self.take(len(table))
+        self.k[new], self.v[new] = self.k[table], self.v[table]
+        return new
+
+
+def tables(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+
+def ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def prefill(cache: Cache, q: torch.Tensor, chunks: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+    """One prefill call over chunks (block table, first position, query count); q [seq, H, D] per
+    position. Returns each chunk's output rows."""
+    query = torch.cat([q[start : start + count] for _, start, count in chunks])
+    starts = [0]
+    for _, _, count in chunks:
+        starts.append(starts[-1] + count)
+    out = ops.paged_attention_prefill(query, cache.k, cache.v, tables([t for t, _, _ in chunks]),
+                                      ints([s + c for _, s, c in chunks]), ints(starts), 0.125)
+    return [out[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+
+
+def decode(cache: Cache, q: torch.Tensor, seqs: list[tuple[list[int], int]], groups: list[int] | None = None
+           ) -> torch.Tensor:
+    """One decode call: per sequence (block table, position), q [seq, H, D] per position."""
+    query = torch.stack([q[pos] for _, pos in seqs])
+    return ops.paged_attention_decode(query, cache.k, cache.v, tables([t for t, _ in seqs]),
+                                      ints([p + 1 for _, p in seqs]), 0.125,
+                                      seq_groups=None if groups is None else ints(groups))
+
+
+def blocks_for(length: int) -> int:
+    return -(-length // BLOCK_SIZE)
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request):
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_row_results_do_not_depend_on_the_step(cpu_isas, dtype, shape):
+    from batchgen import _C
+
+    heads, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(2)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        cache = Cache(kv_heads, head_dim, dtype)
+        table = cache.take(blocks_for(SEQ_LEN))
+        q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
+        (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
+        other = cache.take(blocks_for(SEQ_LEN))
+
+        def expect(rows: torch.Tensor, first: int, what: str, whole=whole, isa=isa) -> None:
+            want = whole[first : first + len(rows)]
+            assert torch.equal(rows, want), (
+                f"{isa}, {dtype}: {what}: rows {first}..{first + len(rows) - 1} differ from one whole prefill "
+                f"(max |diff| {(rows.float() - want.float()).abs().max().item():.3g})")
+
+        # Chunked prefill: cuts at block and tile boundaries and between them, alone and beside others.
+        for cuts in ([100], [16, 64, 200], [1, 2, 3, 130, 299], [63, 65, 127, 191, 257]):
+            bounds = [0, *cuts, SEQ_LEN]
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                (rows,) = prefill(cache, q, [(table, a, b - a)])
+                expect(rows, a, f"a chunk {a}..{b}")
+                rows = prefill(cache, q, [(other, 0, 37), (table, a, b - a), (other, 40, 90)])[1]
+                expect(rows, a, f"a chunk {a}..{b} between other sequences")
+        # The same keys in other blocks (a swap-in, a recompute, a prefix-cache hit).
+        (rows,) = prefill(cache, q, [(cache.copy(table), 150, 150)])
+        expect(rows, 150, "keys in other blocks")
+        # Decode of every position, alone, in small and large batches, on one or two threads.
+        positions = [0, 15, 16, 63, 64, 65, 200, 299]
+        for pos in positions:
+            expect(decode(cache, q, [(table, pos)]), pos, f"a decode at {pos} alone")
+        for threads in (1, 2):
+            with torch_threads(threads):
+                batch = [(table, p) for p in positions] + [(other, p) for p in range(0, SEQ_LEN, 7)]
+                out = decode(cache, q, batch)
+                for i, pos in enumerate(positions):
+                    expect(out[i : i + 1], pos, f"a decode at {pos} in a batch of {len(batch)}, {threads} threads")
+                (rows,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
+                expect(rows, 0, f"a whole prefill on {threads} threads")
+
+
+@pytest.mark.parametrize("shared_len", [70, 130, 256])
+def test_samples_sharing_blocks_decode_as_if_alone(cpu_isas, dtype, shared_len):
+    """Samples of one prompt (seq_groups) read the shared blocks once for all of them; each sample's
+    rows still equal its own prefill's."""
+    from batchgen import _C
+
+    heads, kv_heads, head_dim = SHAPES[0]
+    gen = torch.Generator().manual_seed(3)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        cache = Cache(kv_heads, head_dim, dtype)
+        prompt = cache.take(shared_len // BLOCK_SIZE)  # whole blocks in common
+        members = []
+        for j in range(6):
+            length = shared_len + 5 + 23 * j
+            members.append((prompt + cache.take(blocks_for(length) - len(prompt)), length - 1))
+        q = torch.randn(SEQ_LEN + 200, heads, head_dim, generator=gen).to(dtype)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                out = decode(cache, q, members, groups=[7] * len(members))
+            for j, (table, pos) in enumerate(members):
+                (whole,) = prefill(cache, q, [(table, 0, pos + 1)])
+                assert torch.equal(out[j], whole[pos]), (
+                    f"{isa}, {dtype}, {threads} threads: sample {j} of a group sharing {shared_len} keys differs "
+                    f"from its own prefill")
