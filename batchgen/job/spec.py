@@ -171,6 +171,8 @@ class JobSpec(_Section):
     @field_validator("shard", mode="before")
     @classmethod
     def _shard_text(cls, v: Any) -> Any:
+        if v is None:  # as if not given: --shard, then Slurm's variables, else 0/1
+            return {}
         if isinstance(v, str):
             try:
                 i, n = (int(x) for x in v.split("/"))

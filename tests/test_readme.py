@@ -1,0 +1,202 @@
+"""The README's commands, run as written in a fresh directory.
+
+Blocks marked `<!-- readme-test: KIND [ARG] -->` are taken from README.md as they are: the first
+job's files and commands, the job-file reference, the recipes (cron, a Slurm array run here task
+by task, a resume after SIGTERM, pandas) and the Python API. HOME is a temp dir whose
+`~/.cache/batchgen/models/SmolLM2-135M-Instruct` is a tiny random Llama with a chat template, so
+the README's own model path works offline; `batchgen` is this venv's command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobkit import REPO, cli, outputs_by_key, read_rows
+
+from batchgen.job import errors
+from batchgen.job.lock import ShardLock
+from batchgen.job.shard import Shard
+from batchgen.job.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, parse_yaml, spec_problems
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+BLOCK = re.compile(r"<!-- readme-test: (?P<kind>[\w-]+)(?: (?P<arg>\S+))? -->\n```\w*\n(?P<body>.*?)```", re.S)
+FIRST_IDS = {"q1", "q2", "q3", "q4"}
+
+
+def blocks(kind: str, arg: str | None = None) -> list[str]:
+    found = [m["body"] for m in BLOCK.finditer(README) if m["kind"] == kind and (arg is None or m["arg"] == arg)]
+    assert found, f"README has no block marked readme-test: {kind} {arg or ''}"
+    return found
+
+
+def block(kind: str, arg: str | None = None) -> str:
+    (body,) = blocks(kind, arg)
+    return body
+
+
+def commands(body: str) -> list[str]:
+    return [line for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def make_home(root: Path, model_dir: Path) -> Path:
+    """A HOME with the README's model path and the first job's files in ~/first-job."""
+    home = root / "home"
+    model = home / ".cache" / "batchgen" / "models" / "SmolLM2-135M-Instruct"
+    model.parent.mkdir(parents=True)
+    model.symlink_to(model_dir, target_is_directory=True)
+    job_dir = home / "first-job"
+    job_dir.mkdir()
+    for m in BLOCK.finditer(README):
+        if m["kind"] == "file":
+            (job_dir / m["arg"]).write_text(m["body"], encoding="utf-8")
+    return home
+
+
+@pytest.fixture
+def home(tmp_path, tiny_model_dirs) -> Path:
+    return make_home(tmp_path, tiny_model_dirs["llama"])
+
+
+def env(home: Path) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("BATCHGEN_ENGINE", "PYTHONPATH")}
+    out.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return out
+
+
+def bash(script: str, home: Path, cwd: Path | None = None, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -euo pipefail\n{script}"], cwd=cwd or home / "first-job",
+                          env={**env(home), **extra}, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dirs) -> dict:
+    """The first job's output from one uninterrupted, unsharded run."""
+    home = make_home(tmp_path_factory.mktemp("reference"), tiny_model_dirs["llama"])
+    proc = bash("batchgen run job.yaml", home)
+    assert proc.returncode == 0, proc.stderr
+    return outputs_by_key(home / "first-job" / "out" / "first")
+
+
+def test_setup_commands_come_first():
+    first = re.search(r"```\w*\n(.*?)```", README, re.S)[1]
+    assert [line.split("#")[0].strip() for line in first.splitlines()] == [
+        "bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert "scripts/test.sh" in (REPO / ".ci" / "run").read_text()
+
+
+def test_first_job(home, reference):
+    proc = bash(block("run"), home)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "ok"
+    assert "has nothing to do: all 4 rows found are done" in proc.stdout
+    assert re.search(r"^total\s+1\s+4\s+0\s+0$", proc.stdout, re.M), proc.stdout
+    out = outputs_by_key(home / "first-job" / "out" / "first")
+    assert out == reference and {i for i, _ in out} == FIRST_IDS
+    assert all(error is None and text for text, error in out.values())
+    columns = set(read_rows(home / "first-job" / "out" / "first")[0])
+    for column in ("id", "sample_index", "num_samples", "text", "finish_reason", "num_prompt_tokens",
+                   "num_output_tokens", "error"):  # as the README lists them
+        assert column in columns and f"`{column}`" in README
+
+
+def test_job_file_reference_is_complete_and_valid():
+    text = block("job-reference")
+    assert spec_problems(parse_yaml(text)) == []
+    for section in (ModelSpec, InputSpec, OutputSpec, JobSpec):
+        for name in section.model_fields:
+            assert re.search(rf"^\s*#?\s*{name}:", text, re.M), f"{section.__name__}.{name} is not in the README"
+
+
+def test_commands_and_exit_codes_are_all_listed():
+    for command in ("run", "validate", "status", "slurm"):
+        assert f"| `batchgen {command} " in README
+    run_help = cli("run", "--help").stdout
+    for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", run_help)) - {"--help"}):
+        assert option in README, option
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    assert codes == {int(c) for c in re.findall(r"^\| (\d+) \|", README, re.M)}
+
+
+def test_cron_recipe(home, reference):
+    (line,) = commands(block("crontab"))
+    command = line.split(None, 5)[5]  # after minute, hour, day, month, weekday
+    job_dir = home / "first-job"
+    proc = bash(command, home, cwd=home)  # cron starts in HOME
+    assert proc.returncode == 0, proc.stderr
+    assert outputs_by_key(job_dir / "out" / "first") == reference
+    with open(job_dir / "prompts.jsonl", "a") as f:
+        f.write('{"id": "q5", "messages": [{"role": "user", "content": "Name a colour."}]}\n')
+    with ShardLock(job_dir / "out" / "first", Shard()):  # the last run is still busy
+        proc = bash(command, home, cwd=home)
+    assert proc.returncode == 0, proc.stderr
+    assert "another batchgen run is already working on shard 0/1" in (job_dir / "cron.log").read_text()
+    assert "q5" not in {i for i, _ in outputs_by_key(job_dir / "out" / "first")}
+    proc = bash(command, home, cwd=home)
+    assert proc.returncode == 0, proc.stderr
+    out = outputs_by_key(job_dir / "out" / "first")
+    assert {i for i, _ in out} == FIRST_IDS | {"q5"} and all(error is None for _, error in out.values())
+
+
+def test_slurm_recipe_run_here_task_by_task(home, reference):
+    """`sbatch X` is the one line not run as written: each array task runs X here instead."""
+    job_dir = home / "first-job"
+    for line in commands(block("slurm")):
+        if line.startswith("sbatch "):
+            script = job_dir / shlex.split(line)[1]
+            tasks = int(re.search(r"^#SBATCH --array=0-(\d+)$", script.read_text(), re.M)[1]) + 1
+            for task in range(tasks):
+                proc = bash(f"bash {script.name}", home, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_JOB_ID="7")
+                assert proc.returncode == 0, proc.stderr
+                assert f"batchgen shard {task}/{tasks} on" in proc.stdout
+            continue
+        proc = bash(line, home)
+        assert proc.returncode == 0, proc.stderr
+    assert tasks == 4
+    assert all(re.search(rf"^{i}/4 .* done$", proc.stdout, re.M) for i in range(4)), proc.stdout
+    assert outputs_by_key(job_dir / "out" / "first") == reference
+
+
+def test_resume_after_preemption_recipe(home, reference):
+    first, *rest = commands(block("preempted"))
+    job_dir = home / "first-job"
+    proc = subprocess.Popen(shlex.split(first, comments=True), cwd=job_dir, env=env(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the engine is up and the run has begun
+            if "rows done before" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # the second drops the requests in flight
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == errors.EXIT_INTERRUPTED, (stdout, stderr)
+    assert "run the same command again to resume" in stderr
+    assert len(outputs_by_key(job_dir / "out" / "first")) < len(reference)
+    after = bash("\n".join(rest), home)
+    assert after.returncode == 0, after.stderr
+    assert outputs_by_key(job_dir / "out" / "first") == reference
+    assert re.search(r"^total\s+\d+\s+4\s+0\s+0$", after.stdout, re.M), after.stdout
+
+
+def test_python_api_example(home):
+    proc = bash(f"{shlex.quote(sys.executable)} - <<'PY'\n{block('python', 'api')}PY", home)
+    assert proc.returncode == 0, proc.stderr
+    first, samples = proc.stdout.splitlines()[-2:]
+    assert first.strip() and len(eval(samples)) == 4  # one text per sample of the chat
+
+
+def test_pandas_recipe(home):
+    pytest.importorskip("pandas")
+    script = f"batchgen run job.yaml >/dev/null\n{shlex.quote(sys.executable)} - <<'PY'\n{block('python', 'pandas')}PY"
+    proc = bash(script, home)
+    assert proc.returncode == 0, proc.stderr
+    assert all(i in proc.stdout for i in FIRST_IDS)
