@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -123,3 +124,9 @@ def test_validate_asks_the_engine_about_the_model(tmp_path, tiny_model_dirs):
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1
     assert "max_model_len: 5000 is more than the model supports" in r.stderr
     assert not list((tmp_path / "out").glob("part-*"))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dirs["llama"], no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    job = _small_job(tmp_path, no_weights, [{"id": "a", "prompt": "hi"}])
+    r = cli("validate", job)
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[0] == f"model.path: model directory {str(no_weights)!r} has no *.safetensors files"

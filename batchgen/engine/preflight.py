@@ -15,7 +15,7 @@ import torch
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
-from batchgen.models.loader import first_line, missing_tokenizer, native_config, resolve_model_dir
+from batchgen.models.loader import first_line, missing_tokenizer, missing_weights, native_config, resolve_model_dir
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,8 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         cfg = native_config(hf_config)
     except ValueError as e:
         raise ConfigError([ConfigProblem("model", str(e))]) from None
-    problems: list[ConfigProblem] = []
-    if not config.skip_tokenizer_init and (missing := missing_tokenizer(model_dir)):
-        problems.append(ConfigProblem("model", missing))
+    no_tokenizer = None if config.skip_tokenizer_init else missing_tokenizer(model_dir)
+    problems = [ConfigProblem("model", missing) for missing in (missing_weights(model_dir), no_tokenizer) if missing]
     device = _pick_device(config.device, problems)
     dtype = _pick_dtype(config.dtype, hf_config, device)
     max_model_len = _max_model_len(config.max_model_len, hf_config, problems)

@@ -94,13 +94,19 @@ def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
     )
 
 
+def missing_weights(model_dir: Path) -> str | None:
+    """Why the directory cannot give weights (None if it has safetensors files)."""
+    if glob.glob(str(model_dir / "*.safetensors")):
+        return None
+    return f"model directory {str(model_dir)!r} has no *.safetensors files"
+
+
 def _checkpoint_tensors(model_dir: Path):
     from safetensors import safe_open
 
-    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
-    if not files:
-        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors files")
-    for file in files:
+    if missing := missing_weights(model_dir):
+        raise ValueError(missing)
+    for file in sorted(glob.glob(str(model_dir / "*.safetensors"))):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
