@@ -237,7 +237,7 @@ class LLMEngine:
             self.scheduler.abort(request_id)
         self.scheduler.on_step_done(out)
         self._suspects = failed + self._suspects
-        self._held += [request_id for request_id in in_scheduler if request_id not in set(failed)]
+        self._held += [request_id for request_id in in_scheduler if request_id not in self._suspects]
         self._trial_size = len(failed) // 2
         self._isolating = True
         return []
