@@ -90,16 +90,31 @@ def check_variants(model, dtype: str, prompts, params, block_bytes: int, base: d
     assert got == want, f"{dtype}, reversed order: {first_difference(got, want)}"
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(tiny_model_dirs, arch, dtype):
+def check_all_variants(model, dtype: str) -> None:
     prompts = tiny_prompts(400)
     block_bytes = TINY_BLOCK * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     base = {"kv_cache_memory": "32MiB", "swap_space": "8MiB"}
-    check_variants(tiny_model_dirs[arch], dtype, prompts, seeded(len(prompts)), block_bytes, base, VARIANTS)
+    check_variants(model, dtype, prompts, seeded(len(prompts)), block_bytes, base, VARIANTS)
     # One sequence a step (n = 1: a request's samples must fit in one step together).
-    check_variants(tiny_model_dirs[arch], dtype, prompts, seeded(len(prompts), n=1), block_bytes, base,
+    check_variants(model, dtype, prompts, seeded(len(prompts), n=1), block_bytes, base,
                    {"max-num-seqs-1": {"max_num_seqs": 1}})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(tiny_model_dirs, arch, dtype):
+    check_all_variants(tiny_model_dirs[arch], dtype)
+
+
+def test_bf16_seeded_outputs_are_invariant_on_every_kernel_table(tiny_model_dirs, cpu_isas):
+    """The lower tables too: there the linear layers run on oneDNN, the layer ops on other vectors."""
+    from batchgen import _C
+
+    default = _C.cpu_isa()
+    for isa in cpu_isas:
+        if isa != default:
+            _C.set_cpu_isa(isa)
+            check_all_variants(tiny_model_dirs["llama"], "bfloat16")
 
 
 def test_smollm2_bf16_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(smollm2_dir):
