@@ -224,6 +224,89 @@ void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile, i
 
 #endif
 
+#ifdef BATCHGEN_DOT_BF16
+// Prefill tiles serve several row groups, which pays for transposing their K once into pairs:
+// kt[j * kTileKeys + t] holds elements 2j, 2j + 1 of key t, so one vector holds pair j of 16 keys
+// and the scores need no horizontal sums. Blocks must be whole 16-key and head_dim whole
+// 32-element pieces.
+inline bool can_transpose_keys(int D, int BS) { return D % 32 == 0 && BS % 16 == 0; }
+
+template <typename T>
+void transpose_keys(Tile<T>& tile, int D, int BS, uint32_t* kt) {
+  const int W = D / 2;  // pairs per key
+  const int lines = lines_for(int64_t{BS} * D * sizeof(BF16));
+  for (int b = 0; b < tile.count; ++b) {
+    tile.block[b].next_k.lines(lines);
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(tile.block[b].k);
+    for (int t = 0; t < BS; t += 16)
+      for (int j = 0; j < W; j += 16) transpose16x16(k + t * W + j, W, kt + j * kTileKeys + b * BS + t, kTileKeys);
+  }
+}
+
+// The scores of a transposed tile, bit for bit those of tile_scores (batch invariance): there, lane l
+// of a row's accumulator sums the pairs l, l + 16, ... of q and k (one dot product each, in that
+// order), and reduce_add4 adds the 16 lanes in a fixed tree: z_e = (a_e + a_8+e) + (a_4+e + a_12+e),
+// then (z_0 + z_2) + (z_1 + z_3). Here a "leaf" is lane l's sum for 16 keys at once (key per lane),
+// and the leaves go through the same tree as whole vectors: 15 additions per 16 keys instead of
+// horizontal sums per key.
+static_assert(Vec::N == 16, "the tree below is vec_avx512.h's reduce_add4");
+
+// leaf[g][c] = lane l's sum for row g and the 16 keys of chunk c0 + c.
+template <int NG, int KC>
+__attribute__((always_inline)) inline void score_leaves(const BF16* q, const uint32_t* kt, int D, int c0, int l,
+                                                        Vec (&leaf)[NG][KC]) {
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < KC; ++c) leaf[g][c] = Vec::zero();
+  for (int j = l; j < D / 2; j += Vec::N) {
+    BF16Pairs k[KC];
+    for (int c = 0; c < KC; ++c) {
+      k[c] = BF16Pairs::load(reinterpret_cast<const BF16*>(kt + j * kTileKeys + (c0 + c) * 16), 32);
+    }
+    for (int g = 0; g < NG; ++g) {
+      const BF16Pairs w = BF16Pairs::broadcast_pair(q + g * D + 2 * j);
+      for (int c = 0; c < KC; ++c) leaf[g][c] = dot_pairs(k[c], w, leaf[g][c]);
+    }
+  }
+}
+
+// z[g][c] = (leaf e + leaf 8 + e) + (leaf 4 + e + leaf 12 + e).
+template <int NG, int KC>
+__attribute__((always_inline)) inline void score_quad(const BF16* q, const uint32_t* kt, int D, int c0, int e,
+                                                      Vec (&z)[NG][KC]) {
+  Vec a[NG][KC], b[NG][KC];
+  score_leaves<NG, KC>(q, kt, D, c0, e, a);
+  score_leaves<NG, KC>(q, kt, D, c0, 8 + e, b);
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < KC; ++c) z[g][c] = a[g][c] + b[g][c];
+  score_leaves<NG, KC>(q, kt, D, c0, 4 + e, a);
+  score_leaves<NG, KC>(q, kt, D, c0, 12 + e, b);
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < KC; ++c) z[g][c] = z[g][c] + (a[g][c] + b[g][c]);
+}
+
+// s[g][t] = q_g . k_t for keys t in [16 * c0, 16 * (c0 + KC)) of a transposed tile.
+template <int NG, int KC>
+void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0, float* s) {
+  Vec half[NG][KC], z[NG][KC];
+  score_quad<NG, KC>(q, kt, D, c0, 0, half);
+  score_quad<NG, KC>(q, kt, D, c0, 2, z);
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < KC; ++c) half[g][c] = half[g][c] + z[g][c];  // w_0 = z_0 + z_2
+  Vec other[NG][KC];
+  score_quad<NG, KC>(q, kt, D, c0, 1, other);
+  score_quad<NG, KC>(q, kt, D, c0, 3, z);
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < KC; ++c) (half[g][c] + (other[g][c] + z[g][c])).store(s + g * kTileKeys + (c0 + c) * 16);
+}
+
+// The first n keys' scores (rounded up to 16) of a transposed tile, 16 keys at a time: few live
+// vectors per row, so NG rows stay in registers.
+template <int NG>
+void scores_transposed(const BF16* q, const uint32_t* kt, int D, int n, float* s) {
+  for (int c0 = 0; c0 * 16 < n; ++c0) scores_transposed<NG, 1>(q, kt, D, c0, s);
+}
+#endif
+
 // What masks a tile's scores from key `limit` on, in registers (storing -inf over the scores and loading
 // them again became a memcpy call per row): the scores from the limit on are zeroed (they may be NaN, from
 // K rows past a sequence's end) where -t + limit - 0.5 < 0, then kKeyMask.add + kTileKeys - limit is
@@ -428,15 +511,29 @@ struct Rows {
   Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
 
+// rows.s[g][t] = q_{r0 + g} . k_t for the tile's first n keys (rounded up), from kt, the tile's K
+// transposed, where the row groups share it, else from the blocks; the same bits either way.
+template <typename T, int NG>
+void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_unused]] const uint32_t* kt, int D,
+                      int BS, int n) {
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (kPairs<T>) {
+    if (kt != nullptr) return scores_transposed<NG>(rows.q + r0 * D, kt, D, n, rows.s);
+  }
+#endif
+  for (int b = 0; b * BS < n; ++b)
+    tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
+}
+
 // Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's first limit[g] keys.
 template <typename T, int NG>
-void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS, float scale) {
+void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt, int D, int BS,
+                 float scale) {
   int n = 0;
   for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
   // The score loops may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  for (int b = 0; b * BS < n; ++b)
-    tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
+  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, n);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float correction[NG];
   softmax_rows<NG>(rows.s, limit, width, scale, rows.m + r0, rows.l + r0, correction);
@@ -444,13 +541,13 @@ void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& til
 }
 
 template <typename T>
-void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, int D, int BS,
-                      float scale) {
+void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt,
+                      int D, int BS, float scale) {
   switch (ng) {
-    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, D, BS, scale);
-    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, D, BS, scale);
-    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, D, BS, scale);
-    default: return attend_tile<T, 4>(rows, r0, limit, tile, D, BS, scale);
+    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, kt, D, BS, scale);
+    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, kt, D, BS, scale);
+    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, kt, D, BS, scale);
+    default: return attend_tile<T, 4>(rows, r0, limit, tile, kt, D, BS, scale);
   }
 }
 
@@ -521,10 +618,11 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
 
 // One walk over a task's tiles (see TileWalk) for `rows`: per_head rows for each of the walk's kv
 // heads, head_stride rows apart; `task` says which keys each row sees. The tiles after the walk's
-// last are next_walk's, whose first ones are prefetched.
+// last are next_walk's, whose first ones are prefetched. kt holds the tile's K transposed when the
+// row groups share it, else is null.
 template <typename T>
 void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
-                 const Rows<T>& rows, int64_t head_stride, int64_t per_head) {
+                 const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
@@ -559,6 +657,9 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         kv.next_v = {next_v, next_v + bytes};
       }
     }
+#ifdef BATCHGEN_DOT_BF16
+    if (kt != nullptr) transpose_keys(tile, D, BS, kt);
+#endif
     const Rows<T> head_rows = rows.from(h * head_stride, D);
     for (int64_t r0 = 0; r0 < per_head; r0 += kGroupRows) {
       const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
@@ -571,7 +672,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         any |= limit[i];
       }
       if (any == 0) continue;
-      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, D, BS, a.scale);
+      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
     }
   }
 }
@@ -601,6 +702,13 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   rows.m = rows.acc + count * D;
   rows.l = rows.m + count;
   rows.s = rows.l + count;
+  uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
+#ifdef BATCHGEN_DOT_BF16
+  if (kPairs<T> && per_head > kGroupRows && can_transpose_keys(D, a.block_size)) {
+    const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroupRows * kTileKeys);
+    kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
+  }
+#endif
   load_queries<T>(a, task, group, rows.q);
   for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
   for (int64_t r = 0; r < count; ++r) {
@@ -610,15 +718,16 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   // The tiles after this task's last are the next task's.
   const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   if (task.member_lens == nullptr) {
-    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head);
+    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt);
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head, kt);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(task, j + 1)) : after;
-      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group);
+      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group,
+                     nullptr);
     }
   }
   write_rows<T>(a, task, group, rows);

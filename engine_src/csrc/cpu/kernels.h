@@ -74,9 +74,10 @@ constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attent
 constexpr int kGroupRows = 4;  // query rows sharing one pass over a K/V tile
 
 // Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs:
-// queries, accumulators, maxima and sums per row, and the scores of one row group x one tile.
+// queries, accumulators, maxima and sums per row, the scores of one row group x one tile, and one
+// tile's K transposed into pairs of 4 bytes (on a 64-byte boundary).
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  return 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys;
+  return 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys + kTileKeys * head_dim / 2 + 16;
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).
