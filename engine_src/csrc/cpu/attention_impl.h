@@ -384,7 +384,9 @@ __attribute__((always_inline)) inline void softmax_rows(float* s, const int* lim
 // key t of the tile into chain t % kValueChains, then the chains in order: the same sums for a row
 // whatever the rows beside it, the block size (a multiple of kValueChains) or how many keys its
 // group reads (those past the row's limit have p = 0 and add exact zeros).
-constexpr int kValueChains = 4;
+constexpr int kValueChains = 2;
+constexpr int kPairChains = 1;  // on the bf16 pair path, chains of key pairs (the rows give the ILP)
+static_assert(8 % kValueChains == 0 && 8 % (2 * kPairChains) == 0, "blocks hold whole steps of the chains");
 
 // acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
 // accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
@@ -439,8 +441,7 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 template <typename T, int NG>
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
                  int n, float* acc) {
-  constexpr int TP = 2;  // chains of token pairs
-  static_assert(8 % (2 * TP) == 0, "every block size holds whole steps of the chains");
+  constexpr int TP = kPairChains;
   BF16 pb[NG][kTileKeys];           // p in bf16; zero past each row's limit, as p is
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   for (int g = 0; g < NG; ++g)
