@@ -134,12 +134,14 @@ def test_smollm2_bf16_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(s
                    variants)
 
 
-def _job(root, model, out: str = "out"):
+def _job(root, model, rows: int, out: str = "out", **engine):
+    """The job file (rewritten in place when called again, e.g. with other engine capacities)."""
     root.mkdir(parents=True, exist_ok=True)
-    records = [{"id": f"r{i:03d}", "prompt": f"tell me about number {i} " * (1 + i % 7)} for i in range(60)]
+    records = [{"id": f"r{i:03d}", "prompt": f"tell me about number {i} " * (1 + i % 7)} for i in range(rows)]
     write_jsonl(root / "in.jsonl", records)
     return write_job(root / "job.yaml", {
-        "model": {"path": str(model), "dtype": "bfloat16", "kv_cache_memory": "32MiB", "swap_space": "8MiB"},
+        "model": {"path": str(model), "dtype": "bfloat16", "kv_cache_memory": "32MiB", "swap_space": "8MiB",
+                  **engine},
         "input": {"paths": ["in.jsonl"], "id_column": "id", "prompt_column": "prompt"},
         "sampling": {"n": 2, "temperature": 0.8, "top_p": 0.95, "seed": 11, "max_tokens": MAX_TOKENS,
                      "ignore_eos": True, "logprobs": 0},
@@ -161,13 +163,14 @@ def _run(job, *args):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_bf16_job_killed_resumed_and_sharded_equals_one_run(tmp_path, tiny_model_dirs):
-    model = tiny_model_dirs["llama"]
-    _run(_job(tmp_path / "whole", model))
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_bf16_job_killed_resumed_and_sharded_equals_one_run(tmp_path, tiny_model_dirs, model, request):
+    path, rows = (tiny_model_dirs["llama"], 60) if model == "tiny" else (request.getfixturevalue("smollm2_dir"), 24)
+    _run(_job(tmp_path / "whole", path, rows))
     want = _rows(tmp_path / "whole" / "out")
-    assert len(want) == 120
+    assert len(want) == 2 * rows
 
-    killed = _job(tmp_path / "killed", model)
+    killed = _job(tmp_path / "killed", path, rows)
     proc = subprocess.Popen(batchgen_cmd("run", killed), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     out_dir = tmp_path / "killed" / "out"
@@ -177,10 +180,11 @@ def test_bf16_job_killed_resumed_and_sharded_equals_one_run(tmp_path, tiny_model
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(_rows(out_dir)) < len(want), "the kill came after the run had finished"
-    _run(killed)
+    # Resumed on a "smaller node": capacities may change between runs of a job.
+    _run(_job(tmp_path / "killed", path, rows, max_num_seqs=4))
     assert _rows(out_dir) == want
 
-    sharded = _job(tmp_path / "sharded", model)
+    sharded = _job(tmp_path / "sharded", path, rows, max_num_seqs=16, max_num_batched_tokens=64)
     for i in range(3):
         _run(sharded, "--shard", f"{i}/3")
     assert _rows(tmp_path / "sharded" / "out") == want
