@@ -80,7 +80,7 @@ def paged_attention_decode(
     """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`).
     `seq_groups` (int32 `[num_seqs]`, optional): sequences side by side with the same id, such as
     the n samples of a request, may read the cache blocks their tables share once for all of them
-    (the CPU kernel does; the result is the same up to rounding)."""
+    (the CPU kernel does, with the same result bit for bit: see engine_src/README.md, batch invariance)."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups)
