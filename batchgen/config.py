@@ -22,13 +22,6 @@ def parse_bytes(value: int | str, name: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def samples_problem(n: int, max_num_seqs: int) -> str | None:
-    """The n samples of a request run together, so they must fit in max_num_seqs."""
-    if n <= max_num_seqs:
-        return None
-    return f"{n} samples of one request run together and need max_num_seqs >= {n} (it is {max_num_seqs})"
-
-
 @dataclass(frozen=True)
 class ConfigProblem:
     """An engine option that cannot work; ``option`` is "model" for the model itself."""

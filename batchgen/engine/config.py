@@ -15,6 +15,13 @@ def batch_limits_problem(max_num_seqs: int, max_num_batched_tokens: int) -> str 
     return f"must be >= max_num_seqs ({max_num_seqs}) so every running sequence can decode"
 
 
+def samples_problem(n: int, max_num_seqs: int) -> str | None:
+    """The n samples of a request run together, so they must fit in max_num_seqs."""
+    if n <= max_num_seqs:
+        return None
+    return f"{n} samples of one request run together and need max_num_seqs >= {n} (it is {max_num_seqs})"
+
+
 @dataclass(kw_only=True)
 class SchedulerConfig:
     """Sizes are in tokens or KV-cache blocks of `block_size` tokens.

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager, BlockStats
-from batchgen.engine.config import SchedulerConfig
+from batchgen.engine.config import SchedulerConfig, samples_problem
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -127,9 +127,7 @@ class Scheduler:
         if blocks > cfg.num_device_blocks:
             return (f"prompt has {length} tokens and needs {blocks} KV-cache blocks of {cfg.block_size} "
                     f"tokens, more than the device pool holds ({cfg.num_device_blocks})")
-        if group.sampling_params.n > cfg.max_num_seqs:
-            return f"n={group.sampling_params.n} samples are more than max_num_seqs {cfg.max_num_seqs}"
-        return None
+        return samples_problem(group.sampling_params.n, cfg.max_num_seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._rejected)

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..config import samples_problem
+from ..engine.config import samples_problem
 from ..sampling_params import SamplingParams
 from .errors import JobError, JobInvalid, Problem
 
