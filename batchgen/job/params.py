@@ -30,7 +30,9 @@ class ParamsBuilder:
         self.job_seed: int | None = spec.seed
         self._defaults = spec.model_dump()
 
-    def for_row(self, row_id: str, overrides: dict[str, Any]) -> SamplingParams:
+    def for_row(self, row_id: str, overrides: dict[str, Any], sources: dict[str, str] | None = None
+                ) -> SamplingParams:
+        """``sources``: where an override came from when it is not a column (``body.max_tokens``)."""
         changes: dict[str, Any] = {}
         if self.job_seed is not None and "seed" not in overrides:
             changes["seed"] = row_seed(self.job_seed, row_id)
@@ -42,14 +44,16 @@ class ParamsBuilder:
             err = e.errors()[0]
             key = str(err["loc"][0]) if err["loc"] else "?"
             raise RowParamsError(self._where(key, f"{err['msg'].removeprefix('Value error, ')} "
-                                                  f"(got {overrides.get(key)!r})")) from None
+                                                  f"(got {overrides.get(key)!r})", sources)) from None
         try:
             return merged.params(**changes)
         except (ValueError, TypeError) as e:
             msg = str(e)
             key = msg.split(":", 1)[0].removeprefix("SamplingParams.")
-            raise RowParamsError(self._where(key, msg.split(": ", 1)[-1])) from None
+            raise RowParamsError(self._where(key, msg.split(": ", 1)[-1], sources)) from None
 
-    def _where(self, key: str, msg: str) -> str:
+    def _where(self, key: str, msg: str, sources: dict[str, str] | None) -> str:
+        if sources and key in sources:
+            return f"field {sources[key]!r}: {msg}"
         col = self.spec.overrides.get(key)
         return f"field {col!r} (sampling.{key} override): {msg}" if col else f"sampling: {msg}"

@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+from collections import Counter
 from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import openai_batch
 from .errors import JobError, JobInvalid, Problem
 from .shard import Shard
 from .spec import InputSpec, Job, resolve_path
@@ -51,7 +53,7 @@ class InputFile:
 
     def where(self, index: int) -> str:
         """A row's place in messages: JSONL lines count from 1, Parquet rows from 0."""
-        return f"{self.name} line {index + 1}" if self.format == "jsonl" else f"{self.name} row {index}"
+        return f"{self.name} row {index}" if self.format == "parquet" else f"{self.name} line {index + 1}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class Row:
     overrides: dict[str, Any] = field(default_factory=dict)
     carry: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    endpoint: str = openai_batch.COMPLETION  # chat (messages) or completion (a prompt): the OpenAI output shape
+    sources: dict[str, str] = field(default_factory=dict)  # override -> the field it came from, when not a column
+    top_logprobs: int | None = None  # the row's sampling logprobs, once its params are known
 
 
 def file_format(path: Path, given: str | None) -> str | None:
@@ -142,7 +147,7 @@ def discover(spec: InputSpec, base_dir: Path, exclude: Path | None = None
                 continue
             files.append(InputFile(p, fmt, _display_name(p, base_dir)))
     if len({f.format for f in files}) > 1:
-        problems.append(Problem("input.paths", "all input files must have one format (parquet or jsonl)"))
+        problems.append(Problem("input.paths", "all input files must have one format (parquet, jsonl or openai_batch)"))
     return files, problems
 
 
@@ -157,10 +162,13 @@ class InputReader:
     """Rows of all input files of a job, in file order then row order."""
 
     def __init__(self, spec: InputSpec, base_dir: Path, overrides: Mapping[str, str] | None = None,
-                 files: list[InputFile] | None = None, exclude: Path | None = None):
-        """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given."""
+                 files: list[InputFile] | None = None, exclude: Path | None = None, model_name: str | None = None):
+        """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given.
+        ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows."""
         self.spec = spec
         self.overrides = dict(overrides or {})
+        self.model_name = model_name
+        self.ignored_fields: Counter[str] = Counter()  # OpenAI batch body fields that change nothing
         if files is None:
             files, problems = discover(spec, base_dir, exclude)
             if problems:
@@ -172,15 +180,19 @@ class InputReader:
 
     @classmethod
     def for_job(cls, job: Job) -> InputReader:
-        return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir)
+        return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
+                   model_name=job.model_name if job.spec.input.check_model else None)
 
     # ----------------------------------------------------------------------------- checks, schema
 
     def needed_columns(self) -> list[tuple[str, str]]:
         """(job file path, column) for every column the job reads."""
         s = self.spec
-        cols = [("input.id_column", s.id_column)] if s.id_column else []
-        cols.append(("input.prompt_column" if s.prompt_column else "input.messages_column", s.source_column))
+        if s.format == "openai_batch":
+            cols = [("input.format", "custom_id"), ("input.format", "url"), ("input.format", "body")]
+        else:
+            cols = [("input.id_column", s.id_column)] if s.id_column else []
+            cols.append(("input.prompt_column" if s.prompt_column else "input.messages_column", s.source_column))
         cols += [(f"sampling.overrides.{k}", v) for k, v in self.overrides.items()]
         cols += [(f"input.carry_columns[{i}]", c) for i, c in enumerate(s.carry_columns)]
         return cols
@@ -194,7 +206,7 @@ class InputReader:
         misspelt name); an optional column found in none of them is a warning.
         """
         problems: list[Problem] = []
-        required = {self.spec.id_column, self.spec.source_column}
+        required = {self.spec.id_key, self.spec.source_column}
         for f in self.files:
             try:
                 names = self._column_names(f)
@@ -206,7 +218,7 @@ class InputReader:
             for where, col in self.needed_columns():
                 if col in names:
                     continue
-                if f.format == "jsonl" and col not in required:
+                if f.format != "parquet" and col not in required:
                     self.warnings.append(f"{where}: column {col!r} is in none of the first {_INFER_LINES} "
                                          f"lines of {f.name}; rows without it take null there")
                     continue
@@ -255,7 +267,7 @@ class InputReader:
         """(rows in all files, exact?) cheaply: Parquet footers, or a newline count for small JSONL."""
         total = 0
         exact = True
-        jsonl_bytes = sum(f.path.stat().st_size for f in self.files if f.format == "jsonl")
+        jsonl_bytes = sum(f.path.stat().st_size for f in self.files if f.format != "parquet")
         if jsonl_bytes > _COUNT_LINES_LIMIT:
             return None, False
         for f in self.files:
@@ -279,7 +291,7 @@ class InputReader:
         """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
-        seen = _FirstSeen(self.files) if self.spec.id_column else None
+        seen = _FirstSeen(self.files) if self.spec.id_key else None
         for file_no, f in enumerate(self.files):
             source = self._parquet_records(f) if f.format == "parquet" else self._jsonl_records(f)
             for index, record, error in source:
@@ -287,7 +299,7 @@ class InputReader:
                 if shard is not None and not shard.owns(row_id):
                     continue
                 if seen is not None and id_error is None:
-                    row_id, id_error = seen.check(row_id, file_no, index, self.spec.id_column or "")
+                    row_id, id_error = seen.check(row_id, file_no, index, self.spec.id_key or "")
                 if row_id in skip:
                     continue
                 where = f.where(index)
@@ -300,25 +312,26 @@ class InputReader:
 
     def ids(self) -> Iterator[InputId]:
         """Every row's ids (bad rows included), reading as little as possible; for ``status``."""
-        seen = _FirstSeen(self.files) if self.spec.id_column else None
+        id_key = self.spec.id_key
+        seen = _FirstSeen(self.files) if id_key else None
         for file_no, f in enumerate(self.files):
-            if f.format == "parquet" and self.spec.id_column is None:
+            if f.format == "parquet" and id_key is None:
                 yield from (InputId(f"{f.name}:{i}") for i in range(_parquet(f).metadata.num_rows))
                 continue
-            cols = [self.spec.id_column] if self.spec.id_column else []
+            cols = [id_key] if id_key else []
             source = self._parquet_records(f, cols) if f.format == "parquet" else self._jsonl_records(
-                f, parse=self.spec.id_column is not None)
+                f, parse=id_key is not None)
             for index, record, _ in source:
                 row_id, id_error = self._row_id(f, index, record)
                 if seen is None or id_error is not None:
                     yield InputId(row_id)
                     continue
-                out_id, dup_error = seen.check(row_id, file_no, index, self.spec.id_column or "")
+                out_id, dup_error = seen.check(row_id, file_no, index, id_key or "")
                 yield InputId(out_id, row_id, dup_error and f"{f.where(index)}: {dup_error}")
 
     def _row_id(self, f: InputFile, index: int, record: Mapping[str, Any] | None) -> tuple[str, str | None]:
         fallback = f"{f.name}:{index}"
-        col = self.spec.id_column
+        col = self.spec.id_key
         if col is None or record is None:
             return fallback, None
         v = _decode(record.get(col))
@@ -334,14 +347,44 @@ class InputReader:
     def _fill(self, row: Row, record: Mapping[str, Any]) -> str | None:
         """Set prompt, overrides and carried values from a record; return an error or None."""
         s = self.spec
+        if s.format == "openai_batch":
+            return self._fill_request(row, record) or self._fill_carry(row, record)
         value = _decode(record.get(s.source_column))
         error = _check_prompt(value) if s.prompt_column else _check_messages(value)
         if error:
             return f"field {s.source_column!r}: {error}"
         row.prompt = _clean_messages(value) if s.messages_column else value
+        row.endpoint = openai_batch.CHAT if s.messages_column else openai_batch.COMPLETION
         for key, col in self.overrides.items():
             if record.get(col) is not None:
                 row.overrides[key] = _decode(record[col])
+        return self._fill_carry(row, record)
+
+    def _fill_request(self, row: Row, record: Mapping[str, Any]) -> str | None:
+        """An OpenAI batch request line: the prompt from its body, the body's sampling fields as
+        overrides (a column override still wins: the job chose that column)."""
+        try:
+            req = openai_batch.parse_request(dict(record))
+        except openai_batch.RequestError as e:
+            return str(e)
+        chat = req.endpoint == openai_batch.CHAT
+        error = _check_messages(req.prompt) if chat else _check_prompt(req.prompt)
+        if error:
+            return f"field {req.prompt_field!r}: {error}"
+        if self.model_name is not None and req.model is not None and req.model != self.model_name:
+            return f"field 'body.model': {req.model!r} is not this job's model {self.model_name!r}"
+        row.prompt = _clean_messages(req.prompt) if chat else req.prompt
+        row.endpoint = req.endpoint
+        row.overrides, row.sources = req.overrides, req.sources
+        for key, col in self.overrides.items():
+            if record.get(col) is not None:
+                row.overrides[key] = _decode(record[col])
+                row.sources.pop(key, None)
+        self.ignored_fields.update(req.ignored)
+        return None
+
+    def _fill_carry(self, row: Row, record: Mapping[str, Any]) -> str | None:
+        s = self.spec
         for col in s.carry_columns:
             v = record.get(col)
             if self._carry_kinds and v is not None:

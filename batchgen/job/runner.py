@@ -26,12 +26,15 @@ from . import saved
 from .engine import EngineFactory, build_engine
 from .errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
 from .lock import ShardLock
+from .merge import merge
+from .openai_batch import ResponseLines, ignored_summary
 from .params import ParamsBuilder, RowParamsError
+from .part_formats import part_format
 from .progress import Plan, Reporter, Snapshot, make_reporter
 from .reader import InputReader, Row
 from .shard import Shard
 from .spec import Job
-from .writer import PartWriter, error_rows, output_schema, recover, result_rows
+from .writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
 
 GRACE_FLUSH_SECONDS = 5.0  # while draining after a stop request, save finished rows this often
 STATS_SECONDS = 0.2
@@ -92,6 +95,7 @@ class Runner:
         self.grace = grace
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
+        self._lines: ResponseLines | None = None  # output.format openai_batch: builds its lines
 
     def run(self) -> RunResult:
         with self.stop.installed():
@@ -126,15 +130,18 @@ class Runner:
             if first is None:  # cron's common case: done before loading any model
                 self.reporter.start(plan)
                 self.reporter.idle()
+                self._merge()
                 return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
             llm = build_engine(self.engine_factory, job)
             self._check_engine(llm)
+            if job.spec.output.format == "openai_batch":
+                self._lines = ResponseLines(job.model_name, getattr(llm, "tokenizer", None), job.spec.sampling.logprobs)
             writer = PartWriter(
                 out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
                 job.spec.output.rows_per_part, rec.next_seq,
                 {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
                  "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
-                 "batchgen.shard": str(shard)})
+                 "batchgen.shard": str(shard)}, part_format(job.spec.output.format))
             status = "failed"
             snap = Snapshot()
             self.reporter.start(plan)
@@ -143,9 +150,30 @@ class Runner:
                 status = "interrupted" if interrupted else "complete"
             finally:
                 self.reporter.finish(snap, status)
-            for w in reader.warnings:
+            ignored = ignored_summary(reader.ignored_fields)
+            warnings = reader.warnings + ([ignored] if ignored else [])
+            for w in warnings:
                 self.reporter.message(f"warning: {w}")
-            return RunResult(status, plan, snap, self.stop.signal_name, reader.warnings)
+            if status == "complete":
+                self._merge()
+            return RunResult(status, plan, snap, self.stop.signal_name, warnings)
+
+    def _merge(self) -> None:
+        """``output.merge_to``: once no row of any shard is missing, the parts as one file."""
+        target = self.job.spec.output.merge_to
+        if target is None:
+            return
+        path = self.job.resolve(target)
+        parts = [p.path.stat().st_mtime for p in list_parts(self.job.output_dir)]
+        if path.exists() and path.stat().st_mtime >= max(parts, default=0):
+            return
+        try:
+            merged = merge(self.job.output_dir, path)
+        except JobError as e:
+            self.reporter.message(f"output.merge_to: not written yet: {e}")
+            return
+        extra = f" (and {merged.extra:,} rows no longer in the input, at the end)" if merged.extra else ""
+        self.reporter.message(f"merged {merged.rows:,} rows{extra} into {path}")
 
     def _check_engine(self, llm: Any) -> None:
         if self.job.spec.input.messages_column is None:
@@ -236,23 +264,27 @@ class Runner:
             self._record_error(row, row.error, writer, snap)
             return
         try:
-            params = builder.for_row(row.id, row.overrides)
+            params = builder.for_row(row.id, row.overrides, row.sources)
         except RowParamsError as e:
             self._record_error(row, f"{row.where}: {e}", writer, snap)
             return
+        row.top_logprobs = params.logprobs
         request_id = f"r{n}"
         try:
             llm.add_request(request_id, row.prompt, params)
         except (ValueError, TypeError) as e:
-            self._record_error(row, f"{row.where}: {self._rejection(e)}", writer, snap)
+            self._record_error(row, f"{row.where}: {self._rejection(row, e)}", writer, snap)
             return
         in_flight[request_id] = row
 
-    def _rejection(self, error: Exception) -> str:
-        """Why the engine refused a row, naming the input column when it is about the prompt."""
+    def _rejection(self, row: Row, error: Exception) -> str:
+        """Why the engine refused a row, naming the input field when it is about the prompt."""
         field_name, sep, why = str(error).partition(": ")
         if sep and field_name == "prompt":
-            return f"field {self.job.spec.input.source_column!r}: {why}"
+            source = self.job.spec.input.source_column
+            if self.job.spec.input.format == "openai_batch":
+                source = "body.messages" if row.endpoint == "chat" else "body.prompt"
+            return f"field {source!r}: {why}"
         return f"the engine rejected the request: {error}"
 
     def _finish(self, out: RequestOutput, in_flight: dict[str, Row], writer: PartWriter,
@@ -262,17 +294,18 @@ class Runner:
             return
         if out.error or not out.outputs:
             why = out.error or "the engine returned no samples"
-            self._record_error(row, f"{row.where}: {why}", writer, snap)
+            self._record_error(row, f"{row.where}: {why}", writer, snap, "generation_failed")
             return
-        writer.add(result_rows(row, out))
+        writer.add(self._lines.result(row, out) if self._lines else result_rows(row, out))
         snap.rows += 1
         snap.samples += len(out.outputs)
         snap.prompt_tokens += len(out.prompt_token_ids)
         snap.output_tokens += sum(len(c.token_ids) for c in out.outputs)
 
-    @staticmethod
-    def _record_error(row: Row, message: str, writer: PartWriter, snap: Snapshot) -> None:
-        writer.add(error_rows(row, message))
+    def _record_error(self, row: Row, message: str, writer: PartWriter, snap: Snapshot,
+                      code: str = "invalid_request") -> None:
+        """``code`` is for the OpenAI batch output: the request's fault, or the engine's."""
+        writer.add(self._lines.error(row, message, code) if self._lines else error_rows(row, message))
         snap.rows += 1
         snap.errors += 1
 

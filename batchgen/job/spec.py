@@ -68,11 +68,13 @@ class ModelSpec(_Section):
     preemption_mode: Literal["swap", "recompute"] = "swap"
     seed: int = 0
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
+    name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
 
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
         """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory)."""
         kw = self.model_dump()
         kw.pop("path")
+        kw.pop("name")
         for optional in ("gpu_memory_utilization", "num_threads"):
             if kw[optional] is None:
                 del kw[optional]
@@ -81,11 +83,12 @@ class ModelSpec(_Section):
 
 class InputSpec(_Section):
     paths: list[str] = Field(min_length=1)
-    format: Literal["parquet", "jsonl"] | None = None
+    format: Literal["parquet", "jsonl", "openai_batch"] | None = None
     id_column: str | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
     carry_columns: list[str] = Field(default_factory=list)
+    check_model: bool = False  # openai_batch: a request whose body.model is not model.name is an error row
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -94,13 +97,27 @@ class InputSpec(_Section):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSpec:
-        if (self.prompt_column is None) == (self.messages_column is None):
+        if self.format == "openai_batch":
+            given = [k for k in ("id_column", "prompt_column", "messages_column") if getattr(self, k)]
+            if given:
+                raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt; "
+                                 f"remove {', '.join(given)}")
+        elif (self.prompt_column is None) == (self.messages_column is None):
             raise ValueError("set exactly one of prompt_column (text or token ids) or messages_column (chat)")
+        if self.check_model and self.format != "openai_batch":
+            raise ValueError("check_model applies to format openai_batch only")
         return self
 
     @property
     def source_column(self) -> str:
+        if self.format == "openai_batch":
+            return "body"
         return self.prompt_column or self.messages_column or ""
+
+    @property
+    def id_key(self) -> str | None:
+        """The field holding row ids (None: ids are ``<file>:<row>``)."""
+        return "custom_id" if self.format == "openai_batch" else self.id_column
 
 
 class _SamplingBase(_Section):
@@ -135,6 +152,8 @@ SamplingSpec = create_model("SamplingSpec", __base__=_SamplingBase, **_sampling_
 
 class OutputSpec(_Section):
     dir: str = Field(min_length=1)
+    format: Literal["parquet", "jsonl", "openai_batch"] = "parquet"
+    merge_to: str | None = None  # jsonl, openai_batch: once every row is done, one file in input order
     rows_per_part: PositiveInt = 1000
     fields: list[Literal["text", "token_ids", "logprobs", "finish_reason", "token_counts"]] = Field(
         default_factory=lambda: list(DEFAULT_OUTPUT_FIELDS)
@@ -206,6 +225,10 @@ class Job:
         return self.resolve(self.spec.model.path)
 
     @property
+    def model_name(self) -> str:
+        return self.spec.model.name or self.model_path.name
+
+    @property
     def output_dir(self) -> Path:
         return self.resolve(self.spec.output.dir)
 
@@ -227,8 +250,9 @@ class Job:
                       "max_model_len": s.model.max_model_len},
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
-            "output": {"fields": sorted(s.output.fields)},
+            "output": {"fields": sorted(s.output.fields), "format": s.output.format},
         }
+        _drop_later_defaults(data)
         if s.input.id_column is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -245,6 +269,17 @@ class Job:
     @classmethod
     def from_saved(cls, data: dict[str, Any]) -> Job:
         return cls(spec=JobSpec.model_validate(data["spec"]), base_dir=Path(data["base_dir"]))
+
+
+# Fields added after jobs were first run, with their defaults: left out of the config hash when at
+# their default, so an output dir written before they existed still matches its job.
+_LATER_DEFAULTS = {("input", "check_model"): False, ("output", "format"): "parquet"}
+
+
+def _drop_later_defaults(data: dict[str, Any]) -> None:
+    for (section, key), default in _LATER_DEFAULTS.items():
+        if data[section].get(key, default) == default:
+            data[section].pop(key, None)
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -313,6 +348,24 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
     for i, col in enumerate(carry if isinstance(carry, list) else []):
         if col in RESERVED_COLUMNS:
             problems.append(Problem(f"input.carry_columns[{i}]", f"{col!r} is an output column name"))
+    if output is not None:
+        problems += output_format_problems(output, carry)
+    return problems
+
+
+def output_format_problems(output: OutputSpec, carry: Any) -> list[Problem]:
+    """The OpenAI batch output has a fixed shape: no chosen columns, nothing carried."""
+    problems = []
+    if output.format == "openai_batch":
+        if "fields" in output.model_fields_set:
+            problems.append(Problem("output.fields", "output.format openai_batch writes the OpenAI response "
+                                                     "shape; remove fields (logprobs come with sampling.logprobs)"))
+        if carry:
+            problems.append(Problem("input.carry_columns", "output.format openai_batch has no place for "
+                                                           "carried columns; use format jsonl or parquet"))
+    if output.merge_to is not None and output.format == "parquet":
+        problems.append(Problem("output.merge_to", "merging into one file needs output.format jsonl or "
+                                                   "openai_batch (a Parquet dir reads as one dataset)"))
     return problems
 
 

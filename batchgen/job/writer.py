@@ -1,7 +1,8 @@
-"""Parquet part files: one row per (id, sample_index), written atomically, and read back on start.
+"""Part files: one row per (id, sample_index), written atomically, and read back on start.
 
 A part is written to a hidden temp file in the output dir, fsynced, renamed into place and the
-directory fsynced, so a part either exists whole or not at all. All samples of a request go into
+directory fsynced, so a part either exists whole or not at all (the file layouts of Parquet,
+JSONL and OpenAI batch parts are in ``part_formats.py``). All samples of a request go into
 the same part, which makes "the id is in a part with all its samples" the definition of done:
 a run killed at any moment redoes exactly the rows that are in no part.
 
@@ -12,7 +13,6 @@ dir stays readable as one dataset (``pyarrow.dataset.dataset(out_dir)``).
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import threading
@@ -25,18 +25,15 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ..outputs import RequestOutput
 from .errors import JobError
+from .part_formats import ParquetParts, format_of
 from .reader import Row
 from .shard import Shard
 
-PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.parquet$")
-META_HASH = b"batchgen.config_hash"
-META_MODEL = b"batchgen.model"
-META_VERSION = b"batchgen.version"
-META_SHARD = b"batchgen.shard"
+PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
+META_HASH = "batchgen.config_hash"
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,8 @@ class PartName:
     seq: int
 
 
-def part_name(shard: Shard, seq: int) -> str:
-    return f"part-{shard.tag}-{seq:06d}.parquet"
+def part_name(shard: Shard, seq: int, suffix: str = ".parquet") -> str:
+    return f"part-{shard.tag}-{seq:06d}{suffix}"
 
 
 def list_parts(out_dir: Path) -> list[PartName]:
@@ -113,23 +110,16 @@ class Recovered:
 
 
 def read_part(path: Path, with_errors: bool = False) -> tuple[pa.Table, int]:
-    """(ids with all their samples in this part, number of error rows); reads only 2-3 columns."""
-    cols = ["id", "num_samples", "error"] if with_errors else ["id", "num_samples"]
-    try:
-        t = pq.read_table(path, columns=cols)
-    except (OSError, pa.ArrowException) as e:
-        raise JobError(f"cannot read part {path}: {e}; move it away if it is not a batchgen part") from None
-    errors = t.num_rows - t.column("error").null_count if with_errors else 0
+    """(ids with all their samples in this part, number of error rows)."""
+    t = format_of(path).keys(path)
+    errors = t.num_rows - t.column("error").null_count
     g = t.group_by("id").aggregate([("id", "count"), ("num_samples", "max")])
     complete = g.filter(pc.equal(g.column("id_count"), g.column("num_samples_max")))
     return complete.select(["id"]), errors
 
 
-def part_metadata(path: Path) -> dict[bytes, bytes]:
-    try:
-        return pq.read_schema(path).metadata or {}
-    except (OSError, pa.ArrowException) as e:
-        raise JobError(f"cannot read part {path}: {e}") from None
+def part_metadata(path: Path) -> dict[str, str]:
+    return format_of(path).metadata(path)
 
 
 def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
@@ -144,12 +134,15 @@ def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
     """
     for p in out_dir.glob(f".part-{shard.tag}-*.tmp"):
         p.unlink(missing_ok=True)
+    for p in out_dir.glob(f".part-{shard.tag}-*.meta"):  # a sidecar whose part was never renamed in
+        if not (out_dir / p.name[1:].removesuffix(".meta")).exists():
+            p.unlink(missing_ok=True)
     rec = Recovered()
     for part in list_parts(out_dir):
         same_count = part.shard.count == shard.count
         if same_count and part.shard.index != shard.index:
             continue
-        old = part_metadata(part.path).get(META_HASH, b"?").decode()
+        old = part_metadata(part.path).get(META_HASH, "?")
         if old != config_hash and not force:
             raise JobError(
                 f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
@@ -170,23 +163,7 @@ def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
 
 def drop_error_rows(path: Path) -> int:
     """Rewrite a part without its error rows (atomically; deleted if nothing is left); how many."""
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as e:
-        raise JobError(f"cannot read part {path}: {e}") from None
-    errors = table.num_rows - table.column("error").null_count
-    if errors == 0:
-        return 0
-    kept = table.filter(pc.is_null(table.column("error")))
-    if kept.num_rows:
-        write_atomic(kept, path)
-    else:
-        try:
-            path.unlink()
-            fsync_dir(path.parent)
-        except OSError as e:
-            raise JobError(f"cannot remove {path}: {e}") from None
-    return errors
+    return format_of(path).drop_errors(path)
 
 
 # -------------------------------------------------------------------------------------- writing
@@ -196,13 +173,14 @@ class PartWriter:
     """Buffers finished requests and writes a part every ``rows_per_part`` of them."""
 
     def __init__(self, out_dir: Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
-                 next_seq: int, metadata: dict[str, str]):
+                 next_seq: int, metadata: dict[str, str], part_format: ParquetParts | None = None):
         self.out_dir = out_dir
         self.shard = shard
         self.schema = schema
         self.rows_per_part = rows_per_part
         self.seq = next_seq
-        self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
+        self.metadata = dict(metadata)
+        self.format = part_format or ParquetParts()
         self._buffer: list[dict[str, Any]] = []
         self._requests = 0
         self.parts_written = 0
@@ -226,32 +204,14 @@ class PartWriter:
             return self._write_part()
 
     def _write_part(self) -> Path:
-        meta = dict(self.metadata)
-        meta[b"batchgen.created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z").encode()
-        table = pa.Table.from_pylist(self._buffer, schema=self.schema.with_metadata(meta))
-        final = self.out_dir / part_name(self.shard, self.seq)
-        write_atomic(table, final)
+        meta = {**self.metadata, "batchgen.created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        final = self.out_dir / part_name(self.shard, self.seq, self.format.suffix)
+        self.format.write(self._buffer, final, self.schema, meta)
         self.seq += 1
         self.parts_written += 1
         self._buffer.clear()
         self._requests = 0
         return final
-
-
-def write_atomic(table: pa.Table, final: Path) -> None:
-    """Write a part under a hidden temp name, fsync it, rename it into place, fsync the dir."""
-    tmp = final.parent / f".{final.stem}.tmp"
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except OSError as e:
-        raise JobError(f"cannot write {final}: {e}") from None
 
 
 @contextmanager
@@ -265,11 +225,3 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

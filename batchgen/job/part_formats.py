@@ -1,0 +1,234 @@
+"""How a part file is laid out on disk: ``output.format`` parquet, jsonl or openai_batch.
+
+Every format writes a part whole or not at all (temp file, fsync, rename, fsync the dir) and can
+read back, for each line or row, the output id, the number of samples of its request and
+whether it is an error: that is all recovery and ``status`` need. Parquet keeps the run's
+metadata (config hash, model, shard) in the file's schema; a JSONL part keeps it in a hidden
+sidecar ``.<part name>.meta`` written before the part, so a part that exists always has it.
+
+- ``parquet``: one row per (id, sample), typed columns.
+- ``jsonl``: the same rows and columns, one JSON object per line.
+- ``openai_batch``: one line per input row in the OpenAI Batch output shape
+  (``batchgen.job.openai_batch``); its ``custom_id`` is the row id and it holds every sample.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .errors import JobError
+
+FORMATS = ("parquet", "jsonl", "openai_batch")
+META_FORMAT = "batchgen.format"
+
+
+class ParquetParts:
+    name = "parquet"
+    suffix = ".parquet"
+
+    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
+        schema = schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
+        table = pa.Table.from_pylist(records, schema=schema)
+        write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+    def keys(self, path: Path) -> pa.Table:
+        """Columns id, num_samples and error (null where the row is not an error)."""
+        try:
+            return pq.read_table(path, columns=["id", "num_samples", "error"])
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read part {path}: {e}; move it away if it is not a batchgen part") from None
+
+    def drop_errors(self, path: Path) -> int:
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read part {path}: {e}") from None
+        errors = table.num_rows - table.column("error").null_count
+        if errors == 0:
+            return 0
+        kept = table.filter(pc.is_null(table.column("error")))
+        if kept.num_rows:
+            write_atomic(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
+        else:
+            remove_part(path)
+        return errors
+
+    def metadata(self, path: Path) -> dict[str, str]:
+        try:
+            meta = pq.read_schema(path).metadata or {}
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read part {path}: {e}") from None
+        return {k.decode(): v.decode() for k, v in meta.items()}
+
+
+class JsonlParts(ParquetParts):
+    """Output rows as JSON lines: the schema's columns, in its order, nulls included."""
+
+    name = "jsonl"
+    suffix = ".jsonl"
+
+    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
+        lines = [self.line(r, schema.names) for r in records]
+        write_atomic(meta_path(path), lambda tmp: tmp.write_text(json.dumps({**meta, META_FORMAT: self.name})))
+        write_atomic(path, lambda tmp: tmp.write_bytes(b"".join(lines)))
+
+    @staticmethod
+    def line(record: dict[str, Any], names: list[str]) -> bytes:
+        obj = {k: record.get(k) for k in names}
+        return json_line(obj)
+
+    def key(self, obj: dict[str, Any]) -> tuple[Any, Any, Any]:
+        return obj.get("id"), obj.get("num_samples"), obj.get("error")
+
+    def keys(self, path: Path) -> pa.Table:
+        ids, counts, errors = [], [], []
+        for _, _, obj in self._objects(path):
+            row_id, count, error = self.key(obj)
+            ids.append(str(row_id))
+            counts.append(int(count or 1))
+            errors.append(None if error is None else json.dumps(error) if not isinstance(error, str) else error)
+        return pa.table({"id": pa.array(ids, pa.string()), "num_samples": pa.array(counts, pa.int32()),
+                         "error": pa.array(errors, pa.string())})
+
+    def lines(self, path: Path) -> Iterator[tuple[str, int, int]]:
+        """(row id, byte offset, length) of every line of a part, in file order."""
+        for offset, line, obj in self._objects(path):
+            yield str(self.key(obj)[0]), offset, len(line)
+
+    def drop_errors(self, path: Path) -> int:
+        lines = list(self._objects(path))
+        kept = [line for _, line, obj in lines if self.key(obj)[2] is None]
+        total = len(lines)
+        if len(kept) == total:
+            return 0
+        if kept:
+            write_atomic(path, lambda tmp: tmp.write_bytes(b"".join(kept)))
+        else:
+            remove_part(path)
+            meta_path(path).unlink(missing_ok=True)
+        return total - len(kept)
+
+    def metadata(self, path: Path) -> dict[str, str]:
+        return read_meta(path)
+
+    @staticmethod
+    def _objects(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
+        """(byte offset, line, parsed object) of every non-blank line."""
+        try:
+            with open(path, "rb") as f:
+                offset = 0
+                for n, line in enumerate(f, 1):
+                    at, offset = offset, offset + len(line)
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        raise JobError(f"cannot read part {path}: line {n} is not JSON; move the part away "
+                                       "if it is not a batchgen part") from None
+                    if not isinstance(obj, dict):
+                        raise JobError(f"cannot read part {path}: line {n} is not a JSON object")
+                    yield at, line, obj
+        except OSError as e:
+            raise JobError(f"cannot read part {path}: {e}") from None
+
+
+class OpenAIBatchParts(JsonlParts):
+    """Lines already in the OpenAI batch output shape, one per input row (all samples in it)."""
+
+    name = "openai_batch"
+
+    @staticmethod
+    def line(record: dict[str, Any], names: list[str]) -> bytes:
+        return json_line(record)
+
+    def key(self, obj: dict[str, Any]) -> tuple[Any, Any, Any]:
+        return obj.get("custom_id"), 1, obj.get("error")
+
+
+_FORMATS = {f.name: f for f in (ParquetParts(), JsonlParts(), OpenAIBatchParts())}
+
+
+def part_format(name: str) -> ParquetParts:
+    return _FORMATS[name]
+
+
+def format_of(path: Path) -> ParquetParts:
+    """The format of an existing part: Parquet by its suffix, else as its sidecar says."""
+    if path.suffix == ".parquet":
+        return _FORMATS["parquet"]
+    return _FORMATS.get(read_meta(path).get(META_FORMAT, "jsonl"), _FORMATS["jsonl"])
+
+
+def meta_path(part: Path) -> Path:
+    return part.with_name(f".{part.name}.meta")
+
+
+def read_meta(part: Path) -> dict[str, str]:
+    """A JSONL part's sidecar; empty when it is missing (the part then matches no configuration)."""
+    try:
+        return json.loads(meta_path(part).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read {meta_path(part)}: {e}") from None
+
+
+def json_line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=_json_value) + "\n").encode()
+
+
+def _json_value(v: Any) -> Any:
+    """Values JSON has no type for, from carried Parquet columns."""
+    if isinstance(v, (datetime.date, datetime.time)):
+        return v.isoformat()
+    if isinstance(v, datetime.timedelta):
+        return v.total_seconds()
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    if isinstance(v, bytes):
+        return base64.b64encode(v).decode()
+    raise TypeError(f"cannot write {type(v).__name__} as JSON")
+
+
+def write_atomic(final: Path, write: Any, tmp: Path | None = None) -> None:
+    """``write(tmp)`` under a hidden temp name, fsync it, rename it into place, fsync the dir."""
+    tmp = tmp or final.parent / f".{final.name.lstrip('.')}.tmp"
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except OSError as e:
+        raise JobError(f"cannot write {final}: {e}") from None
+
+
+def remove_part(path: Path) -> None:
+    try:
+        path.unlink()
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise JobError(f"cannot remove {path}: {e}") from None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
