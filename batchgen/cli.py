@@ -1,4 +1,4 @@
-"""The ``batchgen`` command: run, validate, status, slurm.
+"""The ``batchgen`` command: run, run-batch, validate, status, merge, slurm.
 
 User mistakes surface as ``JobError`` and are printed as one line each on stderr (no traceback);
 exit codes are listed in ``batchgen.job.errors``.
@@ -83,6 +83,97 @@ def run(
         _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished rows are saved, "
              "run the same command again to resume")
     raise typer.Exit(result.exit_code)
+
+
+@app.command("run-batch")
+def run_batch(
+    input_file: Annotated[Path, typer.Option("--input", "-i", help="OpenAI batch request file (JSONL).")],
+    output_file: Annotated[Path, typer.Option("--output", "-o", help="Where to write the OpenAI batch output.")],
+    model: Annotated[str, typer.Option("--model", help="Model directory (Hugging Face layout).")],
+    output_dir: Annotated[Path | None, typer.Option(
+        "--output-dir", help="Where the resumable parts go (default: OUTPUT.parts next to the output).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The model name written in responses (default: the model dir's name).")] = None,
+    check_model: Annotated[bool, typer.Option(
+        "--check-model", help="A request whose body.model is not the served name becomes an error line.")] = False,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="Default for requests without max_tokens (default: until the context ends).")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="Default for requests without one.")] = 1.0,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Job seed: each request samples reproducibly from it unless its body has a seed.")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype")] = "auto",
+    device: Annotated[str, typer.Option("--device")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    kv_cache_memory: Annotated[str, typer.Option("--kv-cache-memory")] = "4GiB",
+    swap_space: Annotated[str, typer.Option("--swap-space")] = "4GiB",
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")] = True,
+    preemption_mode: Annotated[str, typer.Option("--preemption-mode", help="swap or recompute")] = "swap",
+    num_threads: Annotated[int | None, typer.Option("--num-threads")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
+    rows_per_part: Annotated[int, typer.Option("--rows-per-part", help="Requests per saved part.")] = 1000,
+    force: Annotated[bool, typer.Option("--force", help="Continue parts written with other options.")] = False,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Redo the requests that failed.")] = False,
+    grace: Annotated[float, typer.Option("--grace", min=0)] = 60.0,
+    engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
+) -> None:
+    """Run an OpenAI batch request file, as `vllm run-batch` does; a rerun resumes."""
+    import yaml
+
+    from .job.engine import load_factory
+    from .job.runner import Runner
+    from .job.shard import Shard
+    from .job.validate import validate_job_text
+
+    with _user_errors():
+        factory = load_factory(engine)
+        out = output_file.resolve()
+        model_options = {
+            "path": str(Path(model).expanduser().resolve()), "name": served_model_name, "dtype": dtype,
+            "device": device, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+            "kv_cache_memory": kv_cache_memory, "swap_space": swap_space,
+            "enable_prefix_caching": enable_prefix_caching, "preemption_mode": preemption_mode,
+            "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization}
+        job_dict = {
+            "model": {k: v for k, v in model_options.items() if v is not None},
+            "input": {"paths": [str(input_file.resolve())], "format": "openai_batch", "check_model": check_model},
+            "sampling": {"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
+            "output": {"dir": str((output_dir or out.with_name(out.name + ".parts")).resolve()),
+                       "format": "openai_batch", "merge_to": str(out), "rows_per_part": rows_per_part},
+        }
+        text = "# written by batchgen run-batch\n" + yaml.safe_dump(job_dict, sort_keys=False)
+        job = validate_job_text(text, out.parent)
+        result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
+    if result.status == "interrupted":
+        _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished requests are saved, "
+             "run the same command again to resume")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def merge(
+    output_dir: Annotated[Path, typer.Argument(help="The job's output.dir (jsonl or openai_batch parts).")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="The single JSONL file to write.")],
+    partial: Annotated[bool, typer.Option(
+        "--partial", help="Write the rows done so far even if some input rows are not done yet.")] = False,
+) -> None:
+    """Join a JSONL or OpenAI batch output dir into one file, in input order, each row once."""
+    from .job.merge import merge as merge_parts
+
+    with _user_errors():
+        if not output_dir.is_dir():
+            raise JobError(f"no such output dir: {output_dir}")
+        merged = merge_parts(output_dir, out, partial)
+        notes = []
+        if merged.missing:
+            notes.append(f"{merged.missing:,} input rows not done yet")
+        if merged.extra:
+            notes.append(f"{merged.extra:,} rows no longer in the input, at the end")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        print(f"wrote {merged.lines:,} lines for {merged.rows + merged.extra:,} rows to {out}{note}")
 
 
 @app.command()

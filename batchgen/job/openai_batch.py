@@ -196,6 +196,14 @@ class ResponseLines:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def _top_by_text(self, best: list[tuple[int, float]]) -> dict[str, float]:
+        """The completions format keys top logprobs by token text; where two tokens decode to the
+        same text (byte pieces of one character), the likelier one is kept."""
+        out: dict[str, float] = {}
+        for t, v in best:
+            out.setdefault(self._token(t), v)
+        return out
+
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int | None,
                   chat: bool) -> dict[str, Any]:
         k = top or 0
@@ -216,5 +224,5 @@ class ResponseLines:
             offsets.append(at)
             at += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._token(t): v for t, v in best} for _, _, best in entries],
+                "top_logprobs": [self._top_by_text(best) for _, _, best in entries],
                 "text_offset": offsets}

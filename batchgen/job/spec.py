@@ -253,7 +253,7 @@ class Job:
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
         }
         _drop_later_defaults(data)
-        if s.input.id_column is None:  # derived ids contain paths relative to the job file
+        if s.input.id_key is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

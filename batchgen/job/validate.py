@@ -34,9 +34,13 @@ def validate_job_file(path: str | Path, factory: EngineFactory | None = None) ->
     checks its options against the model (``batchgen validate``); without one, only the options
     (``batchgen run``, whose engine checks the rest when it is built, before any row)."""
     path = Path(path)
-    text = read_job_text(path)
+    return validate_job_text(read_job_text(path), path.resolve().parent, path.resolve(), factory)
+
+
+def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
+                      factory: EngineFactory | None = None) -> Job:
+    """``validate_job_file`` for a job given as YAML text (``batchgen run-batch`` builds one)."""
     raw = parse_yaml(text)
-    base_dir = path.resolve().parent
     problems = spec_problems(raw)
     model = model_part(raw)
     if model is not None:
@@ -51,8 +55,7 @@ def validate_job_file(path: str | Path, factory: EngineFactory | None = None) ->
         problems += input_problems(inp, base_dir, overrides, exclude, warnings)
     if problems:
         raise JobInvalid(sorted(problems, key=_section_rank))
-    return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=path.resolve(),
-               warnings=warnings)
+    return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source, warnings=warnings)
 
 
 def model_problems(model: ModelSpec, base_dir: Path, factory: EngineFactory | None = None) -> list[Problem]:
