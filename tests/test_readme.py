@@ -9,6 +9,7 @@ the README's own model path works offline; `batchgen` is this venv's command.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -115,11 +116,12 @@ def test_job_file_reference_is_complete_and_valid():
 
 
 def test_commands_and_exit_codes_are_all_listed():
-    for command in ("run", "validate", "status", "slurm"):
+    for command in ("run", "validate", "status", "slurm", "run-batch", "merge"):
         assert f"| `batchgen {command} " in README
-    run_help = cli("run", "--help").stdout
-    for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", run_help)) - {"--help"}):
-        assert option in README, option
+    for command in ("run", "run-batch", "merge"):
+        command_help = cli(command, "--help").stdout
+        for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", command_help)) - {"--help"}):
+            assert option in README, f"{command} {option}"
     codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
     assert codes == {int(c) for c in re.findall(r"^\| (\d+) \|", README, re.M)}
 
@@ -200,3 +202,24 @@ def test_pandas_recipe(home):
     proc = bash(script, home)
     assert proc.returncode == 0, proc.stderr
     assert all(i in proc.stdout for i in FIRST_IDS)
+
+
+def test_run_batch_example(home):
+    """The OpenAI batch example, on the README's example request file: every line is a response
+    the openai package reads, in the request file's order."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    work = home / "repo"
+    (work / "configs").mkdir(parents=True)
+    requests = (REPO / "configs" / "batch_requests.jsonl").read_text()
+    (work / "configs" / "batch_requests.jsonl").write_text(requests)
+    proc = bash(block("run-batch"), home, cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (work / "out" / "batch" / "results.jsonl").read_text().splitlines()]
+    wanted = [json.loads(x) for x in requests.splitlines()]
+    assert [x["custom_id"] for x in lines] == [r["custom_id"] for r in wanted]
+    for line, req in zip(lines, wanted, strict=True):
+        kind = ChatCompletion if req["url"] == "/v1/chat/completions" else Completion
+        body = kind.model_validate(line["response"]["body"])
+        assert len(body.choices) == req["body"].get("n", 1)
