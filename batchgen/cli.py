@@ -1,4 +1,4 @@
-"""The ``batchgen`` command: run, run-batch, validate, status, merge, slurm.
+"""The ``batchgen`` command: run, run-batch, ray, validate, status, merge, slurm.
 
 User mistakes surface as ``JobError`` and are printed as one line each on stderr (no traceback);
 exit codes are listed in ``batchgen.job.errors``.
@@ -82,6 +82,44 @@ def run(
     if result.status == "interrupted":
         _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished rows are saved, "
              "run the same command again to resume")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("ray")
+def ray_run(
+    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Ray tasks, one shard each.")],
+    address: Annotated[str | None, typer.Option(
+        "--address", help="A running Ray cluster (e.g. auto, ray://head:10001); default: RAY_ADDRESS, "
+                          "else a local one.")] = None,
+    gpus_per_worker: Annotated[float, typer.Option("--gpus-per-worker", min=0)] = 0.0,
+    cpus_per_worker: Annotated[float, typer.Option("--cpus-per-worker", min=0)] = 1.0,
+    max_retries: Annotated[int, typer.Option(
+        "--max-retries", min=0, help="Times Ray reruns a worker lost with its node or process.")] = 3,
+    force: Annotated[bool, typer.Option("--force", help="Continue an output dir of another configuration.")] = False,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Generate the error rows again.")] = False,
+    grace: Annotated[float, typer.Option("--grace", min=0)] = 60.0,
+    engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
+) -> None:
+    """Run a job over a Ray cluster: shard i/N of it per worker; a rerun resumes."""
+    import os
+
+    from .job.storage import node_local_warning
+    from .job.validate import validate_job_file
+    from .ray.cluster import import_ray, run_on_ray
+
+    with _user_errors():
+        import_ray()
+        spec = validate_job_file(job)
+        for warning in spec.warnings:
+            _err(f"warning: {warning}")
+        if (address or os.environ.get("RAY_ADDRESS")) and (w := node_local_warning(spec.output_dir)):
+            _err(f"warning: {w}")
+        result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
+                            gpus_per_worker=gpus_per_worker, max_retries=max_retries, engine=engine,
+                            force=force, retry_errors=retry_errors, grace=grace)
+    if result.exit_code == EXIT_INTERRUPTED:
+        _err("batchgen: interrupted; finished rows are saved, run the same command again to resume")
     raise typer.Exit(result.exit_code)
 
 
@@ -179,10 +217,13 @@ def merge(
 @app.command()
 def validate(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="Also warn when the output dir looks local to this machine (for batchgen ray).")] = False,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Check a job file, its model (without loading the weights) and its input files; list every problem."""
     from .job.engine import load_factory
+    from .job.storage import node_local_warning
     from .job.validate import validate_job_file
 
     try:
@@ -195,6 +236,8 @@ def validate(
     except JobError as e:
         _err(f"batchgen: error: {e}")
         raise typer.Exit(e.exit_code) from None
+    if ray and (local := node_local_warning(spec.output_dir)):
+        spec.warnings.append(local)
     for warning in spec.warnings:
         _err(f"warning: {warning}")
     print("ok")

@@ -37,6 +37,11 @@ class Plan:
     done_before: int = 0
     total: int | None = None  # rows of this shard in the input
     exact: bool = True
+    label: str = ""  # what the lines call the run; default "shard i/n"
+
+    @property
+    def name(self) -> str:
+        return self.label or f"shard {self.shard}"
 
 
 class Reporter(Protocol):
@@ -86,7 +91,7 @@ def eta(plan: Plan, snap: Snapshot) -> float | None:
 
 
 def status_line(plan: Plan, snap: Snapshot) -> str:
-    parts = [f"shard {plan.shard}", rows_text(plan, snap)]
+    parts = [plan.name, rows_text(plan, snap)]
     if snap.errors:
         parts.append(f"errors {snap.errors:,}")
     parts.append(f"{rate(snap.output_tokens, snap.elapsed):,.1f} out tok/s")
@@ -106,7 +111,7 @@ def summary(plan: Plan, snap: Snapshot, status: str) -> str:
            else f"{100.0 * (snap.prefix_cache_hits or 0) / snap.prefix_cache_queries:.1f}%")
     tokens = snap.prompt_tokens + snap.output_tokens
     return "\n".join([
-        f"batchgen: shard {plan.shard} {status}",
+        f"batchgen: {plan.name} {status}",
         f"  rows         {snap.rows:,} this run ({snap.errors:,} errors), {snap.samples:,} samples, "
         f"{snap.parts} parts written; {plan.done_before:,} done before",
         f"  tokens       {snap.prompt_tokens:,} prompt, {snap.output_tokens:,} output",
@@ -140,7 +145,7 @@ class PlainReporter:
         self.plan = plan
         self._next = time.monotonic() + self.interval
         total = "unknown" if plan.total is None else f"{'' if plan.exact else '~'}{plan.total:,}"
-        self._print(f"shard {plan.shard}: {plan.done_before:,} rows done before, {total} rows in input")
+        self._print(f"{plan.name}: {plan.done_before:,} rows done before, {total} rows in input")
 
     def update(self, snap: Snapshot, force: bool = False) -> None:
         now = time.monotonic()
@@ -156,7 +161,7 @@ class PlainReporter:
 
 
 def nothing_to_do(plan: Plan) -> str:
-    return f"batchgen: shard {plan.shard} has nothing to do: all {plan.done_before:,} rows found are done"
+    return f"batchgen: {plan.name} has nothing to do: all {plan.done_before:,} rows found are done"
 
 
 class LiveReporter:

@@ -1,0 +1,242 @@
+"""``batchgen ray job.yaml --workers N``: shard i/N of the job as one Ray task per worker.
+
+Each task is ``batchgen run --shard i/N`` in a Ray worker (the same ``Runner``: the shard lock,
+atomic parts, resume), so what holds for shards holds here: a task retried by Ray after its node
+or process died resumes from the parts already written, and together the shards equal one
+unsharded run. The workers report progress to a small actor; the driver polls it and shows one
+line for the whole job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
+from ..job.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
+from ..job.shard import Shard
+from ..job.spec import Job
+
+POLL_SECONDS = 0.5
+WORKER_UPDATE_SECONDS = 1.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise JobError("Ray is not installed; install it with: pip install 'batchgen[ray]'") from None
+    return ray
+
+
+@dataclass
+class WorkerState:
+    """What the driver knows of one shard's task: its latest attempt's plan and counters."""
+
+    shard: str
+    attempts: int = 0
+    node: str = ""
+    pid: int = 0
+    done_before: int = 0
+    total: int | None = None
+    snap: Snapshot = field(default_factory=Snapshot)
+    status: str = "waiting"  # waiting | running | complete | interrupted | nothing to do | failed
+    error: str = ""
+    exit_code: int = EXIT_OK
+
+
+class ProgressBoard:
+    """The Ray actor the workers report to (plain class; ``run_on_ray`` makes it remote)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[int, dict[str, Any]] = {}
+        self.messages: list[str] = []
+
+    def start(self, index: int, shard: str, node: str, pid: int, done_before: int, total: int | None) -> None:
+        w = self.workers.setdefault(index, {"shard": shard, "attempts": 0})
+        w.update(attempts=w["attempts"] + 1, node=node, pid=pid, done_before=done_before, total=total,
+                 snap=asdict(Snapshot()), status="running")
+        if w["attempts"] > 1:
+            self.messages.append(f"shard {shard}: attempt {w['attempts']} on {node} resumes from "
+                                 f"{done_before:,} rows done")
+
+    def update(self, index: int, snap: dict[str, Any], status: str | None = None) -> None:
+        w = self.workers.get(index)
+        if w is not None:
+            w["snap"] = snap
+            if status:
+                w["status"] = status
+
+    def message(self, index: int, text: str) -> None:
+        shard = self.workers.get(index, {}).get("shard", "?")
+        self.messages.append(f"shard {shard}: {text}")
+
+    def read(self) -> tuple[dict[int, dict[str, Any]], list[str]]:
+        messages, self.messages = self.messages, []
+        return self.workers, messages
+
+
+class BoardReporter:
+    """A worker's ``Reporter``: forwards to the board, at most once a second for updates."""
+
+    def __init__(self, board: Any, index: int):
+        self.board = board
+        self.index = index
+        self._next = 0.0
+
+    def start(self, plan: Plan) -> None:
+        self.board.start.remote(self.index, str(plan.shard), socket.gethostname(), os.getpid(),
+                                plan.done_before, plan.total)
+
+    def idle(self) -> None:
+        self.board.update.remote(self.index, asdict(Snapshot()), "nothing to do")
+
+    def update(self, snap: Snapshot, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now >= self._next:
+            self._next = now + WORKER_UPDATE_SECONDS
+            self.board.update.remote(self.index, asdict(snap))
+
+    def message(self, text: str) -> None:
+        self.board.message.remote(self.index, text)
+
+    def finish(self, snap: Snapshot, status: str) -> None:
+        self.board.update.remote(self.index, asdict(snap), status)
+
+
+def run_shard(job_form: dict[str, Any], index: int, count: int, board: Any, options: dict[str, Any]) -> dict:
+    """The body of one Ray task: the job's shard ``index``/``count`` through ``Runner``."""
+    from ..job.engine import load_factory
+    from ..job.runner import Runner
+    from ..job.spec import parse_job
+
+    job = parse_job(job_form["text"], Path(job_form["base_dir"]),
+                     Path(job_form["source"]) if job_form["source"] else None)
+    reporter = BoardReporter(board, index)
+    result = Runner(job, Shard(index, count), load_factory(options.get("engine")), force=options["force"],
+                    retry_errors=options["retry_errors"], grace=options["grace"], reporter=reporter).run()
+    return {"status": result.status, "exit_code": result.exit_code, "node": socket.gethostname()}
+
+
+@dataclass
+class RayRun:
+    workers: list[WorkerState]
+    elapsed: float
+
+    @property
+    def exit_code(self) -> int:
+        codes = [w.exit_code for w in self.workers if w.exit_code != EXIT_OK]
+        if not codes:
+            return EXIT_OK
+        return EXIT_INTERRUPTED if all(c == EXIT_INTERRUPTED for c in codes) else max(codes)
+
+
+def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_worker: float = 1.0,
+               gpus_per_worker: float = 0.0, max_retries: int = 3, engine: str | None = None,
+               force: bool = False, retry_errors: bool = False, grace: float = 60.0,
+               reporter: Reporter | None = None) -> RayRun:
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    reporter = reporter or make_reporter(job.spec.progress_interval)
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    task = ray.remote(run_shard).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+                                         max_retries=max_retries, retry_exceptions=False)
+    form = {"text": job.text, "base_dir": str(job.base_dir), "source": str(job.source) if job.source else None}
+    options = {"engine": engine, "force": force, "retry_errors": retry_errors, "grace": grace}
+    refs = {task.remote(form, i, workers, board, options): i for i in range(workers)}
+    states = [WorkerState(str(Shard(i, workers))) for i in range(workers)]
+    start = time.monotonic()
+    plan = Plan(Shard(0, 1), label=f"{workers} Ray workers")
+    reporter.start(plan)
+    pending = list(refs)
+    interrupted = False
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
+            for ref in done:
+                _finished(ray, ref, states[refs[ref]])
+            _refresh(ray, board, states, plan, reporter, time.monotonic() - start)
+    except KeyboardInterrupt:
+        interrupted = True
+        reporter.message("interrupted: asking every worker to save what is finished")
+        for ref in pending:
+            ray.cancel(ref)
+        for ref in pending:
+            _finished(ray, ref, states[refs[ref]], cancelled=True)
+    elapsed = time.monotonic() - start
+    _refresh(ray, board, states, plan, reporter, elapsed)
+    total = _total(states, elapsed)
+    status = "interrupted" if interrupted else ("complete" if all(w.exit_code == EXIT_OK for w in states)
+                                                else "incomplete")
+    reporter.finish(total, status)
+    for w in states:
+        reporter.message(worker_line(w))
+    return RayRun(states, elapsed)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _finished(ray: Any, ref: Any, state: WorkerState, cancelled: bool = False) -> None:
+    try:
+        out = ray.get(ref)
+    except Exception as e:  # the task's own error (JobError: a user mistake), or Ray's
+        cause = getattr(e, "cause", None) or e
+        if cancelled or type(cause).__name__ in ("TaskCancelledError", "KeyboardInterrupt"):
+            state.status, state.exit_code = "interrupted", EXIT_INTERRUPTED
+            return
+        state.status = "failed"
+        state.error = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+        state.exit_code = getattr(cause, "exit_code", EXIT_ENGINE)
+        return
+    state.status, state.exit_code = out["status"], out["exit_code"]
+    state.node = state.node or out["node"]
+
+
+def _refresh(ray: Any, board: Any, states: list[WorkerState], plan: Plan, reporter: Reporter, elapsed: float) -> None:
+    workers, messages = ray.get(board.read.remote())
+    for i, w in workers.items():
+        s = states[i]
+        s.attempts, s.node, s.pid = w["attempts"], w["node"], w["pid"]
+        s.done_before, s.total = w["done_before"], w["total"]
+        s.snap = Snapshot(**w["snap"])
+        if s.status in ("waiting", "running"):
+            s.status = w["status"]
+    for m in messages:
+        reporter.message(m)
+    plan.done_before = sum(s.done_before for s in states)
+    totals = [s.total for s in states]
+    plan.total = None if None in totals else sum(t or 0 for t in totals)
+    plan.exact = False
+    reporter.update(_total(states, elapsed))
+
+
+def _total(states: list[WorkerState], elapsed: float) -> Snapshot:
+    total = Snapshot(elapsed=elapsed)
+    for name in ("rows", "samples", "errors", "prompt_tokens", "output_tokens", "in_flight", "parts"):
+        setattr(total, name, sum(getattr(s.snap, name) for s in states))
+    for name in ("preemptions", "prefix_cache_hits", "prefix_cache_queries"):
+        known = [getattr(s.snap, name) for s in states if getattr(s.snap, name) is not None]
+        setattr(total, name, sum(known) if known else None)
+    usage = [s.snap.kv_cache_usage for s in states if s.snap.kv_cache_usage is not None and s.status == "running"]
+    total.kv_cache_usage = sum(usage) / len(usage) if usage else None
+    return total
+
+
+def worker_line(w: WorkerState) -> str:
+    retried = f", {w.attempts - 1} retr{'y' if w.attempts == 2 else 'ies'}" if w.attempts > 1 else ""
+    where = f" on {w.node}" if w.node else ""
+    line = (f"  shard {w.shard:<9} {w.status}{where}: {w.snap.rows:,} rows ({w.snap.errors:,} errors), "
+            f"{w.snap.output_tokens:,} output tokens, {rate(w.snap.output_tokens, w.snap.elapsed):,.1f} tok/s, "
+            f"{duration(w.snap.elapsed)}{retried}")
+    return f"{line}; {w.error}" if w.error else line
