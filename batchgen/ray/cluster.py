@@ -20,6 +20,7 @@ from typing import Any
 
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
 from ..job.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
+from ..job.reader import InputReader
 from ..job.shard import Shard
 from ..job.spec import Job
 
@@ -44,7 +45,6 @@ class WorkerState:
     node: str = ""
     pid: int = 0
     done_before: int = 0
-    total: int | None = None
     snap: Snapshot = field(default_factory=Snapshot)
     status: str = "waiting"  # waiting | running | complete | interrupted | nothing to do | failed
     error: str = ""
@@ -153,7 +153,8 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
     refs = {task.remote(form, i, workers, board, options): i for i in range(workers)}
     states = [WorkerState(str(Shard(i, workers))) for i in range(workers)]
     start = time.monotonic()
-    plan = Plan(Shard(0, 1), label=f"{workers} Ray workers")
+    total, exact = InputReader.for_job(job).total_rows()
+    plan = Plan(Shard(0, 1), total=total, exact=exact, label=f"{workers} Ray workers")
     reporter.start(plan)
     pending = list(refs)
     interrupted = False
@@ -208,16 +209,13 @@ def _refresh(ray: Any, board: Any, states: list[WorkerState], plan: Plan, report
     for i, w in workers.items():
         s = states[i]
         s.attempts, s.node, s.pid = w["attempts"], w["node"], w["pid"]
-        s.done_before, s.total = w["done_before"], w["total"]
+        s.done_before = w["done_before"]
         s.snap = Snapshot(**w["snap"])
         if s.status in ("waiting", "running"):
             s.status = w["status"]
     for m in messages:
         reporter.message(m)
     plan.done_before = sum(s.done_before for s in states)
-    totals = [s.total for s in states]
-    plan.total = None if None in totals else sum(t or 0 for t in totals)
-    plan.exact = False
     reporter.update(_total(states, elapsed))
 
 

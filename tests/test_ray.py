@@ -1,0 +1,112 @@
+"""batchgen on a local Ray cluster: `batchgen ray` equals an unsharded run, a worker killed
+mid-run is retried and resumes (each (id, sample) once), and the Ray Data stage gives the text
+`LLM.generate` gives."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from jobkit import batchgen_cmd, cli, outputs_by_key, run, setup_job, subprocess_env
+
+from batchgen.job.storage import node_local_warning
+
+pytest.importorskip("ray")
+
+KNOBS = {"output": {"rows_per_part": 5}, "max_in_flight": 8, "model": {"path": "model", "max_num_seqs": 8}}
+
+
+def ray_cmd(job, *args: str) -> list[str]:
+    return batchgen_cmd("ray", job, "--workers", "2", *args)
+
+
+def test_two_workers_equal_one_unsharded_run(tmp_path):
+    ref = setup_job(tmp_path / "ref", rows=120, **KNOBS)
+    assert run(ref).exit_code == 0
+    job = setup_job(tmp_path / "ray", rows=120, **KNOBS)
+    proc = subprocess.run(ray_cmd(job), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert outputs_by_key(tmp_path / "ray" / "out") == outputs_by_key(tmp_path / "ref" / "out")
+    assert {p.name.split("-of-")[0] for p in (tmp_path / "ray" / "out").glob("part-*")} == {"part-00000", "part-00001"}
+    assert "batchgen: 2 Ray workers complete" in proc.stdout
+    assert re.search(r"shard 0/2 +complete on .*rows", proc.stdout) and re.search(r"shard 1/2 +complete", proc.stdout)
+    again = subprocess.run(ray_cmd(job), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_a_killed_worker_is_retried_and_resumes(tmp_path):
+    ref = setup_job(tmp_path / "ref", rows=300, **KNOBS)
+    assert run(ref).exit_code == 0
+    root = tmp_path / "ray"
+    job = setup_job(root, rows=300, **KNOBS)
+    out = root / "out"
+    driver = subprocess.Popen(ray_cmd(job), env=subprocess_env(FAKE_LLM_STEP_SLEEP="0.01"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = out / ".locks" / "shard-00000-of-00002.lock"
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("part-00000-of-00002-*"))) < 2:
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "shard 0 wrote no parts"
+        time.sleep(0.01)
+    pid = int(re.match(r"pid (\d+)", lock.read_text())[1])
+    os.kill(pid, signal.SIGKILL)  # the worker process, as a lost node or a spot reclaim would
+    stdout, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 0, stderr
+    assert "shard 0/2: attempt 2" in stdout and "1 retry" in stdout
+    assert outputs_by_key(out) == outputs_by_key(tmp_path / "ref" / "out")  # asserts each (id, sample) once
+
+
+def test_ray_missing_is_one_line_with_the_install_command(tmp_path, monkeypatch):
+    job = setup_job(tmp_path, rows=2)
+    monkeypatch.setitem(sys.modules, "ray", None)
+    result = cli("ray", job, "--workers", "2")
+    assert result.exit_code == 1
+    assert "Ray is not installed; install it with: pip install 'batchgen[ray]'" in result.output
+
+
+def test_node_local_output_dirs_are_told_apart(tmp_path):
+    mounts = tmp_path / "mounts"
+    (tmp_path / "shared").mkdir()
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export {(tmp_path / 'shared').resolve()} nfs4 rw 0 0\n")
+    assert "looks local to this machine" in node_local_warning(tmp_path / "local" / "out", str(mounts))
+    assert node_local_warning(tmp_path / "shared" / "out", str(mounts)) is None
+    job = setup_job(tmp_path / "job", rows=2)
+    result = cli("validate", job, "--ray", "--engine", "fake_llm:FakeLLM")
+    assert result.exit_code == 0  # a warning, not a problem (here: whatever /tmp is on)
+
+
+def test_ray_data_stage_gives_the_text_of_llm_generate(tiny_model_dirs):
+    import ray
+
+    import batchgen.ray
+    from batchgen import LLM, SamplingParams
+
+    model = str(tiny_model_dirs["llama"])
+    prompts = [f"tell me about number {i}" for i in range(24)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8)
+    options = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 128}
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        ds = ray.data.from_items([{"key": i, "prompt": p} for i, p in enumerate(prompts)] + [{"key": 99, "prompt": ""}])
+        rows = batchgen.ray.generate(ds, model, params, batch_size=5, max_concurrent_batches=3, **options).take_all()
+        chats = ray.data.from_items([{"messages": [{"role": "user", "content": p}]} for p in prompts[:4]])
+        chat_rows = batchgen.ray.generate(chats, model, {"n": 2, "temperature": 0, "max_tokens": 4},
+                                          prompt_column=None, messages_column="messages", **options).take_all()
+    finally:
+        ray.shutdown()
+    llm = LLM(model, **options)
+    expected = [o.outputs[0] for o in llm.generate(prompts, params)]
+    by_key = {r["key"]: r for r in rows}
+    assert [by_key[i]["text"] for i in range(len(prompts))] == [c.text for c in expected]
+    assert [by_key[i]["num_output_tokens"] for i in range(len(prompts))] == [len(c.token_ids) for c in expected]
+    assert all(by_key[i]["error"] is None for i in range(len(prompts)))
+    assert by_key[99]["text"] is None and by_key[99]["error"] == "prompt is empty"
+    greedy = llm.chat([[{"role": "user", "content": p}] for p in prompts[:4]],
+                      SamplingParams(n=2, temperature=0, max_tokens=4))
+    got = sorted(tuple(r["text"]) for r in chat_rows)
+    assert got == sorted(tuple(c.text for c in o.outputs) for o in greedy)
