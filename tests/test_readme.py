@@ -116,9 +116,9 @@ def test_job_file_reference_is_complete_and_valid():
 
 
 def test_commands_and_exit_codes_are_all_listed():
-    for command in ("run", "validate", "status", "slurm", "run-batch", "merge"):
+    for command in ("run", "validate", "status", "slurm", "run-batch", "merge", "ray"):
         assert f"| `batchgen {command} " in README
-    for command in ("run", "run-batch", "merge"):
+    for command in ("run", "run-batch", "merge", "ray", "validate"):
         command_help = cli(command, "--help").stdout
         for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", command_help)) - {"--help"}):
             assert option in README, f"{command} {option}"
