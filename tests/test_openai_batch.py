@@ -4,11 +4,23 @@ package's own types), `batchgen run-batch`, SIGKILL and rerun, bad lines as erro
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
 import pytest
-from jobkit import FAKE, batchgen_cmd, cli, make_model, run, setup_job, subprocess_env, write_job, write_jsonl
+from jobkit import (
+    FAKE,
+    batchgen_cmd,
+    cli,
+    job_dict,
+    make_model,
+    run,
+    setup_job,
+    subprocess_env,
+    write_job,
+    write_jsonl,
+)
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -316,3 +328,23 @@ def test_run_batch_on_the_real_engine(tmp_path, tiny_model_dirs):
     seeded = llm.chat([[{"role": "user", "content": "sample this"}]],
                       SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=5))[0]
     assert [c.message.content for c in sampled.choices] == [c.text for c in seeded.outputs]
+
+
+def test_openai_output_of_a_prompt_job_in_three_shards_is_merged_by_the_last(tmp_path):
+    """Any input can be written in the OpenAI output shape (a prompt column: text completions);
+    with shards, the shard that finds every row done writes merge_to."""
+    setup_job(tmp_path, rows=30)
+    spec = job_dict(input={"carry_columns": []})
+    spec["output"] = {"dir": "out", "format": "openai_batch", "merge_to": "all.jsonl", "rows_per_part": 4}
+    job = write_job(tmp_path / "job.yaml", spec)
+    for i in range(3):
+        result = run(job, "--shard", f"{i}/3")
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "all.jsonl").exists() == (i == 2)
+    lines = read_lines(tmp_path / "all.jsonl")
+    assert [x["custom_id"] for x in lines] == [f"q{i:04d}" for i in range(30)]
+    for line in lines:
+        body = Completion.model_validate(line["response"]["body"])
+        assert len(body.choices) == 2  # the job's n
+    status = cli("status", tmp_path / "out")
+    assert status.exit_code == 0 and len(re.findall(r"  done$", status.output, re.M)) == 3
