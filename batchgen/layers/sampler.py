@@ -38,11 +38,14 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]  # e.g. EOS while min_tokens is not reached
+    # Structured outputs: the tokens the row's grammar allows, a packed int32 bitmask (bit j of
+    # word i allows token 32 i + j); None for an unconstrained row.
+    allowed: torch.Tensor | None = None
 
     @property
     def edits_logits(self) -> bool:
-        """Bans or penalties change the row's logits before it is sampled."""
-        return bool(self.banned_token_ids) or self.params.penalized
+        """A grammar, bans or penalties change the row's logits before it is sampled."""
+        return self.allowed is not None or bool(self.banned_token_ids) or self.params.penalized
 
 
 @dataclass
@@ -52,8 +55,24 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Tokens a row's grammar does not allow get -inf, for all constrained rows at once."""
+    masked = [r for r, row in enumerate(rows) if row.allowed is not None]
+    if not masked:
+        return
+    packed = torch.stack([rows[r].allowed for r in masked]).to(logits.device)
+    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1
+    refused = bits.flatten(1)[:, : logits.shape[1]] == 0
+    index = torch.tensor(masked, device=logits.device)
+    logits[index] = logits[index].masked_fill(refused, float("-inf"))
+
+
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place, on a float32 copy of the rows' logits."""
+    """In place, on a float32 copy of the rows' logits; the grammar's mask comes first."""
+    _apply_grammar_masks(logits, rows)
     for r, row in enumerate(rows):
         if row.banned_token_ids:
             logits[r, row.banned_token_ids] = float("-inf")
