@@ -26,6 +26,7 @@ from .spec import (
     resolve_path,
     spec_problems,
 )
+from .structured import resolve_schema_file
 
 
 def validate_job_file(path: str | Path, factory: EngineFactory | None = None) -> Job:
@@ -37,7 +38,7 @@ def validate_job_file(path: str | Path, factory: EngineFactory | None = None) ->
     text = read_job_text(path)
     raw = parse_yaml(text)
     base_dir = path.resolve().parent
-    problems = spec_problems(raw)
+    problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
     model = model_part(raw)
     if model is not None:
         problems += model_problems(model, base_dir, factory)
