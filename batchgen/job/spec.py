@@ -211,6 +211,14 @@ class JobSpec(_Section):
         return v
 
 
+def _without_unset_constraint(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Jobs without structured outputs keep the config hash they had before the field existed, so
+    their output dirs stay resumable."""
+    if sampling.get("structured_outputs") is None:
+        sampling.pop("structured_outputs", None)
+    return sampling
+
+
 def resolve_path(base_dir: Path, p: str) -> Path:
     """Relative paths in a job file are relative to the job file's directory."""
     path = Path(p).expanduser()
@@ -255,7 +263,7 @@ class Job:
             "model": {"path": str(self.model_path.resolve()), "dtype": s.model.dtype,
                       "max_model_len": s.model.max_model_len},
             "input": s.input.model_dump(exclude={"paths"}),
-            "sampling": s.sampling.model_dump(),
+            "sampling": _without_unset_constraint(s.sampling.model_dump()),
             "output": {"fields": sorted(s.output.fields)},
         }
         if s.input.id_column is None:  # derived ids contain paths relative to the job file

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen import ops
@@ -55,19 +56,21 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Tokens a row's grammar does not allow get -inf, for all constrained rows at once."""
+    """Tokens a row's grammar does not allow get -inf, for all constrained rows at once. numpy's
+    unpackbits (the int32 words read as little-endian bytes) is the fast unpack; a masked_fill in
+    place on all rows is cheaper than a gather and a scatter of some."""
     masked = [r for r, row in enumerate(rows) if row.allowed is not None]
     if not masked:
         return
-    packed = torch.stack([rows[r].allowed for r in masked]).to(logits.device)
-    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1
-    refused = bits.flatten(1)[:, : logits.shape[1]] == 0
-    index = torch.tensor(masked, device=logits.device)
-    logits[index] = logits[index].masked_fill(refused, float("-inf"))
+    packed = torch.stack([rows[r].allowed for r in masked]).cpu().numpy()
+    allowed = np.unpackbits(packed.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+    refused = torch.from_numpy(allowed).to(logits.device) == 0
+    if len(masked) == len(rows):
+        logits.masked_fill_(refused, float("-inf"))
+    else:
+        index = torch.tensor(masked, device=logits.device)
+        logits[index] = logits[index].masked_fill(refused, float("-inf"))
 
 
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
