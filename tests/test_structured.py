@@ -15,6 +15,7 @@ import xgrammar as xgr
 from test_llm import make_prompts, tokens
 
 from batchgen import LLM, SamplingParams, StructuredOutputsParams
+from batchgen.layers.sampler import SamplingRow, sample
 
 SCHEMA = {
     "type": "object",
@@ -68,6 +69,40 @@ def test_sampling_params_take_a_mapping_and_name_the_field():
 def test_a_schema_as_dict_or_text_is_one_constraint():
     text = StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2))
     assert text.key == StructuredOutputsParams(json=SCHEMA).key
+
+
+# --- the sampler's mask ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_masks_exactly_the_constrained_rows(dtype):
+    """Against xgrammar's own kernel masking the logits first: the same tokens for constrained rows
+    (greedy and seeded, with penalties and bans after the mask), unchanged tokens for the others."""
+    vocab, rows_n = 1000, 40
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows_n, vocab, generator=gen) * 3).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows_n, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    bitmask[::5] &= 0x00F0_0001  # some rows allow only a few tokens
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.9, top_p=0.9, top_k=50 if i % 4 else -1,
+                             presence_penalty=0.5 if i % 7 == 0 else 0.0) for i in range(rows_n)]
+    constrained = [i % 2 == 0 for i in range(rows_n)]
+
+    def rows(with_masks: bool) -> list[SamplingRow]:
+        return [SamplingRow(params[i], seed=10 + i, sample_index=0, prompt_token_ids=[1, 2], output_token_ids=[3, i],
+                            banned_token_ids=[5] if i % 6 == 0 else [],
+                            allowed=bitmask[i] if with_masks and constrained[i] else None) for i in range(rows_n)]
+
+    ours = sample(logits, rows(True)).token_ids
+    masked = logits.float().clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask, indices=[i for i in range(rows_n) if constrained[i]])
+    reference = sample(masked, rows(False)).token_ids
+    free = sample(logits, rows(False)).token_ids
+    for i in range(rows_n):
+        if constrained[i]:
+            assert ours[i] == reference[i], i
+            assert bitmask[i, ours[i] // 32] >> (ours[i] % 32) & 1, i
+        else:
+            assert ours[i] == free[i], i
+    assert ours != free
 
 
 # --- greedy against an independent reference -----------------------------------------------------

@@ -56,26 +56,26 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Tokens a row's grammar does not allow get -inf, for all constrained rows at once. numpy's
-    unpackbits (the int32 words read as little-endian bytes) is the fast unpack; a masked_fill in
-    place on all rows is cheaper than a gather and a scatter of some."""
+def _grammar_masked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits with -inf where a row's grammar refuses a token: a new tensor when a row is
+    constrained (made by the mask itself, not by a copy first), else `logits` itself. numpy's
+    unpackbits (the int32 words read as little-endian bytes) is the fast unpack."""
     masked = [r for r, row in enumerate(rows) if row.allowed is not None]
     if not masked:
-        return
+        return logits
     packed = torch.stack([rows[r].allowed for r in masked]).cpu().numpy()
     allowed = np.unpackbits(packed.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
     refused = torch.from_numpy(allowed).to(logits.device) == 0
     if len(masked) == len(rows):
-        logits.masked_fill_(refused, float("-inf"))
-    else:
-        index = torch.tensor(masked, device=logits.device)
-        logits[index] = logits[index].masked_fill(refused, float("-inf"))
+        return logits.masked_fill(refused, float("-inf"))
+    out = logits.clone()
+    index = torch.tensor(masked, device=logits.device)
+    out[index] = out[index].masked_fill(refused, float("-inf"))
+    return out
 
 
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place, on a float32 copy of the rows' logits; the grammar's mask comes first."""
-    _apply_grammar_masks(logits, rows)
+    """In place, on a float32 copy of the rows' logits."""
     for r, row in enumerate(rows):
         if row.banned_token_ids:
             logits[r, row.banned_token_ids] = float("-inf")
@@ -131,7 +131,9 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
         if any(row.edits_logits for row in edited_samples):
-            edited = edited.float()  # a copy, unless float32 logits are taken whole
+            # A copy, unless float32 logits are taken whole and no row is constrained; the
+            # grammar's mask comes before bans and penalties.
+            edited = _grammar_masked(edited.float(), edited_samples)
             if edited is logits:
                 edited = edited.clone()  # the caller's logits stay as they are
             _apply_bans_and_penalties(edited, edited_samples)
