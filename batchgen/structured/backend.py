@@ -7,6 +7,7 @@ so its matcher state stays exact without a replay. A fork copies the parent's ma
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,16 +17,20 @@ from batchgen.structured.params import StructuredOutputsParams, grammar_of
 
 
 class GrammarBackend:
-    """Compiles constraints for one tokenizer and fills token bitmasks, many matchers at once."""
+    """Compiles constraints for one tokenizer and fills token bitmasks, many matchers at once.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]):
+    Compiled grammars are kept for the `cache_size` constraints used last: a job whose rows share
+    a few schemas compiles each once, and one with a schema per row does not grow without bound."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], cache_size: int = 256):
         import xgrammar as xgr
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the cache is ours, keyed by text
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_size = cache_size
         self._batch = xgr.BatchGrammarMatcher()
         self.vocab_size = vocab_size
         self.num_compiles = 0
@@ -35,8 +40,11 @@ class GrammarBackend:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiler.compile_grammar(grammar_of(*key))
-            self._compiled[key] = compiled
             self.num_compiles += 1
+            if len(self._compiled) >= self._cache_size:
+                self._compiled.popitem(last=False)
+        self._compiled[key] = compiled
+        self._compiled.move_to_end(key)
         return compiled
 
     def start(self, constraint: StructuredOutputsParams) -> RequestGrammar:
