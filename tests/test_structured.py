@@ -212,6 +212,21 @@ def test_each_distinct_constraint_compiles_once(tiny):
     assert llm.stats()["grammar_compiles"] == 2
 
 
+def test_the_compile_cache_keeps_the_constraints_used_last():
+    from conftest import _tiny_tokenizer
+
+    from batchgen.structured.backend import GrammarBackend
+
+    tokenizer = _tiny_tokenizer()
+    backend = GrammarBackend(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_size=2)
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+    for constraint in (a, b, a, c, a):  # c evicts b, the one used longest ago
+        backend.compile(constraint)
+    assert backend.num_compiles == 3
+    backend.compile(b)
+    assert backend.num_compiles == 4
+
+
 def test_a_constraint_ends_the_sample_even_with_ignore_eos(tiny):
     path, hf, _ = tiny
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")

@@ -74,6 +74,19 @@ def _grammar_masked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
+def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[int]:
+    """Greedy rows whose only edit is a grammar that allows the row's argmax: the masked argmax is
+    that same token, so they skip the masked copy (most steps of a greedy constrained output)."""
+    candidates = [r for r, row in enumerate(rows) if row.allowed is not None and row.params.greedy
+                  and not row.banned_token_ids and not row.params.penalized]
+    if not candidates:
+        return set()
+    picks = chosen[candidates].cpu()
+    words = torch.stack([rows[r].allowed for r in candidates]).cpu().gather(1, (picks >> 5)[:, None]).squeeze(1)
+    bits = (words >> (picks & 31)) & 1
+    return {r for r, bit in zip(candidates, bits.tolist(), strict=True) if bit}
+
+
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place, on a float32 copy of the rows' logits."""
     for r, row in enumerate(rows):
@@ -125,8 +138,9 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     A plain greedy row needs only its argmax; the other rows are read as float32, in a float32 copy
     where bans or penalties edit them."""
     chosen, log_total = ops.argmax_logsumexp(logits)
+    settled = _allowed_argmax_rows(chosen, rows)
     edited_rows = [r for r, row in enumerate(rows)
-                   if not row.params.greedy or row.edits_logits]
+                   if (not row.params.greedy or row.edits_logits) and r not in settled]
     if edited_rows:
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
