@@ -119,7 +119,7 @@ def reference_greedy(hf, tokenizer, prompt: list[int], constraint: StructuredOut
     elif kind == "regex":
         compiled = compiler.compile_regex(constraint.regex)
     elif kind == "json_object":
-        compiled = compiler.compile_builtin_json_grammar()
+        compiled = compiler.compile_json_schema('{"type": "object"}')
     else:
         ebnf = constraint.grammar or "root ::= " + " | ".join(f'"{c}"' for c in constraint.choice)
         compiled = compiler.compile_grammar(ebnf)
@@ -159,6 +159,8 @@ def test_greedy_constrained_outputs_match_the_reference(tiny):
         completion = out.outputs[0]
         assert completion.token_ids == ref, c
         assert completion.valid == (completion.finish_reason == "stop"), c
+        if completion.valid and c in ("json", "json_object"):
+            assert isinstance(json.loads(completion.text), dict), c
         assert completion.finish_reason == ("stop" if len(ref) < 24 or ref[-1] == tokenizer.eos_token_id
                                             else "length"), c
     free_outputs = LLM(path, dtype="float32", kv_cache_memory="32MiB").generate(prompts, free, use_tqdm=False)

@@ -109,7 +109,7 @@ def grammar_of(kind: str, key: str) -> Any:
             return xgr.Grammar.from_ebnf(choice_grammar(json.loads(key)))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(key)
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema('{"type": "object"}')  # any object (the builtin grammar takes arrays too)
     except (RuntimeError, ValueError, TypeError) as e:
         why = _XGRAMMAR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"structured_outputs.{kind}: {why}") from None
