@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from batchgen.structured.params import StructuredOutputsParams, grammar_of
+from batchgen.structured.params import StructuredOutputsParams, grammar_of, xgrammar_message
 
 
 class GrammarBackend:
@@ -39,7 +39,10 @@ class GrammarBackend:
         key = (constraint.kind, constraint.key)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiler.compile_grammar(grammar_of(*key))
+            try:
+                compiled = self._compiler.compile_grammar(grammar_of(*key))
+            except RuntimeError as e:  # the request's error (a row error in a job), never the engine's
+                raise ValueError(f"structured_outputs.{constraint.kind}: {xgrammar_message(e)}") from None
             self.num_compiles += 1
             if len(self._compiled) >= self._cache_size:
                 self._compiled.popitem(last=False)

@@ -111,5 +111,10 @@ def grammar_of(kind: str, key: str) -> Any:
             return xgr.Grammar.from_ebnf(key)
         return xgr.Grammar.from_json_schema('{"type": "object"}')  # any object (the builtin grammar takes arrays too)
     except (RuntimeError, ValueError, TypeError) as e:
-        why = _XGRAMMAR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"structured_outputs.{kind}: {why}") from None
+        raise ValueError(f"structured_outputs.{kind}: {xgrammar_message(e)}") from None
+
+
+def xgrammar_message(error: Exception) -> str:
+    """The first line of an xgrammar error, without its time stamp and C++ source location."""
+    text = str(error).strip()
+    return _XGRAMMAR_PREFIX.sub("", text).splitlines()[0] if text else type(error).__name__
