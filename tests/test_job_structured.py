@@ -54,6 +54,7 @@ def test_row_constraint_gathers_the_constraint_columns():
         "max_tokens": 3, "structured_outputs": {"choice": ["a", "b"]}}
     assert row_constraint({"structured_outputs.json": "{}"}) == {"structured_outputs": {"json": "{}"}}
     assert row_constraint({"seed": 1}) == {"seed": 1}
+    assert row_constraint({"structured_outputs": '{"regex": "a+"}'}) == {"structured_outputs": {"regex": "a+"}}
 
 
 def test_parsed_is_null_unless_the_output_is_whole_json():

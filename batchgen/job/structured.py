@@ -4,7 +4,8 @@
 or the path of a ``.json`` file relative to the job file), ``regex``, ``choice``, ``grammar`` or
 ``json_object: true``. A row's own constraint comes from a column named in ``sampling.overrides``
 under ``structured_outputs.<kind>`` (its value: a schema as JSON text or an object, a regex, a
-list of choices, a grammar) and replaces the job's for that row.
+list of choices, a grammar), or under ``structured_outputs`` (a whole constraint, ``{"json": ...}``),
+and replaces the job's for that row.
 """
 
 from __future__ import annotations
