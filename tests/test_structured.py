@@ -238,6 +238,17 @@ def test_a_constraint_ends_the_sample_even_with_ignore_eos(tiny):
     assert out.finish_reason == "stop" and out.valid and out.text in ("a", "b")
 
 
+def test_a_stop_string_inside_a_constrained_output_ends_it_as_not_valid(tiny):
+    path, hf, _ = tiny
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=12, stop=["b"], n=2,
+                            structured_outputs={"regex": "a{0,3}b{1,3}"})
+    for out in llm.generate(make_prompts(hf.config.vocab_size, [9, 14]), params, use_tqdm=False):
+        for c in out.outputs:
+            assert (c.finish_reason, c.stop_reason, c.valid) == ("stop", "b", False)
+            assert set(c.text) <= {"a"} and len(c.text) <= 3
+
+
 def test_a_constraint_needs_the_tokenizer(tiny):
     path, hf, _ = tiny
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", skip_tokenizer_init=True)
