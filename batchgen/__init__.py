@@ -5,9 +5,10 @@
 
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

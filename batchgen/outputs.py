@@ -14,6 +14,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-k token id -> logprob
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    valid: bool | None = None  # structured outputs: a whole string of the grammar; None if unconstrained
 
 
 @dataclass

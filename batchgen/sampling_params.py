@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from batchgen.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -31,6 +34,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        try:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"SamplingParams.{e}") from None
         self._validate()
 
     def _validate(self) -> None:

@@ -7,6 +7,9 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   mixed     prompts of 20-400 tokens, max_tokens from {16..256}, greedy, ignore_eos
   parallel  prompts of ~400 tokens, n=8 samples of 64 tokens (temperature 0.8, top_p 0.95)
   pressure  mixed with a KV cache of a quarter of mixed's peak need (must preempt; peers: mixed's numbers)
+  json      mixed's prompts, each output constrained to one shared JSON schema (structured outputs), then
+            json-free: the same prompts unconstrained, each with max_tokens = its constrained output's length,
+            so both generate the same tokens; the ratio of their output tokens/s is the constraint's cost
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
@@ -70,6 +73,22 @@ ENDINGS = ["and it did not work.", "so please keep it simple.", "but the steps w
            "and I would like a checklist.", "so give me concrete examples.", "and we need it by Friday."]
 
 
+# The json workload's schema: a record a dataset job might ask for (objects, strings, enums, bounds, arrays).
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "difficulty": {"enum": ["easy", "medium", "hard"]},
+        "minutes": {"type": "integer", "minimum": 1, "maximum": 600},
+        "steps": {"type": "array", "items": {"type": "object", "properties": {
+            "action": {"type": "string", "maxLength": 120}, "optional": {"type": "boolean"}},
+            "required": ["action", "optional"]}, "minItems": 1, "maxItems": 6},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+    },
+    "required": ["title", "difficulty", "minutes", "steps", "tags"],
+}
+
+
 @dataclass
 class Workload:
     name: str
@@ -78,6 +97,7 @@ class Workload:
     n: int = 1
     temperature: float = 0.0
     top_p: float = 1.0
+    structured_outputs: dict | None = None  # every request's constraint (SamplingParams.structured_outputs)
 
     @property
     def prompt_tokens(self) -> int:
@@ -193,7 +213,7 @@ class StepProfile:
     def __init__(self, llm):
         self.totals: dict[str, float] = defaultdict(float)
         self.last = None
-        engine = llm.engine
+        self.engine = engine = llm.engine
         self._wrap(engine.scheduler, "schedule", "schedule", keep=True)
         self._wrap(engine.runner, "execute", "execute")
         self._wrap(engine.runner.model, "forward", "forward")
@@ -216,6 +236,16 @@ class StepProfile:
             return result
 
         setattr(obj, name, timed)
+
+    def time_grammar(self) -> None:
+        """Times the structured-output work: the bitmask fill of a step's constrained rows, the sampler (which
+        applies the masks) and the matchers' token accepts."""
+        from batchgen.engine import llm_engine
+        from batchgen.structured import backend
+
+        self._wrap(self.engine, "_fill_grammar_masks", "grammar_fill")
+        self._wrap(llm_engine, "sample", "sample")
+        self._wrap(backend.RequestGrammar, "accept", "grammar_accept")
 
     def stack_attention(self) -> None:
         """Adds the stack's attention (with its cache writes, as PagedAttention.forward has them) since __init__."""
@@ -243,8 +273,8 @@ def isolated(isolate: bool, fn, *args):
 def sampling_params(wl: Workload):
     from batchgen import SamplingParams
 
-    return [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True, seed=i)
-            for i, m in enumerate(wl.max_tokens)]
+    return [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True, seed=i,
+                           structured_outputs=wl.structured_outputs) for i, m in enumerate(wl.max_tokens)]
 
 
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
@@ -257,6 +287,8 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
               enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads)
     llm.generate([list(range(10, 26))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
+    if wl.structured_outputs is not None:
+        profile.time_grammar()
     with PeakRSS() as rss:
         start = time.perf_counter()
         for i, (prompt, params) in enumerate(zip(wl.prompts, sampling_params(wl), strict=True)):
@@ -277,6 +309,13 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
                  kv_blocks=kv_blocks, preemptions=stats["num_preemptions"], swap_preemptions=stats["swap_preemptions"],
                  prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
                  stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps)
+    if wl.structured_outputs is not None:
+        order = {f"{wl.name}-{i}": i for i in range(len(wl.prompts))}
+        in_order = sorted(finished, key=lambda r: order[r.request_id])
+        extra.update(grammar_compiles=stats["grammar_compiles"],
+                     output_lengths=[len(r.outputs[0].token_ids) for r in in_order],
+                     valid=sum(bool(c.valid) for r in finished for c in r.outputs),
+                     finished_by_grammar=sum(c.finish_reason == "stop" for r in finished for c in r.outputs))
     del llm, profile
     gc.collect()
     return Run(wl.name, "batchgen", dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
@@ -444,9 +483,14 @@ def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, co
 def stage_breakdown(totals: dict[str, float]) -> dict[str, float]:
     """Exclusive seconds per stage of batchgen's step, from StepProfile's nested timers."""
     t = defaultdict(float, totals)
-    return {"schedule": t["schedule"], "prepare+moves": t["execute"] - t["forward"] - t["logits"],
-            "attention": t["attention"], "gemm+other fwd": t["forward"] - t["attention"], "lm_head": t["logits"],
-            "sample+engine": t["step"] - t["schedule"] - t["execute"]}
+    stages = {"schedule": t["schedule"], "prepare+moves": t["execute"] - t["forward"] - t["logits"],
+              "attention": t["attention"], "gemm+other fwd": t["forward"] - t["attention"], "lm_head": t["logits"],
+              "sample+engine": t["step"] - t["schedule"] - t["execute"]}
+    if "grammar_fill" in t:  # structured outputs: the grammar's share of sample+engine, and the sampler's
+        stages.update({"grammar fill": t["grammar_fill"], "grammar accept": t["grammar_accept"],
+                       "sampler": t["sample"]})
+        stages["sample+engine"] -= t["grammar_fill"] + t["grammar_accept"] + t["sample"]
+    return stages
 
 
 def decode_summary(steps: list[tuple[int, float]]) -> dict[str, float]:
@@ -493,6 +537,11 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
         runs.append(pressure)
     if "parallel" in args.workloads:
         runs.append(run(workloads["parallel"]))
+    if "json" in args.workloads:
+        constrained = Workload(**{**asdict(mixed), "name": "json", "structured_outputs": {"json": JSON_SCHEMA}})
+        runs.append(run(constrained))
+        lengths = runs[-1].extra["output_lengths"]
+        runs.append(run(Workload(**{**asdict(mixed), "name": "json-free", "max_tokens": lengths})))
     return runs + [run(workloads["decode"])]
 
 
@@ -594,6 +643,13 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
         print(f"  {r.workload:9s} {r.dtype:9s} {shares}")
     if any(r.workload == "pressure" for r in runs):
         print("note: pressure is compared with the peers' mixed runs (the same requests; they have no KV budget)")
+    for r in [r for r in runs if r.workload == "json"]:
+        free = next(f for f in runs if f.workload == "json-free" and f.dtype == r.dtype)
+        ratio = r.rates()["out_tok_s"] / free.rates()["out_tok_s"]
+        print(f"structured outputs, {r.dtype}: json {r.rates()['out_tok_s']:.1f} out tok/s vs json-free "
+              f"{free.rates()['out_tok_s']:.1f} on the same prompts and output lengths = x{ratio:.3f}; "
+              f"{r.extra['grammar_compiles']} grammar compile(s), {r.extra['finished_by_grammar']} of {r.requests} "
+              f"outputs ended by the grammar, {r.extra['valid']} valid")
     for note in notes:
         print(f"note: {note}")
     header = f"{'workload':9s} {'engine':16s} {'dtype':9s} {'req/s':>7s} {'out tok/s':>9s} {'tot tok/s':>9s} " \
@@ -635,7 +691,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.peers = [p.strip() for p in args.peers.split(",")]
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args

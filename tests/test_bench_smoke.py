@@ -55,8 +55,8 @@ def test_key_counts_match_a_step_by_step_count(bench):
 def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "bench.json"
-    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "mixed,pressure",
-                "--json", str(out)])
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32",
+                "--workloads", "mixed,pressure,json", "--json", str(out)])
     report = json.loads(out.read_text())
     engines = {(r["workload"], r["engine"]) for r in report["runs"]}
     expected = {("mixed", "batchgen"), ("pressure", "batchgen"), ("decode", "batchgen"), ("mixed", "hf-static-8")}
@@ -64,6 +64,10 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     assert ("mixed", "hf-continuous") in engines or report["notes"]
     for run in report["runs"]:
         assert run["output_tokens"] > 0 and run["total_tok_s"] > 0 and run["peak_rss_mb"] > 0
+    json_run, free = (next(r for r in report["runs"] if r["workload"] == w) for w in ("json", "json-free"))
+    assert json_run["extra"]["grammar_compiles"] == 1
+    assert json_run["output_tokens"] == free["output_tokens"]  # the same work, constrained or not
+    assert "grammar fill" in json_run["extra"]["stage_seconds"]
     pressure = next(r for r in report["runs"] if r["workload"] == "pressure")
     assert pressure["extra"]["preemptions"] > 0
     ceiling = report["ceilings"]["float32"]

@@ -20,11 +20,12 @@ from batchgen.engine.model_runner import CacheShape, ModelRunner
 from batchgen.engine.preflight import plan_model, too_few_blocks
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
-from batchgen.engine.stopping import StopChecker
+from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured.backend import GrammarBackend, RequestGrammar
 
 Prompt = str | list[int] | list[dict]
 
@@ -37,6 +38,7 @@ class _Request:
     seed: int
     metrics: RequestMetrics
     stop_reasons: dict[int, int | str | None] = field(default_factory=dict)  # seq_id -> why it stopped
+    grammar: RequestGrammar | None = None  # structured outputs: one matcher per sample
 
 
 # A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
@@ -75,6 +77,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ))
         self.stopper = StopChecker(self.tokenizer, self._eos_ids(plan.model_dir, plan.hf_config), self.max_model_len)
+        self._grammars: GrammarBackend | None = None  # built on the first constrained request
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -151,15 +154,30 @@ class LLMEngine:
         self._checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+        grammar = self._grammar_for(params)
         arrival = next(self._arrivals)
         seed = params.seed if params.seed is not None else mix_seed(self.config.seed, arrival)
         seq = Sequence(next(self._seq_ids), token_ids)
+        if grammar is not None:
+            grammar.add(seq.seq_id)
         group = SequenceGroup(request_id, arrival, params, [seq])
-        self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()))
+        self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar)
         if self._isolating:
             self._held.append(request_id)
         else:
             self.scheduler.add(group)
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.stopper.eos_token_ids)
+        return self._grammars
+
+    def _grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.structured_outputs is None:
+            return None
+        self._needs_tokenizer("structured_outputs")
+        return self.grammars.start(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         """Drops a request between steps; it produces no output."""
@@ -198,11 +216,15 @@ class LLMEngine:
             seqs = [s.seq]
             if req.params.n > 1 and len(s.group.seqs) == 1 and s.seq.num_prompt_tokens == len(s.seq.token_ids):
                 seqs += self.scheduler.fork(s.group, s.seq, req.params.n - 1)
+                if req.grammar is not None:
+                    for child in seqs[1:]:
+                        req.grammar.fork(s.seq.seq_id, child.seq_id)
             for seq in seqs:
                 rows.append(self._sampling_row(req, seq))
                 targets.append((req, seq))
                 row_of_logits.append(i)
         if rows:
+            self._fill_grammar_masks(rows, targets)
             if len(row_of_logits) != len(sampled):
                 logits = logits[torch.tensor(row_of_logits, device=logits.device)]
             result = sample(logits, rows)
@@ -258,15 +280,31 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids)
         req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq])
         req.stop_reasons.clear()
+        if req.grammar is not None:
+            req.grammar.reset()
+            req.grammar.add(seq.seq_id)
         self.scheduler.add(req.group)
 
     def _sampling_row(self, req: _Request, seq: Sequence) -> SamplingRow:
         outputs = seq.output_token_ids
+        banned = self.stopper.banned_tokens(req.params, len(outputs))
+        if req.grammar is not None:  # the grammar says when a constrained output may end
+            banned = [t for t in banned if t not in self.stopper.eos_token_ids]
         return SamplingRow(
             params=req.params, seed=req.seed, sample_index=seq.sample_index,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], output_token_ids=outputs,
-            banned_token_ids=self.stopper.banned_tokens(req.params, len(outputs)),
+            banned_token_ids=banned,
         )
+
+    def _fill_grammar_masks(self, rows: list[SamplingRow], targets: list[tuple[_Request, Sequence]]) -> None:
+        """The allowed tokens of the step's constrained rows; unconstrained rows cost nothing."""
+        constrained = [r for r, (req, _) in enumerate(targets) if req.grammar is not None]
+        if not constrained:
+            return
+        matchers = [targets[r][0].grammar.matchers[targets[r][1].seq_id] for r in constrained]
+        bitmask = self.grammars.fill(matchers, list(range(len(constrained))), len(constrained))
+        for i, r in enumerate(constrained):
+            rows[r].allowed = bitmask[i]
 
     def _append(self, req: _Request, seq: Sequence, token: int, logprob: float,
                 top: dict[int, float] | None, now: float) -> None:
@@ -277,6 +315,8 @@ class LLMEngine:
         req.metrics.first_token_time = req.metrics.first_token_time or now
         self.num_output_tokens += 1
         decision = self.stopper.check(req.params, seq.token_ids, seq.num_prompt_tokens)
+        if req.grammar is not None and req.grammar.accept(seq.seq_id, token) and decision is None:
+            decision = StopDecision("stop", token)  # the grammar has ended (e.g. EOS with ignore_eos)
         if decision is not None:
             req.stop_reasons[seq.seq_id] = decision.stop_reason
             self.scheduler.finish_seq(seq, decision.reason)
@@ -300,8 +340,15 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob if output else None,
                 logprobs=list(seq.logprobs) if params.logprobs is not None else None,
                 stop_reason=stop_reason,
+                valid=None if req.grammar is None else self._valid(req.grammar, seq, stop_reason),
             ))
         return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics)
+
+    @staticmethod
+    def _valid(grammar: RequestGrammar, seq: Sequence, stop_reason: int | str | None) -> bool:
+        """A constrained output is valid when it ended with a whole string of its grammar; not when
+        max_tokens cut it, nor when a stop string cut its text."""
+        return seq.finish_reason == "stop" and not isinstance(stop_reason, str) and grammar.complete(seq.seq_id)
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
@@ -319,4 +366,5 @@ class LLMEngine:
             "swapped": s.num_swapped,
             "slot_utilization": s.slot_utilization,
             "peak_device_blocks": s.peak_used_device_blocks,
+            "grammar_compiles": self._grammars.num_compiles if self._grammars is not None else 0,
         }

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from ..sampling_params import SamplingParams
 from .shard import row_seed
 from .spec import SamplingSpec
+from .structured import row_constraint
 
 
 class RowParamsError(ValueError):
@@ -38,13 +39,14 @@ class ParamsBuilder:
             changes["seed"] = row_seed(self.job_seed, row_id)
         if not overrides:
             return dataclasses.replace(self.base, **changes)
+        values = row_constraint(overrides)
         try:
-            merged = SamplingSpec.model_validate({**self._defaults, **overrides})
+            merged = SamplingSpec.model_validate({**self._defaults, **values})
         except ValidationError as e:
             err = e.errors()[0]
-            key = str(err["loc"][0]) if err["loc"] else "?"
+            key = ".".join(str(part) for part in err["loc"][:2]) if err["loc"] else "?"
             raise RowParamsError(self._where(key, f"{err['msg'].removeprefix('Value error, ')} "
-                                                  f"(got {overrides.get(key)!r})", sources)) from None
+                                                  f"(got {self._value(key, overrides)!r})", sources)) from None
         try:
             return merged.params(**changes)
         except (ValueError, TypeError) as e:
@@ -52,8 +54,26 @@ class ParamsBuilder:
             key = msg.split(":", 1)[0].removeprefix("SamplingParams.")
             raise RowParamsError(self._where(key, msg.split(": ", 1)[-1], sources)) from None
 
+    def _override_key(self, key: str) -> str | None:
+        """The override column behind a field path: itself, the field above it, or, for a field
+        with parts (``structured_outputs``), the one part overridden."""
+        head = key.split(".", 1)[0]
+        parts = [k for k in self.spec.overrides if k.startswith(head + ".")]
+        for candidate in (key, head, *(parts if len(parts) == 1 else [])):
+            if candidate in self.spec.overrides:
+                return candidate
+        return None
+
+    def _value(self, key: str, overrides: dict[str, Any]) -> Any:
+        found = self._override_key(key) or key.split(".", 1)[0]
+        return overrides.get(found)
+
     def _where(self, key: str, msg: str, sources: dict[str, str] | None) -> str:
-        if sources and key in sources:
-            return f"field {sources[key]!r}: {msg}"
-        col = self.spec.overrides.get(key)
-        return f"field {col!r} (sampling.{key} override): {msg}" if col else f"sampling: {msg}"
+        head = key.split(".", 1)[0]
+        source = (sources or {}).get(key) or (sources or {}).get(head)
+        if source:  # not a column: e.g. an OpenAI batch request's body field
+            return f"field {source!r}: {msg}"
+        found = self._override_key(key)
+        if found is None:
+            return f"sampling: {msg}"
+        return f"field {self.spec.overrides[found]!r} (sampling.{found} override): {msg}"

@@ -36,15 +36,18 @@ from pydantic import (
 from ..engine.config import samples_problem
 from ..sampling_params import SamplingParams
 from .errors import JobError, JobInvalid, Problem
+from .structured import OVERRIDE_KEYS, resolve_schema_file
 
 # Output columns a job can ask for; "token_counts" means num_prompt_tokens and num_output_tokens,
 # "logprobs" means the per-token top logprobs and cumulative_logprob.
-OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts")
+# "valid" and "parsed" are for structured outputs: whether the output is a whole string of its
+# constraint, and the output as JSON re-serialised (null when cut by max_tokens or not JSON).
+OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed")
 DEFAULT_OUTPUT_FIELDS = ["text", "finish_reason", "token_counts"]
 # Columns every part has; carried input columns may not use these names.
 RESERVED_COLUMNS = frozenset({
     "id", "sample_index", "num_samples", "error", "text", "token_ids", "logprobs", "cumulative_logprob",
-    "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens",
+    "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "valid", "parsed",
 })
 
 
@@ -120,6 +123,25 @@ class InputSpec(_Section):
         return "custom_id" if self.format == "openai_batch" else self.id_column
 
 
+class StructuredOutputsSpec(_Section):
+    """``sampling.structured_outputs``; ``SamplingParams`` checks that one field is set."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("json_", mode="before")
+    @classmethod
+    def _schema(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (dict, str)):
+            raise ValueError("must be a JSON schema: a mapping, JSON text, or the path of a .json file")
+        return v
+
+
 class _SamplingBase(_Section):
     """Base of ``SamplingSpec``; the SamplingParams fields are added by ``create_model``."""
 
@@ -130,8 +152,15 @@ class _SamplingBase(_Section):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    def params(self, **changes: Any) -> SamplingParams:
+    def param_values(self) -> dict[str, Any]:
+        """The SamplingParams fields as plain values (the constraint as a mapping of its set field)."""
         values = {k: getattr(self, k) for k in SamplingParams.field_names()}
+        if isinstance(values["structured_outputs"], BaseModel):
+            values["structured_outputs"] = values["structured_outputs"].model_dump(exclude_none=True)
+        return values
+
+    def params(self, **changes: Any) -> SamplingParams:
+        values = self.param_values()
         values.update(changes)
         return SamplingParams(**values)
 
@@ -142,7 +171,7 @@ def _sampling_fields() -> dict[str, Any]:
     for f in dataclasses.fields(SamplingParams):
         if not f.init:
             continue
-        ann = list[str] | None if f.name == "stop" else hints[f.name]
+        ann = {"stop": list[str] | None, "structured_outputs": StructuredOutputsSpec | None}.get(f.name, hints[f.name])
         out[f.name] = (ann, f.default)
     return out
 
@@ -155,7 +184,7 @@ class OutputSpec(_Section):
     format: Literal["parquet", "jsonl", "openai_batch"] = "parquet"
     merge_to: str | None = None  # jsonl, openai_batch: once every row is done, one file in input order
     rows_per_part: PositiveInt = 1000
-    fields: list[Literal["text", "token_ids", "logprobs", "finish_reason", "token_counts"]] = Field(
+    fields: list[Literal["text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed"]] = Field(
         default_factory=lambda: list(DEFAULT_OUTPUT_FIELDS)
     )
 
@@ -273,7 +302,8 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("input", "check_model"): False, ("output", "format"): "parquet"}
+_LATER_DEFAULTS = {("input", "check_model"): False, ("output", "format"): "parquet",
+                   ("sampling", "structured_outputs"): None}
 
 
 def _drop_later_defaults(data: dict[str, Any]) -> None:
@@ -319,7 +349,7 @@ def load_job(path: str | Path) -> Job:
 
 def parse_job(text: str, base_dir: Path, source: Path | None = None) -> Job:
     raw = parse_yaml(text)
-    problems = spec_problems(raw)
+    problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
     if problems:
         raise JobInvalid(problems)
     return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source)
@@ -390,22 +420,22 @@ def sampling_problems(spec: Any) -> list[Problem]:
     """Ask SamplingParams about every field: on an error, note it, reset that field, try again."""
     names = SamplingParams.field_names()
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
-    values = {k: getattr(spec, k) for k in names}
+    values = spec.param_values()
     problems: list[Problem] = []
     for _ in range(len(names) + 1):
         try:
             SamplingParams(**values)
             break
         except (ValueError, TypeError) as e:
-            m = re.match(r"SamplingParams\.(\w+): (.*)$", str(e), re.DOTALL)
+            m = re.match(r"SamplingParams\.(\w+)((?:\.\w+)*): (.*)$", str(e), re.DOTALL)
             if not m or m.group(1) not in values or values[m.group(1)] == defaults[m.group(1)]:
                 problems.append(Problem("sampling", str(e)))
                 break
-            problems.append(Problem(f"sampling.{m.group(1)}", m.group(2)))
+            problems.append(Problem(f"sampling.{m.group(1)}{m.group(2)}", m.group(3)))
             values[m.group(1)] = defaults[m.group(1)]
     for key in spec.overrides:
-        if key not in names:
-            hint = _suggest(key, names)
+        if key not in names and key not in OVERRIDE_KEYS:
+            hint = _suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
     return problems
 

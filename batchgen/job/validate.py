@@ -26,6 +26,7 @@ from .spec import (
     resolve_path,
     spec_problems,
 )
+from .structured import resolve_schema_file
 
 
 def validate_job_file(path: str | Path, factory: EngineFactory | None = None) -> Job:
@@ -41,7 +42,7 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
                       factory: EngineFactory | None = None) -> Job:
     """``validate_job_file`` for a job given as YAML text (``batchgen run-batch`` builds one)."""
     raw = parse_yaml(text)
-    problems = spec_problems(raw)
+    problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
     model = model_part(raw)
     if model is not None:
         problems += model_problems(model, base_dir, factory)

@@ -31,6 +31,7 @@ from .errors import JobError
 from .part_formats import ParquetParts, format_of
 from .reader import Row
 from .shard import Shard
+from .structured import parsed_json
 
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
 META_HASH = "batchgen.config_hash"
@@ -73,6 +74,10 @@ def output_schema(fields: Iterable[str], carry: list[pa.Field]) -> pa.Schema:
         cols += [pa.field("finish_reason", pa.string()), pa.field("stop_reason", pa.string())]
     if "token_counts" in fields:
         cols += [pa.field("num_prompt_tokens", pa.int32()), pa.field("num_output_tokens", pa.int32())]
+    if "valid" in fields:
+        cols.append(pa.field("valid", pa.bool_()))
+    if "parsed" in fields:
+        cols.append(pa.field("parsed", pa.string()))
     cols.append(pa.field("error", pa.string()))
     return pa.schema(cols)
 
@@ -88,6 +93,7 @@ def result_rows(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
             "finish_reason": c.finish_reason,
             "stop_reason": None if c.stop_reason is None else str(c.stop_reason),
             "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
+            "valid": c.valid, "parsed": parsed_json(c.text, c.finish_reason, c.valid),
         })
     return rows
 

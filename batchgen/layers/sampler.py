@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen import ops
@@ -38,11 +39,14 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]  # e.g. EOS while min_tokens is not reached
+    # Structured outputs: the tokens the row's grammar allows, a packed int32 bitmask (bit j of
+    # word i allows token 32 i + j); None for an unconstrained row.
+    allowed: torch.Tensor | None = None
 
     @property
     def edits_logits(self) -> bool:
-        """Bans or penalties change the row's logits before it is sampled."""
-        return bool(self.banned_token_ids) or self.params.penalized
+        """A grammar, bans or penalties change the row's logits before it is sampled."""
+        return self.allowed is not None or bool(self.banned_token_ids) or self.params.penalized
 
 
 @dataclass
@@ -50,6 +54,37 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float]  # of the chosen token under the model's distribution
     top_logprobs: list[dict[int, float] | None]
+
+
+def _grammar_masked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits with -inf where a row's grammar refuses a token: a new tensor when a row is
+    constrained (made by the mask itself, not by a copy first), else `logits` itself. numpy's
+    unpackbits (the int32 words read as little-endian bytes) is the fast unpack."""
+    masked = [r for r, row in enumerate(rows) if row.allowed is not None]
+    if not masked:
+        return logits
+    packed = torch.stack([rows[r].allowed for r in masked]).cpu().numpy()
+    allowed = np.unpackbits(packed.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+    refused = torch.from_numpy(allowed).to(logits.device) == 0
+    if len(masked) == len(rows):
+        return logits.masked_fill(refused, float("-inf"))
+    out = logits.clone()
+    index = torch.tensor(masked, device=logits.device)
+    out[index] = out[index].masked_fill(refused, float("-inf"))
+    return out
+
+
+def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[int]:
+    """Greedy rows whose only edit is a grammar that allows the row's argmax: the masked argmax is
+    that same token, so they skip the masked copy (most steps of a greedy constrained output)."""
+    candidates = [r for r, row in enumerate(rows) if row.allowed is not None and row.params.greedy
+                  and not row.banned_token_ids and not row.params.penalized]
+    if not candidates:
+        return set()
+    picks = chosen[candidates].cpu()
+    words = torch.stack([rows[r].allowed for r in candidates]).cpu().gather(1, (picks >> 5)[:, None]).squeeze(1)
+    bits = (words >> (picks & 31)) & 1
+    return {r for r, bit in zip(candidates, bits.tolist(), strict=True) if bit}
 
 
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -103,13 +138,16 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     A plain greedy row needs only its argmax; the other rows are read as float32, in a float32 copy
     where bans or penalties edit them."""
     chosen, log_total = ops.argmax_logsumexp(logits)
+    settled = _allowed_argmax_rows(chosen, rows)
     edited_rows = [r for r, row in enumerate(rows)
-                   if not row.params.greedy or row.edits_logits]
+                   if (not row.params.greedy or row.edits_logits) and r not in settled]
     if edited_rows:
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
         if any(row.edits_logits for row in edited_samples):
-            edited = edited.float()  # a copy, unless float32 logits are taken whole
+            # A copy, unless float32 logits are taken whole and no row is constrained; the
+            # grammar's mask comes before bans and penalties.
+            edited = _grammar_masked(edited.float(), edited_samples)
             if edited is logits:
                 edited = edited.clone()  # the caller's logits stay as they are
             _apply_bans_and_penalties(edited, edited_samples)
