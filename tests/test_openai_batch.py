@@ -348,3 +348,39 @@ def test_openai_output_of_a_prompt_job_in_three_shards_is_merged_by_the_last(tmp
         assert len(body.choices) == 2  # the job's n
     status = cli("status", tmp_path / "out")
     assert status.exit_code == 0 and len(re.findall(r"  done$", status.output, re.M)) == 3
+
+
+def test_response_format_constrains_the_output(tmp_path, tiny_model_dirs):
+    """`response_format` json_schema and json_object requests are structured outputs: a finished
+    output parses and validates; a bad response_format is that request's error."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    enum = {"enum": ["a", "b"]}
+    requests = [
+        chat("schema", "answer", max_tokens=24, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}),
+        chat("object", "answer", max_tokens=24, temperature=0, response_format={"type": "json_object"}),
+        completion("enum", "pick", max_tokens=8, n=3, temperature=1.0,
+                   response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": enum}}),
+        chat("bad", "x", response_format={"type": "yaml"}),
+        chat("badschema", "x", response_format={"type": "json_schema", "json_schema": {"name": "n"}}),
+    ]
+    write_jsonl(tmp_path / "req.jsonl", requests)
+    result = cli("run-batch", "-i", tmp_path / "req.jsonl", "-o", tmp_path / "out.jsonl", "--model",
+                 tiny_model_dirs["llama"], "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256")
+    assert result.exit_code == 0, result.output
+    by_id = {x["custom_id"]: x for x in read_lines(tmp_path / "out.jsonl")}
+    schema_choice = ChatCompletion.model_validate(by_id["schema"]["response"]["body"]).choices[0]
+    if schema_choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(schema_choice.message.content), schema)
+    object_choice = ChatCompletion.model_validate(by_id["object"]["response"]["body"]).choices[0]
+    if object_choice.finish_reason == "stop":
+        assert isinstance(json.loads(object_choice.message.content), dict)
+    picks = Completion.model_validate(by_id["enum"]["response"]["body"]).choices
+    assert [json.loads(c.text) for c in picks if c.finish_reason == "stop"]
+    assert all(json.loads(c.text) in ("a", "b") for c in picks if c.finish_reason == "stop")
+    assert by_id["bad"]["error"]["message"].endswith(
+        "field 'body.response_format': type must be text, json_object or json_schema, got 'yaml'")
+    assert "field 'body.response_format.json_schema.schema'" in by_id["badschema"]["error"]["message"]

@@ -81,10 +81,11 @@ def parse_request(obj: dict[str, Any]) -> BatchRequest:
             req.sources["max_tokens"] = "body.max_completion_tokens"
         elif key in ("logprobs", "top_logprobs"):
             continue  # below
-        elif key == "response_format" and _plain_text(value):
-            continue
         elif key == "response_format":
-            raise RequestError("field 'body.response_format': only {\"type\": \"text\"} is supported")
+            constraint = _response_format(value)
+            if constraint is not None:
+                req.overrides["structured_outputs"] = constraint
+                req.sources["structured_outputs"] = "body.response_format"
         else:
             req.ignored.append(key)
     _logprobs(endpoint, body, req)
@@ -115,8 +116,20 @@ def _prompt(endpoint: str, value: Any) -> Any:
     return out
 
 
-def _plain_text(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """``response_format`` as a structured-outputs constraint (None: plain text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("field 'body.response_format.json_schema.schema': expected a JSON schema object")
+        return {"json": schema}
+    raise RequestError(f"field 'body.response_format': type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _logprobs(endpoint: str, body: dict[str, Any], req: BatchRequest) -> None:
