@@ -169,7 +169,7 @@ def run_batch(
         factory = load_factory(engine)
         out = output_file.resolve()
         model_options = {
-            "path": str(Path(model).expanduser().resolve()), "name": served_model_name, "dtype": dtype,
+            "path": str(Path(model).expanduser().absolute()), "name": served_model_name, "dtype": dtype,
             "device": device, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
             "kv_cache_memory": kv_cache_memory, "swap_space": swap_space,

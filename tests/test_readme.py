@@ -223,3 +223,4 @@ def test_run_batch_example(home):
         kind = ChatCompletion if req["url"] == "/v1/chat/completions" else Completion
         body = kind.model_validate(line["response"]["body"])
         assert len(body.choices) == req["body"].get("n", 1)
+        assert body.model == "SmolLM2-135M-Instruct"  # the name given, not where a symlink leads
