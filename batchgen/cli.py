@@ -166,6 +166,8 @@ def run_batch(
     from .job.validate import validate_job_text
 
     with _user_errors():
+        if not input_file.is_file():
+            raise JobError(f"--input: no such request file: {input_file}")
         factory = load_factory(engine)
         out = output_file.resolve()
         model_options = {

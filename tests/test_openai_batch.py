@@ -138,6 +138,14 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
     assert (tmp_path / "out.jsonl").read_bytes() == before
 
 
+def test_a_missing_request_file_is_one_line(tmp_path):
+    make_model(tmp_path / "model")
+    result = cli("run-batch", "-i", tmp_path / "nope.jsonl", "-o", tmp_path / "out.jsonl", "--model",
+                 tmp_path / "model", "--engine", FAKE)
+    assert result.exit_code == 1
+    assert result.output.strip() == f"batchgen: error: --input: no such request file: {tmp_path / 'nope.jsonl'}"
+
+
 def test_check_model_and_column_overrides(tmp_path):
     write_jsonl(tmp_path / "req.jsonl", [
         {**chat("a", "x"), "budget": 2},
