@@ -77,7 +77,9 @@ def test_node_local_output_dirs_are_told_apart(tmp_path):
     assert node_local_warning(tmp_path / "shared" / "out", str(mounts)) is None
     job = setup_job(tmp_path / "job", rows=2)
     result = cli("validate", job, "--ray", "--engine", "fake_llm:FakeLLM")
-    assert result.exit_code == 0  # a warning, not a problem (here: whatever /tmp is on)
+    assert result.exit_code == 0  # a warning, not a problem
+    here = node_local_warning(tmp_path / "job" / "out")  # whatever /tmp is on, validate says the same
+    assert ("looks local to this machine" in result.output) == (here is not None)
 
 
 def test_ray_data_stage_gives_the_text_of_llm_generate(tiny_model_dirs):

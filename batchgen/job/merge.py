@@ -14,11 +14,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
+
 from .errors import JobError
-from .part_formats import JsonlParts, format_of, write_atomic
+from .files import write_atomic
+from .part_formats import format_of
 from .reader import InputReader
 from .saved import load_saved_job
-from .writer import list_parts, read_part
+from .writer import complete_ids, list_parts
 
 
 @dataclass
@@ -72,16 +75,17 @@ def _index(out_dir: Path) -> tuple[dict[str, list[tuple[int, int, int]]], list[P
     index: dict[str, list[tuple[int, int, int]]] = {}
     files: list[Path] = []
     for part in list_parts(out_dir):
-        fmt = format_of(part.path)
-        if not isinstance(fmt, JsonlParts):
+        keys = format_of(part.path).keys(part.path)
+        if "offset" not in keys.column_names:
             raise JobError(f"{part.path.name} is a Parquet part: merge joins jsonl and openai_batch parts; "
                            "read a Parquet output dir as one dataset (pyarrow.dataset or pandas.read_parquet)")
-        complete = set(read_part(part.path)[0].column("id").to_pylist())
+        done = keys.filter(pc.is_in(keys.column("id"), value_set=complete_ids(keys)))
         file_no = len(files)
         files.append(part.path)
         mine: dict[str, list[tuple[int, int, int]]] = {}
-        for row_id, offset, length in fmt.lines(part.path):
-            if row_id in complete and row_id not in index:
+        for row_id, offset, length in zip(*(done.column(c).to_pylist() for c in ("id", "offset", "length")),
+                                          strict=True):
+            if row_id not in index:
                 mine.setdefault(row_id, []).append((file_no, offset, length))
         index.update(mine)
     return index, files

@@ -18,19 +18,34 @@ import base64
 import datetime
 import decimal
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import JobError
+from .files import remove_file, write_atomic
 
-FORMATS = ("parquet", "jsonl", "openai_batch")
 META_FORMAT = "batchgen.format"
+
+
+class PartFormat(Protocol):
+    name: str
+    suffix: str
+
+    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
+        """The records of a part, written whole or not at all."""
+
+    def keys(self, path: Path) -> pa.Table:
+        """Per row or line: id, num_samples and error (null where the row is not an error)."""
+
+    def drop_errors(self, path: Path) -> int:
+        """Rewrites the part without its error rows (removes it if none is left); how many."""
+
+    def metadata(self, path: Path) -> dict[str, str]: ...
 
 
 class ParquetParts:
@@ -43,7 +58,6 @@ class ParquetParts:
         write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
     def keys(self, path: Path) -> pa.Table:
-        """Columns id, num_samples and error (null where the row is not an error)."""
         try:
             return pq.read_table(path, columns=["id", "num_samples", "error"])
         except (OSError, pa.ArrowException) as e:
@@ -61,7 +75,7 @@ class ParquetParts:
         if kept.num_rows:
             write_atomic(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
         else:
-            remove_part(path)
+            remove_file(path)
         return errors
 
     def metadata(self, path: Path) -> dict[str, str]:
@@ -72,7 +86,7 @@ class ParquetParts:
         return {k.decode(): v.decode() for k, v in meta.items()}
 
 
-class JsonlParts(ParquetParts):
+class JsonlParts:
     """Output rows as JSON lines: the schema's columns, in its order, nulls included."""
 
     name = "jsonl"
@@ -92,19 +106,18 @@ class JsonlParts(ParquetParts):
         return obj.get("id"), obj.get("num_samples"), obj.get("error")
 
     def keys(self, path: Path) -> pa.Table:
-        ids, counts, errors = [], [], []
-        for _, _, obj in self._objects(path):
+        """Also where each line is: its byte offset and length (``merge`` copies lines by them)."""
+        ids, counts, errors, offsets, lengths = [], [], [], [], []
+        for offset, line, obj in self._objects(path):
             row_id, count, error = self.key(obj)
             ids.append(str(row_id))
             counts.append(int(count or 1))
             errors.append(None if error is None else json.dumps(error) if not isinstance(error, str) else error)
+            offsets.append(offset)
+            lengths.append(len(line))
         return pa.table({"id": pa.array(ids, pa.string()), "num_samples": pa.array(counts, pa.int32()),
-                         "error": pa.array(errors, pa.string())})
-
-    def lines(self, path: Path) -> Iterator[tuple[str, int, int]]:
-        """(row id, byte offset, length) of every line of a part, in file order."""
-        for offset, line, obj in self._objects(path):
-            yield str(self.key(obj)[0]), offset, len(line)
+                         "error": pa.array(errors, pa.string()), "offset": pa.array(offsets, pa.int64()),
+                         "length": pa.array(lengths, pa.int64())})
 
     def drop_errors(self, path: Path) -> int:
         lines = list(self._objects(path))
@@ -115,7 +128,7 @@ class JsonlParts(ParquetParts):
         if kept:
             write_atomic(path, lambda tmp: tmp.write_bytes(b"".join(kept)))
         else:
-            remove_part(path)
+            remove_file(path)
             meta_path(path).unlink(missing_ok=True)
         return total - len(kept)
 
@@ -157,14 +170,14 @@ class OpenAIBatchParts(JsonlParts):
         return obj.get("custom_id"), 1, obj.get("error")
 
 
-_FORMATS = {f.name: f for f in (ParquetParts(), JsonlParts(), OpenAIBatchParts())}
+_FORMATS: dict[str, PartFormat] = {f.name: f for f in (ParquetParts(), JsonlParts(), OpenAIBatchParts())}
 
 
-def part_format(name: str) -> ParquetParts:
+def part_format(name: str) -> PartFormat:
     return _FORMATS[name]
 
 
-def format_of(path: Path) -> ParquetParts:
+def format_of(path: Path) -> PartFormat:
     """The format of an existing part: Parquet by its suffix, else as its sidecar says."""
     if path.suffix == ".parquet":
         return _FORMATS["parquet"]
@@ -200,35 +213,3 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, bytes):
         return base64.b64encode(v).decode()
     raise TypeError(f"cannot write {type(v).__name__} as JSON")
-
-
-def write_atomic(final: Path, write: Any, tmp: Path | None = None) -> None:
-    """``write(tmp)`` under a hidden temp name, fsync it, rename it into place, fsync the dir."""
-    tmp = tmp or final.parent / f".{final.name.lstrip('.')}.tmp"
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except OSError as e:
-        raise JobError(f"cannot write {final}: {e}") from None
-
-
-def remove_part(path: Path) -> None:
-    try:
-        path.unlink()
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise JobError(f"cannot remove {path}: {e}") from None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

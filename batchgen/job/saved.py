@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JobError
+from .files import write_atomic
 from .spec import Job
 
 SAVED_JSON = "_job.json"
@@ -53,9 +54,6 @@ def load_saved_job(out_dir: Path) -> Job:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """One temp name per process: every shard saves the job."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise JobError(f"cannot write {path}: {e}") from None
+    write_atomic(path, lambda t: t.write_text(text, encoding="utf-8"), tmp)

@@ -69,7 +69,7 @@ def collect(out_dir: Path, with_input: bool = True) -> Report:
     per = {i: ShardStatus(Shard(i, count)) for i in range(count)}
     seen: Counter[str] = Counter()
     for part in parts:
-        ids, errors = read_part(part.path, with_errors=True)
+        ids, errors = read_part(part.path)
         id_list = ids.column("id").to_pylist()
         seen.update(id_list)
         if part.shard.count != count:

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from ..outputs import RequestOutput
 from .errors import JobError
-from .part_formats import ParquetParts, format_of
+from .part_formats import ParquetParts, PartFormat, format_of
 from .reader import Row
 from .shard import Shard
 from .structured import parsed_json
@@ -115,13 +115,17 @@ class Recovered:
     retried: int = 0  # error rows removed so that their rows are generated again
 
 
-def read_part(path: Path, with_errors: bool = False) -> tuple[pa.Table, int]:
+def read_part(path: Path) -> tuple[pa.Table, int]:
     """(ids with all their samples in this part, number of error rows)."""
     t = format_of(path).keys(path)
     errors = t.num_rows - t.column("error").null_count
-    g = t.group_by("id").aggregate([("id", "count"), ("num_samples", "max")])
-    complete = g.filter(pc.equal(g.column("id_count"), g.column("num_samples_max")))
-    return complete.select(["id"]), errors
+    return pa.table({"id": complete_ids(t)}), errors
+
+
+def complete_ids(keys: pa.Table) -> pa.Array:
+    """The ids of a part's rows (``PartFormat.keys``) that have all their samples there."""
+    g = keys.group_by("id").aggregate([("id", "count"), ("num_samples", "max")])
+    return g.filter(pc.equal(g.column("id_count"), g.column("num_samples_max"))).column("id").combine_chunks()
 
 
 def part_metadata(path: Path) -> dict[str, str]:
@@ -179,14 +183,14 @@ class PartWriter:
     """Buffers finished requests and writes a part every ``rows_per_part`` of them."""
 
     def __init__(self, out_dir: Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
-                 next_seq: int, metadata: dict[str, str], part_format: ParquetParts | None = None):
+                 next_seq: int, metadata: dict[str, str], part_format: PartFormat | None = None):
         self.out_dir = out_dir
         self.shard = shard
         self.schema = schema
         self.rows_per_part = rows_per_part
         self.seq = next_seq
         self.metadata = dict(metadata)
-        self.format = part_format or ParquetParts()
+        self.format: PartFormat = part_format or ParquetParts()
         self._buffer: list[dict[str, Any]] = []
         self._requests = 0
         self.parts_written = 0
