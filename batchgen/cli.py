@@ -55,6 +55,14 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(EXIT_ENGINE) from None
 
 
+def _exit(code: int, signal_name: str = "") -> None:
+    """Ends a run command with its exit code, telling how to resume after an interruption."""
+    if code == EXIT_INTERRUPTED:
+        _err(f"batchgen: interrupted by {signal_name or 'a signal'}; finished rows are saved, "
+             "run the same command again to resume")
+    raise typer.Exit(code)
+
+
 @app.command()
 def run(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
@@ -79,10 +87,7 @@ def run(
         spec = validate_job_file(job)
         the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
         result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace).run()
-    if result.status == "interrupted":
-        _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished rows are saved, "
-             "run the same command again to resume")
-    raise typer.Exit(result.exit_code)
+    _exit(result.exit_code, result.signal_name)
 
 
 @app.command("ray")
@@ -118,9 +123,7 @@ def ray_run(
         result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
                             gpus_per_worker=gpus_per_worker, max_retries=max_retries, engine=engine,
                             force=force, retry_errors=retry_errors, grace=grace)
-    if result.exit_code == EXIT_INTERRUPTED:
-        _err("batchgen: interrupted; finished rows are saved, run the same command again to resume")
-    raise typer.Exit(result.exit_code)
+    _exit(result.exit_code)
 
 
 @app.command("run-batch")
@@ -187,10 +190,7 @@ def run_batch(
         text = "# written by batchgen run-batch\n" + yaml.safe_dump(job_dict, sort_keys=False)
         job = validate_job_text(text, out.parent)
         result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
-    if result.status == "interrupted":
-        _err(f"batchgen: interrupted by {result.signal_name or 'a signal'}; finished requests are saved, "
-             "run the same command again to resume")
-    raise typer.Exit(result.exit_code)
+    _exit(result.exit_code, result.signal_name)
 
 
 @app.command()

@@ -302,7 +302,7 @@ class LLMEngine:
         if not constrained:
             return
         matchers = [targets[r][0].grammar.matchers[targets[r][1].seq_id] for r in constrained]
-        bitmask = self.grammars.fill(matchers, list(range(len(constrained))), len(constrained))
+        bitmask = self.grammars.fill(matchers)
         for i, r in enumerate(constrained):
             rows[r].allowed = bitmask[i]
 

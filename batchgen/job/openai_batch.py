@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 CHAT = "chat"
 COMPLETION = "completion"
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
-_SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
+# Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
+# penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
 _NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs"}
 _UNKNOWN_LOGPROB = -9999.0  # what OpenAI writes for a token outside the computed top logprobs
 
@@ -73,7 +74,7 @@ def parse_request(obj: dict[str, Any]) -> BatchRequest:
     for key, value in body.items():
         if key in (prompt_key, "model") or value is None:
             continue
-        if key in _SAME_NAME or key in _NATIVE:
+        if key in _NATIVE:
             req.overrides[key] = value
             req.sources[key] = f"body.{key}"
         elif key == "max_completion_tokens" and endpoint == CHAT:
@@ -171,6 +172,7 @@ class ResponseLines:
         self.model = model
         self.tokenizer = tokenizer
         self.default_logprobs = default_logprobs
+        self._texts: dict[int, str] = {}  # token id -> its text, decoded once
 
     def result(self, row: Row, out: RequestOutput) -> list[dict[str, Any]]:
         chat = row.endpoint == CHAT
@@ -205,9 +207,11 @@ class ResponseLines:
                  "error": {"code": code, "message": message}}]
 
     def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        text = self._texts.get(token_id)
+        if text is None:
+            text = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._texts[token_id] = text
+        return text
 
     def _top_by_text(self, best: list[tuple[int, float]]) -> dict[str, float]:
         """The completions format keys top logprobs by token text; where two tokens decode to the

@@ -100,6 +100,7 @@ class Row:
     carry: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     endpoint: str = openai_batch.COMPLETION  # chat (messages) or completion (a prompt): the OpenAI output shape
+    prompt_field: str = ""  # where the prompt came from, for messages: a column, or body.messages
     sources: dict[str, str] = field(default_factory=dict)  # override -> the field it came from, when not a column
     top_logprobs: int | None = None  # the row's sampling logprobs, once its params are known
 
@@ -345,46 +346,35 @@ class InputReader:
         return v, None
 
     def _fill(self, row: Row, record: Mapping[str, Any]) -> str | None:
-        """Set prompt, overrides and carried values from a record; return an error or None."""
-        s = self.spec
-        if s.format == "openai_batch":
-            return self._fill_request(row, record) or self._fill_carry(row, record)
-        value = _decode(record.get(s.source_column))
-        error = _check_prompt(value) if s.prompt_column else _check_messages(value)
-        if error:
-            return f"field {s.source_column!r}: {error}"
-        row.prompt = _clean_messages(value) if s.messages_column else value
-        row.endpoint = openai_batch.CHAT if s.messages_column else openai_batch.COMPLETION
-        for key, col in self.overrides.items():
-            if record.get(col) is not None:
-                row.overrides[key] = _decode(record[col])
-        return self._fill_carry(row, record)
+        """Set prompt, overrides and carried values from a record; return an error or None.
 
-    def _fill_request(self, row: Row, record: Mapping[str, Any]) -> str | None:
-        """An OpenAI batch request line: the prompt from its body, the body's sampling fields as
-        overrides (a column override still wins: the job chose that column)."""
-        try:
-            req = openai_batch.parse_request(dict(record))
-        except openai_batch.RequestError as e:
-            return str(e)
-        chat = req.endpoint == openai_batch.CHAT
-        error = _check_messages(req.prompt) if chat else _check_prompt(req.prompt)
+        An OpenAI batch request line brings its prompt in its body and the body's sampling
+        fields as overrides; a column override still wins (the job chose that column)."""
+        s = self.spec
+        request = None
+        if s.format == "openai_batch":
+            try:
+                request = openai_batch.parse_request(dict(record))
+            except openai_batch.RequestError as e:
+                return str(e)
+            value, row.prompt_field, row.endpoint = request.prompt, request.prompt_field, request.endpoint
+            row.overrides, row.sources = request.overrides, request.sources
+        else:
+            value, row.prompt_field = _decode(record.get(s.source_column)), s.source_column
+            row.endpoint = openai_batch.CHAT if s.messages_column else openai_batch.COMPLETION
+        chat = row.endpoint == openai_batch.CHAT
+        error = _check_messages(value) if chat else _check_prompt(value)
         if error:
-            return f"field {req.prompt_field!r}: {error}"
-        if self.model_name is not None and req.model is not None and req.model != self.model_name:
-            return f"field 'body.model': {req.model!r} is not this job's model {self.model_name!r}"
-        row.prompt = _clean_messages(req.prompt) if chat else req.prompt
-        row.endpoint = req.endpoint
-        row.overrides, row.sources = req.overrides, req.sources
+            return f"field {row.prompt_field!r}: {error}"
+        if request is not None:
+            if self.model_name is not None and request.model not in (None, self.model_name):
+                return f"field 'body.model': {request.model!r} is not this job's model {self.model_name!r}"
+            self.ignored_fields.update(request.ignored)
+        row.prompt = _clean_messages(value) if chat else value
         for key, col in self.overrides.items():
             if record.get(col) is not None:
                 row.overrides[key] = _decode(record[col])
                 row.sources.pop(key, None)
-        self.ignored_fields.update(req.ignored)
-        return None
-
-    def _fill_carry(self, row: Row, record: Mapping[str, Any]) -> str | None:
-        s = self.spec
         for col in s.carry_columns:
             v = record.get(col)
             if self._carry_kinds and v is not None:

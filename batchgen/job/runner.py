@@ -34,7 +34,7 @@ from .progress import Plan, Reporter, Snapshot, make_reporter
 from .reader import InputReader, Row
 from .shard import Shard
 from .spec import Job
-from .writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
+from .writer import PartWriter, SampleRows, list_parts, output_schema, recover
 
 GRACE_FLUSH_SECONDS = 5.0  # while draining after a stop request, save finished rows this often
 STATS_SECONDS = 0.2
@@ -95,7 +95,7 @@ class Runner:
         self.grace = grace
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
-        self._lines: ResponseLines | None = None  # output.format openai_batch: builds its lines
+        self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
 
     def run(self) -> RunResult:
         with self.stop.installed():
@@ -135,7 +135,8 @@ class Runner:
             llm = build_engine(self.engine_factory, job)
             self._check_engine(llm)
             if job.spec.output.format == "openai_batch":
-                self._lines = ResponseLines(job.model_name, getattr(llm, "tokenizer", None), job.spec.sampling.logprobs)
+                self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
+                                              job.spec.sampling.logprobs)
             writer = PartWriter(
                 out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
                 job.spec.output.rows_per_part, rec.next_seq,
@@ -277,14 +278,12 @@ class Runner:
             return
         in_flight[request_id] = row
 
-    def _rejection(self, row: Row, error: Exception) -> str:
+    @staticmethod
+    def _rejection(row: Row, error: Exception) -> str:
         """Why the engine refused a row, naming the input field when it is about the prompt."""
         field_name, sep, why = str(error).partition(": ")
         if sep and field_name == "prompt":
-            source = self.job.spec.input.source_column
-            if self.job.spec.input.format == "openai_batch":
-                source = "body.messages" if row.endpoint == "chat" else "body.prompt"
-            return f"field {source!r}: {why}"
+            return f"field {row.prompt_field!r}: {why}"
         return f"the engine rejected the request: {error}"
 
     def _finish(self, out: RequestOutput, in_flight: dict[str, Row], writer: PartWriter,
@@ -296,7 +295,7 @@ class Runner:
             why = out.error or "the engine returned no samples"
             self._record_error(row, f"{row.where}: {why}", writer, snap, "generation_failed")
             return
-        writer.add(self._lines.result(row, out) if self._lines else result_rows(row, out))
+        writer.add(self._records.result(row, out))
         snap.rows += 1
         snap.samples += len(out.outputs)
         snap.prompt_tokens += len(out.prompt_token_ids)
@@ -305,7 +304,7 @@ class Runner:
     def _record_error(self, row: Row, message: str, writer: PartWriter, snap: Snapshot,
                       code: str = "invalid_request") -> None:
         """``code`` is for the OpenAI batch output: the request's fault, or the engine's."""
-        writer.add(self._lines.error(row, message, code) if self._lines else error_rows(row, message))
+        writer.add(self._records.error(row, message, code))
         snap.rows += 1
         snap.errors += 1
 

@@ -184,7 +184,7 @@ class OutputSpec(_Section):
     format: Literal["parquet", "jsonl", "openai_batch"] = "parquet"
     merge_to: str | None = None  # jsonl, openai_batch: once every row is done, one file in input order
     rows_per_part: PositiveInt = 1000
-    fields: list[Literal["text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed"]] = Field(
+    fields: list[Literal[OUTPUT_FIELDS]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(DEFAULT_OUTPUT_FIELDS)
     )
 

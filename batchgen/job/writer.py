@@ -103,6 +103,19 @@ def error_rows(row: Row, message: str) -> list[dict[str, Any]]:
     return [{"id": row.id, "sample_index": 0, "num_samples": 1, **row.carry, "error": message}]
 
 
+class SampleRows:
+    """What a finished or failed request becomes in Parquet and JSONL parts (``ResponseLines`` is
+    the OpenAI batch counterpart)."""
+
+    @staticmethod
+    def result(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
+        return result_rows(row, out)
+
+    @staticmethod
+    def error(row: Row, message: str, code: str) -> list[dict[str, Any]]:
+        return error_rows(row, message)
+
+
 # ------------------------------------------------------------------------------------ recovery
 
 

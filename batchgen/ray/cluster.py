@@ -9,7 +9,6 @@ line for the whole job.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import threading
@@ -43,7 +42,6 @@ class WorkerState:
     shard: str
     attempts: int = 0
     node: str = ""
-    pid: int = 0
     done_before: int = 0
     snap: Snapshot = field(default_factory=Snapshot)
     status: str = "waiting"  # waiting | running | complete | interrupted | nothing to do | failed
@@ -58,9 +56,9 @@ class ProgressBoard:
         self.workers: dict[int, dict[str, Any]] = {}
         self.messages: list[str] = []
 
-    def start(self, index: int, shard: str, node: str, pid: int, done_before: int, total: int | None) -> None:
+    def start(self, index: int, shard: str, node: str, done_before: int) -> None:
         w = self.workers.setdefault(index, {"shard": shard, "attempts": 0})
-        w.update(attempts=w["attempts"] + 1, node=node, pid=pid, done_before=done_before, total=total,
+        w.update(attempts=w["attempts"] + 1, node=node, done_before=done_before,
                  snap=asdict(Snapshot()), status="running")
         if w["attempts"] > 1:
             self.messages.append(f"shard {shard}: attempt {w['attempts']} on {node} resumes from "
@@ -91,8 +89,7 @@ class BoardReporter:
         self._next = 0.0
 
     def start(self, plan: Plan) -> None:
-        self.board.start.remote(self.index, str(plan.shard), socket.gethostname(), os.getpid(),
-                                plan.done_before, plan.total)
+        self.board.start.remote(self.index, str(plan.shard), socket.gethostname(), plan.done_before)
 
     def idle(self) -> None:
         self.board.update.remote(self.index, asdict(Snapshot()), "nothing to do")
@@ -208,7 +205,7 @@ def _refresh(ray: Any, board: Any, states: list[WorkerState], plan: Plan, report
     workers, messages = ray.get(board.read.remote())
     for i, w in workers.items():
         s = states[i]
-        s.attempts, s.node, s.pid = w["attempts"], w["node"], w["pid"]
+        s.attempts, s.node = w["attempts"], w["node"]
         s.done_before = w["done_before"]
         s.snap = Snapshot(**w["snap"])
         if s.status in ("waiting", "running"):

@@ -54,11 +54,11 @@ class GrammarBackend:
         """The grammar state of a new request (its first sample starts at the prompt)."""
         return RequestGrammar(self._xgr, self.compile(constraint))
 
-    def fill(self, matchers: list[Any], indices: list[int], num_rows: int) -> torch.Tensor:
-        """A packed bitmask [num_rows, ceil(vocab / 32)] (int32; bit j of word i allows token
-        32 i + j) whose rows `indices` hold the tokens each matcher allows next."""
-        bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+    def fill(self, matchers: list[Any]) -> torch.Tensor:
+        """A packed bitmask [len(matchers), ceil(vocab / 32)] (int32; bit j of word i allows token
+        32 i + j) whose row i holds the tokens matcher i allows next."""
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, list(range(len(matchers))))
         return bitmask
 
 
