@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.llm_engine import LLMEngine, Prompt
 from batchgen.engine.preflight import plan_model
-from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.outputs import BeamSearchOutput, RequestOutput
+from batchgen.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -47,7 +47,7 @@ class LLM:
         return self.engine.max_model_len
 
     # --- incremental API (what the job runner streams through) ---
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
         self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[RequestOutput]:
@@ -88,10 +88,29 @@ class LLM:
             conversations = [conversations]
         return self._run(list(conversations), sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Prompt | dict | Sequence[Prompt | dict],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best hypotheses of each prompt, best first. A prompt is a text,
+        token ids, vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`, or a chat conversation
+        (a list of `{"role", "content"}` messages, rendered with the chat template). The beams of a
+        prompt share its KV blocks and run with every other request in continuous batches; a
+        prompt the engine cannot serve gets `error` set instead of raising."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) or (
+            prompts and isinstance(prompts[0], dict) and "role" in prompts[0])
+        prompts = [prompts] if single else list(prompts)
+        outputs = self._run([_prompt_of(p) for p in prompts], params, use_tqdm)
+        return [BeamSearchOutput.of(out) for out in outputs]
+
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
@@ -113,3 +132,13 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _prompt_of(prompt: Prompt | dict) -> Prompt:
+    """vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`) as the engine's prompts."""
+    if not isinstance(prompt, dict):
+        return prompt
+    for key in ("prompt_token_ids", "prompt"):
+        if key in prompt:
+            return prompt[key]
+    raise ValueError(f"prompt: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")

@@ -15,6 +15,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-k token id -> logprob
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     valid: bool | None = None  # structured outputs: a whole string of the grammar; None if unconstrained
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
 
 
 @dataclass
@@ -35,3 +36,39 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None  # set when the request could not be served (e.g. prompt too long)
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis of `LLM.beam_search`, as vLLM's: `tokens` holds the prompt and the
+    output; `text` is the output's text alone (vLLM's holds the prompt's text too)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # what the hypotheses are ranked by: cum_logprob / num_output_tokens ** length_penalty
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # vLLM has it; not filled here
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best hypotheses of one prompt, best first (at most beam_width; none when `error` is set)."""
+
+    sequences: list[BeamSearchSequence]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> BeamSearchOutput:
+        prompt = list(out.prompt_token_ids)
+        sequences = [BeamSearchSequence(prompt + c.token_ids, c.text, c.cumulative_logprob, c.score, c.finish_reason,
+                                        c.stop_reason, len(prompt)) for c in out.outputs]
+        return cls(sequences, out.prompt, prompt, out.error)

@@ -86,3 +86,53 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.init]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search for one prompt, vLLM's `BeamSearchParams` plus the fields transformers' beam search
+    has (`early_stopping`, `min_tokens`, stop tokens and strings). The `beam_width` best finished
+    hypotheses come back, ranked by `cumulative_logprob / num_output_tokens ** length_penalty`
+    (transformers' score: the output's length counts its final EOS)."""
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    temperature: float = 0.0  # vLLM has it; beam search here ranks by the model's own logprobs
+    _as_sampling: SamplingParams = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"BeamSearchParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise bad("beam_width", "must be an integer >= 1")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise bad("length_penalty", "must be a number")
+        if not isinstance(self.early_stopping, bool):
+            raise bad("early_stopping", "must be true or false")
+        if self.temperature != 0:
+            raise bad("temperature", "beam search ranks by the model's logprobs; only 0 is supported")
+        try:
+            self._as_sampling = SamplingParams(
+                n=1, temperature=0.0, max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            raise ValueError(str(e).replace("SamplingParams.", "BeamSearchParams.", 1)) from None
+        self.stop, self.stop_token_ids = self._as_sampling.stop, self._as_sampling.stop_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The same stopping rules as greedy SamplingParams: what the engine's stop checks read."""
+        return self._as_sampling

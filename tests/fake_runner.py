@@ -5,12 +5,15 @@ and copies in the runner's order, checks that every scheduled sequence reads bac
 tokens at the same logical positions, and that no step writes a block another sequence holds
 or that two sequences write. FakeEngine plays LLMEngine: it appends a deterministic token per
 sample (a function of request, sample index and position, so any lost or duplicated work
-shows in the outputs), forks the n samples after the prompt and stops at max_tokens.
+shows in the outputs), forks the n samples after the prompt and stops at max_tokens. For a beam
+search request it moves the beams once all are computed: random parents (some named several
+times, some not at all) and deterministic tokens, through Scheduler.next_beams.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 from dataclasses import dataclass
 
@@ -151,11 +154,11 @@ class FakeEngine:
         self.num_steps = 0
 
     def add(self, prompt: list[int], n: int = 1, max_tokens: int = 16, request_id: str | None = None,
-            seed: int | None = None) -> SequenceGroup:
+            seed: int | None = None, beam_width: int = 0) -> SequenceGroup:
         k = next(self._ids)
         request_id = request_id or f"r{k}"
         params = SamplingParams(n=n, max_tokens=max_tokens)
-        group = SequenceGroup(request_id, k, params, [Sequence(k, prompt)])
+        group = SequenceGroup(request_id, k, params, [Sequence(k, prompt)], beam_width=beam_width)
         self.requests[request_id] = Request(group, k if seed is None else seed, max_tokens)
         self.scheduler.add(group)
         return group
@@ -167,8 +170,12 @@ class FakeEngine:
             self.finished[group.request_id] = group
         self.kv.execute(out)
         sched.on_step_done(out)
+        beam_groups = {}
         for s in out.scheduled:
             if not s.samples or s.seq.is_finished():
+                continue
+            if s.group.beam_width:
+                beam_groups[s.group.request_id] = s.group
                 continue
             req, seqs = self.requests[s.group.request_id], [s.seq]
             if req.group.sampling_params.n > 1 and not s.group.forked:
@@ -180,10 +187,29 @@ class FakeEngine:
                     sched.finish_seq(seq, "length")
             if s.group.is_finished():
                 self.finished[s.group.request_id] = s.group
+        for group in beam_groups.values():
+            self._move_beams(group)
         self.num_steps += 1
         if self.check:
             check_invariants(sched, self.kv)
         return out
+
+    def _move_beams(self, group: SequenceGroup) -> None:
+        """Once every live beam is computed (after a recompute they may be prefilled in different
+        steps): new beams from random parents, then the length limits."""
+        sched, req, live = self.scheduler, self.requests[group.request_id], group.unfinished_seqs()
+        if any(seq.num_uncomputed_tokens for seq in live):
+            return
+        rng = random.Random(hash((req.seed, live[0].num_output_tokens)))
+        parents = [rng.choice(live) for _ in range(rng.randint(1, group.beam_width))]
+        position = len(live[0])
+        beams = sched.next_beams(group, [(p, token_for(req.seed, rank, position)) for rank, p in enumerate(parents)])
+        limit = sched.config.max_model_len
+        if beams[0].num_output_tokens >= req.max_tokens or (limit is not None and len(beams[0]) >= limit):
+            for seq in beams:
+                sched.finish_seq(seq, "length")
+        if group.is_finished():
+            self.finished[group.request_id] = group
 
     def run(self, max_steps: int = 100_000, on_step=None) -> dict[str, SequenceGroup]:
         while self.scheduler.has_unfinished():
@@ -199,6 +225,11 @@ class FakeEngine:
         for request_id, req in self.requests.items():
             group = self.finished[request_id]
             if group.error is not None:
+                continue
+            if group.beam_width:
+                assert 1 <= len(group.seqs) <= group.beam_width
+                assert all(seq.finish_reason == "length" for seq in group.seqs)
+                assert [seq.sample_index for seq in group.seqs] == list(range(len(group.seqs)))
                 continue
             n = req.group.sampling_params.n
             assert sorted(s.sample_index for s in group.seqs) == list(range(n))

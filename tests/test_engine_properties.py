@@ -26,9 +26,10 @@ configs = st.builds(
 SHARED = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 3, 1, 1, 9, 2]  # common prefix material for cache hits
 
 
+# (shared prefix length, tail, n, max_tokens, beam width): n > 1 samples, or a beam search
 requests = st.lists(
     st.tuples(st.integers(0, len(SHARED)), st.lists(st.integers(0, 9), max_size=12),
-              st.sampled_from([1, 1, 2, 3]), st.integers(1, 24)),
+              st.sampled_from([1, 1, 2, 3]), st.integers(1, 24), st.sampled_from([0, 0, 0, 2, 3])),
     min_size=1, max_size=6,
 )
 
@@ -43,9 +44,9 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(batch=requests)
     def add_requests(self, batch):
         cfg = self.engine.scheduler.config
-        for shared, tail, n, max_tokens in batch:
+        for shared, tail, n, max_tokens, beam_width in batch:
             prompt = (SHARED[:shared] + tail)[: cfg.max_model_len // 2]
-            self.engine.add(prompt or [1], n=n, max_tokens=max_tokens)
+            self.engine.add(prompt or [1], n=1 if beam_width else n, max_tokens=max_tokens, beam_width=beam_width)
 
     @rule(count=st.integers(1, 4))
     def step(self, count):
@@ -56,12 +57,15 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def finish_a_sequence_early(self, data):
-        """The engine finishes a sequence (a stop token), whatever state its request is in."""
+        """The engine finishes a sequence (a stop token), or a whole beam search (its end), whatever
+        state its request is in."""
         sched = self.engine.scheduler
         groups = [*sched.running, *sched.swapped, *sched.waiting]
-        seqs = [s for g in groups for s in g.unfinished_seqs()]
+        seqs = [(s, g) for g in groups for s in g.unfinished_seqs()]
         if seqs:
-            sched.finish_seq(data.draw(st.sampled_from(seqs)), "stop")
+            seq, group = data.draw(st.sampled_from(seqs))
+            for s in group.unfinished_seqs() if group.beam_width else [seq]:
+                sched.finish_seq(s, "stop")
 
     @rule(data=st.data())
     def abort(self, data):
@@ -92,6 +96,7 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"recompute preemptions: {min(stats.num_recompute_preemptions, 3)}+")
         event(f"prefix cache hits: {stats.prefix_cache_hit_tokens > 0}")
         event(f"copy-on-write: {stats.blocks_copied > 0}")
+        event(f"beam searches: {any(r.group.beam_width for r in eng.requests.values())}")
         event(f"requests: {min(len(eng.requests) // 5 * 5, 20)}+")
         for request_id, req in eng.requests.items():
             group = req.group
@@ -127,13 +132,13 @@ def test_random_programs(seed):
     for _ in range(rng.randint(10, 40)):
         length = rng.randint(1, config.max_model_len // 2)
         prompt = (SHARED[: rng.randint(0, len(SHARED))] + [rng.randrange(20) for _ in range(length)])[:length]
-        eng.add(prompt, n=rng.choice([1, 1, 2, 3]), max_tokens=rng.randint(1, config.max_model_len))
+        n, beam_width = rng.choice([(1, 0), (1, 0), (2, 0), (3, 0), (1, 2), (1, 3)])
+        eng.add(prompt, n=n, max_tokens=rng.randint(1, config.max_model_len), beam_width=beam_width)
     eng.run(max_steps=20_000)
     eng.check_outputs()
     assert_pools_whole(eng.scheduler)
     for group in eng.finished.values():
-        n = group.sampling_params.n
-        if n * -(-config.max_model_len // bs) <= num_device_blocks:
+        if group.width * -(-config.max_model_len // bs) <= num_device_blocks:
             assert group.error is None  # it always fits alone, so it must have been served
         else:
             assert group.error is None or "out of KV-cache memory" in group.error

@@ -1,8 +1,8 @@
 """LLMEngine: requests in, finished RequestOutputs out, one scheduler step at a time.
 
 It owns the tokenizer, the scheduler (what to run) and the model runner (running it), and does
-what lies between them: sampling, forking the n samples after a prompt's prefill, stop checks,
-detokenisation and the outputs.
+what lies between them: sampling, forking the n samples after a prompt's prefill, beam search's
+steps (engine/beam_search.py), stop checks, detokenisation and the outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.config import ConfigError, EngineConfig
+from batchgen.engine.beam_search import BeamSearch
 from batchgen.engine.config import SchedulerConfig
 from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.engine.model_runner import CacheShape, ModelRunner
@@ -24,7 +25,7 @@ from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured.backend import GrammarBackend, RequestGrammar
 
 Prompt = str | list[int] | list[dict]
@@ -39,6 +40,7 @@ class _Request:
     metrics: RequestMetrics
     stop_reasons: dict[int, int | str | None] = field(default_factory=dict)  # seq_id -> why it stopped
     grammar: RequestGrammar | None = None  # structured outputs: one matcher per sample
+    beams: BeamSearch | None = None  # beam search (params are then its greedy stop rules)
 
 
 # A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
@@ -147,9 +149,12 @@ class LLMEngine:
                                  f"(0..{self.vocab_size - 1})")
         return list(ids)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        beams = BeamSearch(params, self.stopper) if isinstance(params, BeamSearchParams) else None
+        if beams is not None:
+            params = beams.params.sampling_params
         text, token_ids = self.encode(prompt)
         self._checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
         if params.stop and self.tokenizer is None:
@@ -160,8 +165,9 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), token_ids)
         if grammar is not None:
             grammar.add(seq.seq_id)
-        group = SequenceGroup(request_id, arrival, params, [seq])
-        self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar)
+        group = SequenceGroup(request_id, arrival, params, [seq], beam_width=beams.params.beam_width if beams else 0)
+        self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar,
+                                              beams=beams)
         if self._isolating:
             self._held.append(request_id)
         else:
@@ -210,9 +216,14 @@ class LLMEngine:
         rows: list[SamplingRow] = []
         targets: list[tuple[_Request, Sequence]] = []
         row_of_logits: list[int] = []
+        beam_requests: dict[str, _Request] = {}
         for i, s in enumerate(sampled):
             req = self._requests[s.group.request_id]
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            if req.beams is not None:
+                req.beams.pending[s.seq.seq_id] = logits[i].clone()
+                beam_requests[s.group.request_id] = req
+                continue
             seqs = [s.seq]
             if req.params.n > 1 and len(s.group.seqs) == 1 and s.seq.num_prompt_tokens == len(s.seq.token_ids):
                 seqs += self.scheduler.fork(s.group, s.seq, req.params.n - 1)
@@ -230,6 +241,8 @@ class LLMEngine:
             result = sample(logits, rows)
             for r, (req, seq) in enumerate(targets):
                 self._append(req, seq, result.token_ids[r], result.logprobs[r], result.top_logprobs[r], now)
+        for req in beam_requests.values():
+            self._beam_step(req, now)
         for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
             finished.append(self._finish_request(request_id))
         return finished
@@ -278,8 +291,10 @@ class LLMEngine:
         """Puts a request into the scheduler from its prompt again, as a new arrival."""
         req = self._requests[request_id]
         seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids)
-        req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq])
+        req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width)
         req.stop_reasons.clear()
+        if req.beams is not None:
+            req.beams.reset()
         if req.grammar is not None:
             req.grammar.reset()
             req.grammar.add(seq.seq_id)
@@ -295,6 +310,22 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], output_token_ids=outputs,
             banned_token_ids=banned,
         )
+
+    def _beam_step(self, req: _Request, now: float) -> None:
+        """Once every live beam has its logits: the next beams, or the end of the search."""
+        search, live = req.beams, req.group.unfinished_seqs()
+        if any(seq.seq_id not in search.pending for seq in live):
+            return
+        continuations = search.step(live, torch.stack([search.pending.pop(seq.seq_id) for seq in live]))
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        if not continuations:
+            for seq in live:
+                self.scheduler.finish_seq(seq, "stop")
+            return
+        beams = self.scheduler.next_beams(req.group, [(c.parent, c.token_id) for c in continuations])
+        for seq, c in zip(beams, continuations, strict=True):
+            seq.cumulative_logprob = c.cumulative_logprob
+        self.num_output_tokens += len(beams)
 
     def _fill_grammar_masks(self, rows: list[SamplingRow], targets: list[tuple[_Request, Sequence]]) -> None:
         """The allowed tokens of the step's constrained rows; unconstrained rows cost nothing."""
@@ -323,26 +354,41 @@ class LLMEngine:
 
     def _finish_request(self, request_id: str) -> RequestOutput:
         req = self._requests.pop(request_id)
-        group, params = req.group, req.params
+        group = req.group
         req.metrics.finished_time = time.time()
         req.metrics.num_preemptions = group.num_preemptions
-        prompt_ids = group.seqs[0].token_ids[: group.seqs[0].num_prompt_tokens]
+        prompt_ids = group.prompt_token_ids
         self.num_prompt_tokens += len(prompt_ids)
+        completions = self._sample_completions(req) if req.beams is None else self._beam_completions(req)
+        return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics)
+
+    def _text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
+        return self.stopper.final_text(params, output, stop_reason) if output and self.tokenizer else ""
+
+    def _sample_completions(self, req: _Request) -> list[CompletionOutput]:
         completions = []
-        for seq in sorted(group.seqs, key=lambda s: s.sample_index):
+        for seq in sorted(req.group.seqs, key=lambda s: s.sample_index):
             output = seq.output_token_ids
             stop_reason = req.stop_reasons.get(seq.seq_id)
             completions.append(CompletionOutput(
                 index=seq.sample_index,
-                text=self.stopper.final_text(params, output, stop_reason) if output and self.tokenizer else "",
+                text=self._text(req.params, output, stop_reason),
                 token_ids=output,
                 finish_reason=seq.finish_reason,
                 cumulative_logprob=seq.cumulative_logprob if output else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
                 stop_reason=stop_reason,
                 valid=None if req.grammar is None else self._valid(req.grammar, seq, stop_reason),
             ))
-        return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics)
+        return completions
+
+    def _beam_completions(self, req: _Request) -> list[CompletionOutput]:
+        """The finished hypotheses, best first (index = rank)."""
+        return [CompletionOutput(
+            index=rank, text=self._text(req.params, h.output_token_ids, h.stop_reason),
+            token_ids=h.output_token_ids, finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob,
+            stop_reason=h.stop_reason, score=h.score,
+        ) for rank, h in enumerate(req.beams.hypotheses)]
 
     @staticmethod
     def _valid(grammar: RequestGrammar, seq: Sequence, stop_reason: int | str | None) -> bool:

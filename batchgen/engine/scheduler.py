@@ -127,29 +127,64 @@ class Scheduler:
         if blocks > cfg.num_device_blocks:
             return (f"prompt has {length} tokens and needs {blocks} KV-cache blocks of {cfg.block_size} "
                     f"tokens, more than the device pool holds ({cfg.num_device_blocks})")
-        return samples_problem(group.sampling_params.n, cfg.max_num_seqs)
+        return samples_problem(group.width, cfg.max_num_seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._rejected)
 
     def fork(self, group: SequenceGroup, seq: Sequence, n: int) -> list[Sequence]:
         """n children of seq sharing all its blocks; seq stays sample 0. Call after on_step_done."""
-        if self._pending is not None:
-            raise RuntimeError("fork() called before on_step_done() of the last step")
-        if seq.status is not SequenceStatus.RUNNING or self._group_of.get(seq.seq_id) is not group:
-            raise ValueError(f"sequence {seq.seq_id} is not running in request {group.request_id!r}")
-        if len(group.seqs) + n > max(group.sampling_params.n, 1):
-            raise ValueError(f"request {group.request_id!r} has n={group.sampling_params.n}: "
-                             f"cannot fork {n} more from {len(group.seqs)} sequence(s)")
-        children = []
-        for _ in range(n):
-            child = seq.spawn(sample_index=len(group.seqs))
-            self.block_manager.fork(seq, child)
-            group.seqs.append(child)
-            self._group_of[child.seq_id] = group
-            children.append(child)
+        self._check_between_steps(group, [seq])
+        if len(group.seqs) + n > max(group.width, 1):
+            raise ValueError(f"request {group.request_id!r} runs {group.width} sequence(s) at most: "
+                             f"cannot fork {n} more from {len(group.seqs)}")
+        children = [self._spawn(group, seq, len(group.seqs)) for _ in range(n)]
         group.forked = True
         return children
+
+    def next_beams(self, group: SequenceGroup, beams: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """One step of a beam search: the group's live beams become `beams`, (parent, next token)
+        pairs in rank order. A live beam no pair names is pruned, its blocks returned at once; a
+        parent named k times is forked k - 1 times by reference (the blocks shared, the partly
+        written last one copied on its next write). Returns the new beams, token appended, in rank
+        order (their sample_index). Call after on_step_done."""
+        live = group.unfinished_seqs()
+        self._check_between_steps(group, [parent for parent, _ in beams])
+        if not 1 <= len(beams) <= group.width:
+            raise ValueError(f"request {group.request_id!r}: {len(beams)} beams for beam width {group.width}")
+        named = {parent.seq_id for parent, _ in beams}
+        for seq in live:
+            if seq.seq_id not in named:
+                self._release(seq, "pruned")
+                self._group_of.pop(seq.seq_id)
+        group.seqs = [seq for seq in group.seqs if seq.seq_id in named]
+        beam_seqs, used = [], set()
+        for rank, (parent, _) in enumerate(beams):
+            if parent.seq_id in used:
+                beam_seqs.append(self._spawn(group, parent, rank))
+            else:
+                used.add(parent.seq_id)
+                beam_seqs.append(parent)
+        for rank, (seq, (_, token)) in enumerate(zip(beam_seqs, beams, strict=True)):
+            seq.sample_index = rank
+            seq.append_token(token)
+        group.seqs = beam_seqs
+        group.forked = True
+        return beam_seqs
+
+    def _check_between_steps(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("fork() or next_beams() called before on_step_done() of the last step")
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING or self._group_of.get(seq.seq_id) is not group:
+                raise ValueError(f"sequence {seq.seq_id} is not running in request {group.request_id!r}")
+
+    def _spawn(self, group: SequenceGroup, seq: Sequence, sample_index: int) -> Sequence:
+        child = seq.spawn(sample_index=sample_index)
+        self.block_manager.fork(seq, child)
+        group.seqs.append(child)
+        self._group_of[child.seq_id] = group
+        return child
 
     def finish_seq(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished():
@@ -228,6 +263,8 @@ class Scheduler:
         writes = []
         for seq in group.unfinished_seqs():
             left = seq.num_uncomputed_tokens
+            if left == 0 and group.beam_width:
+                continue  # a beam whose logits wait for its siblings' (after a preemption)
             if left == 0:
                 raise RuntimeError(f"sequence {seq.seq_id} of request {group.request_id!r} was sampled but "
                                    "got no new token and was not finished")

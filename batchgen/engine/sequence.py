@@ -90,7 +90,8 @@ class Sequence:
 @dataclass(eq=False)
 class SequenceGroup:
     """One request. It starts with one sequence holding the prompt; after the prompt's prefill
-    the engine forks n-1 children from it (Scheduler.fork). The group is the unit the scheduler
+    the engine forks n-1 children from it (Scheduler.fork), or, for beam search, replaces its
+    live beams after every step (Scheduler.next_beams). The group is the unit the scheduler
     admits, preempts, swaps and reports on."""
 
     request_id: str
@@ -100,7 +101,13 @@ class SequenceGroup:
     error: str | None = None  # why the scheduler gave up on the request
     num_preemptions: int = 0
     forked: bool = False
+    beam_width: int = 0  # > 0: a beam search with this many live beams at most
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def width(self) -> int:
+        """The most sequences the group runs at once: its beams or its samples."""
+        return self.beam_width or self.sampling_params.n
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -114,8 +121,11 @@ class SequenceGroup:
         return [seq for seq in self.seqs if not seq.is_finished()]
 
     def max_num_running_seqs(self) -> int:
-        """Sequences this group will hold on the device: n before the fork, the live ones after."""
+        """Sequences this group will hold on the device: its width before the first fork, the live
+        ones after; a beam search's width throughout, as its beams may grow back to it."""
         unfinished = len(self.unfinished_seqs())
-        if not self.forked and self.sampling_params.n > 1:
-            return max(unfinished, self.sampling_params.n)
+        if self.beam_width and unfinished:
+            return self.beam_width
+        if not self.forked and self.width > 1:
+            return max(unfinished, self.width)
         return unfinished

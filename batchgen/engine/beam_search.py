@@ -1,0 +1,117 @@
+"""Beam search's decisions for one request, by transformers' rules (`generate(num_beams=k)`).
+
+Each step takes the logits of the live beams (rank order) and ranks every continuation by its
+cumulative logprob, in float32 as transformers does. Of the best `num_candidates` continuations
+(2k with one stop token; k more per further stop token), one that stops (EOS, a stop token or
+string, max_tokens, max_model_len) becomes a finished hypothesis when it ranks among the first
+k, scored `cumulative_logprob / num_output_tokens ** length_penalty` (EOS counted); the first k
+that do not stop are the next beams. The k best hypotheses are kept. The search is done when
+every candidate stopped, when early_stopping is set and k hypotheses are in, or when k
+hypotheses are in and the best live beam, scored at its current length, cannot beat the worst.
+
+The engine runs the beams as sequences of one SequenceGroup and moves them with
+Scheduler.next_beams; this class sees only their token ids and scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.stopping import StopChecker, StopDecision
+from batchgen.sampling_params import BeamSearchParams
+
+
+@dataclass
+class Hypothesis:
+    output_token_ids: list[int]
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(output_token_ids) ** length_penalty, in float32
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None
+
+
+@dataclass
+class Continuation:
+    parent: Sequence
+    token_id: int
+    cumulative_logprob: float
+
+
+@dataclass
+class BeamSearch:
+    params: BeamSearchParams
+    stopper: StopChecker
+    hypotheses: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
+    done: bool = False
+    # Logits of live beams whose siblings have not been computed yet (after a recompute preemption
+    # prefills the beams in different steps): seq id -> logits row.
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_candidates(self) -> int:
+        """transformers keeps (1 + stop tokens) * k candidates, at least 2k, so that k survive
+        even when the k best all end."""
+        stops = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            stops |= self.stopper.eos_token_ids
+        return max(2, 1 + len(stops)) * self.params.beam_width
+
+    def reset(self) -> None:
+        self.hypotheses, self.done = [], False
+        self.pending.clear()
+
+    def step(self, beams: list[Sequence], logits: torch.Tensor) -> list[Continuation]:
+        """The next beams from the live `beams` (rank order, all with the same number of outputs)
+        and their logits `[len(beams), vocab]`; an empty list once the search is done."""
+        width, sampling = self.params.beam_width, self.params.sampling_params
+        num_outputs = beams[0].num_output_tokens
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        banned = self.stopper.banned_tokens(sampling, num_outputs)
+        if banned:  # after the softmax, as transformers' min-length processor
+            logprobs[:, banned] = float("-inf")
+        cumulative = torch.tensor([b.cumulative_logprob for b in beams], dtype=torch.float32)
+        totals = (logprobs + cumulative[:, None]).flatten()
+        scores, index = torch.topk(totals, min(self.num_candidates, totals.numel()))
+        normalised = (scores / self._length_norm(num_outputs + 1)).tolist()
+        vocab = logits.shape[1]
+        parents, tokens, scores = (index // vocab).tolist(), (index % vocab).tolist(), scores.tolist()
+        survivors: list[Continuation] = []
+        finished: list[Hypothesis] = []
+        all_stopped = True
+        for rank, (p, token, score) in enumerate(zip(parents, tokens, scores, strict=True)):
+            parent = beams[p]
+            decision = self._stops(parent, token)
+            if decision is None:
+                all_stopped = False
+                if len(survivors) < width:
+                    survivors.append(Continuation(parent, token, score))
+            elif rank < width:
+                finished.append(Hypothesis(parent.output_token_ids + [token], score, normalised[rank],
+                                           decision.reason, decision.stop_reason))
+        merged = sorted(self.hypotheses + finished, key=lambda h: h.score, reverse=True)
+        self.hypotheses = merged[:width]
+        self.done = all_stopped or not survivors or self._cannot_improve(survivors[0], num_outputs + 1)
+        return [] if self.done else survivors
+
+    def _length_norm(self, num_outputs: int) -> float:
+        return num_outputs ** self.params.length_penalty
+
+    def _stops(self, parent: Sequence, token: int) -> StopDecision | None:
+        parent.token_ids.append(token)
+        try:
+            return self.stopper.check(self.params.sampling_params, parent.token_ids, parent.num_prompt_tokens)
+        finally:
+            parent.token_ids.pop()
+
+    def _cannot_improve(self, best: Continuation, num_outputs: int) -> bool:
+        """transformers' heuristic: with k hypotheses in, the best live beam scored at today's
+        length (not at any later one) must beat the worst of them to go on."""
+        if len(self.hypotheses) < self.params.beam_width:
+            return False
+        if self.params.early_stopping:
+            return True
+        best_score = torch.tensor(best.cumulative_logprob, dtype=torch.float32) / self._length_norm(num_outputs)
+        return not best_score.item() > self.hypotheses[-1].score
