@@ -398,7 +398,7 @@ class Scheduler:
             why = f"its {what} fill the device pool ({total} blocks) alone and need {need} more blocks"
         else:
             why = f"to {verb} its {what} it needs {need} free blocks, more than the device pool's {total}"
-        return f"out of KV-cache memory: {why}; give the KV cache more memory or lower n / max_tokens"
+        return f"out of KV-cache memory: {why}; give the KV cache more memory or lower n, beam_width or max_tokens"
 
     # --- reporting --------------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
