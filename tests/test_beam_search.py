@@ -311,3 +311,32 @@ def test_smollm2_beams_match_transformers(smollm2_dir):
         for out in outs:
             want = hf_beams(hf, tokenizer, out.prompt_token_ids, 4, 16, lp, es, eos)
             assert_same_beams([(s.output_token_ids, s.score) for s in out.sequences], want, (lp, es))
+
+
+def test_beams_share_their_blocks_a_fraction_of_the_unshared_memory(tiny_model_dirs):
+    """Width 8 over 32 prompts of ~400 tokens and 64 new tokens: the engine's peak KV blocks against
+    the same beams each holding its own copy of its table (the sum of the live beams' table lengths),
+    both read after every step of the same run."""
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", block_size=16, kv_cache_memory="160MiB", max_num_seqs=256)
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.vocab_size
+    params = BeamSearchParams(beam_width=8, max_tokens=64, ignore_eos=True)
+    for i in range(32):
+        length = 380 + int(torch.randint(0, 41, (1,), generator=gen))
+        llm.add_request(f"p{i}", torch.randint(3, vocab, (length,), generator=gen).tolist(), params)
+    sched = llm.engine.scheduler
+    unshared_peak = used_peak = 0
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+        live = [seq for group in sched.running + sched.swapped for seq in group.unfinished_seqs()]
+        unshared_peak = max(unshared_peak, sum(len(seq.block_table) for seq in live))
+        used_peak = max(used_peak, sched.block_manager.num_used_device_blocks)
+    assert len(outputs) == 32 and all(len(o.outputs) == 8 and o.error is None for o in outputs)
+    assert all(len(c.token_ids) == 64 for o in outputs for c in o.outputs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0 and stats["kv_cache_usage"] == 0
+    ratio = stats["peak_device_blocks"] / unshared_peak
+    print(f"beam width 8, 32 prompts: peak {stats['peak_device_blocks']} blocks shared, {unshared_peak} unshared "
+          f"({ratio:.3f}x); after-step peak {used_peak}")
+    assert ratio < 0.3
