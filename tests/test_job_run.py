@@ -335,7 +335,7 @@ def test_an_override_column_missing_from_some_lines_means_null_there(tmp_path):
     ({"max_num_seqs": 64, "max_num_batched_tokens": 16}, {},
      "model.max_num_batched_tokens: must be >= max_num_seqs (64) so every running sequence can decode (got 16)"),
     ({"max_num_seqs": 2}, {"n": 4},
-     "sampling.n: 4 samples of one request run together and need max_num_seqs >= 4 (it is 2)"),
+     "sampling.n: 4 samples or beams of one request run together and need max_num_seqs >= 4 (it is 2)"),
 ])
 def test_engine_limits_are_refused_by_validate_and_before_any_row(tmp_path, model, sampling, problem):
     job = setup_job(tmp_path, rows=5, model={"path": "model", **model}, sampling=sampling)

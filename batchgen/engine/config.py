@@ -16,10 +16,10 @@ def batch_limits_problem(max_num_seqs: int, max_num_batched_tokens: int) -> str 
 
 
 def samples_problem(n: int, max_num_seqs: int) -> str | None:
-    """The n samples of a request run together, so they must fit in max_num_seqs."""
+    """The n samples (or beams) of a request run together, so they must fit in max_num_seqs."""
     if n <= max_num_seqs:
         return None
-    return f"{n} samples of one request run together and need max_num_seqs >= {n} (it is {max_num_seqs})"
+    return f"{n} samples or beams of one request run together and need max_num_seqs >= {n} (it is {max_num_seqs})"
 
 
 @dataclass(kw_only=True)

@@ -269,7 +269,7 @@ class Runner:
         except RowParamsError as e:
             self._record_error(row, f"{row.where}: {e}", writer, snap)
             return
-        row.top_logprobs = params.logprobs
+        row.top_logprobs = getattr(params, "logprobs", None)  # a beam search has none
         request_id = f"r{n}"
         try:
             llm.add_request(request_id, row.prompt, params)

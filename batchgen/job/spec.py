@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from ..engine.config import samples_problem
-from ..sampling_params import SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams
 from .errors import JobError, JobInvalid, Problem
 from .structured import OVERRIDE_KEYS, resolve_schema_file
 
@@ -42,13 +42,29 @@ from .structured import OVERRIDE_KEYS, resolve_schema_file
 # "logprobs" means the per-token top logprobs and cumulative_logprob.
 # "valid" and "parsed" are for structured outputs: whether the output is a whole string of its
 # constraint, and the output as JSON re-serialised (null when cut by max_tokens or not JSON).
-OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed")
+# "score" means cumulative_logprob and beam search's length-normalised score (a beam job's default).
+OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed", "score")
 DEFAULT_OUTPUT_FIELDS = ["text", "finish_reason", "token_counts"]
 # Columns every part has; carried input columns may not use these names.
 RESERVED_COLUMNS = frozenset({
     "id", "sample_index", "num_samples", "error", "text", "token_ids", "logprobs", "cumulative_logprob",
-    "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "valid", "parsed",
+    "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "valid", "parsed", "score",
 })
+# Beam search's own sampling fields, and the sampling fields it has no use for, each with the
+# value that leaves it off.
+BEAM_FIELDS = ("beam_width", "length_penalty", "early_stopping")
+NOT_FOR_BEAMS = {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": None, "structured_outputs": None}
+
+
+SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+
+
+def beam_conflicts(values: dict[str, Any], names: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """(field, why) for the fields among `names` whose value in `values` asks a beam search for
+    something it does not do (sampling, penalties, logprobs, constraints)."""
+    return [(name, f"does not apply to beam search (sampling.beam_width); leave it out (got {values[name]!r})")
+            for name in names if name in NOT_FOR_BEAMS and values.get(name) != NOT_FOR_BEAMS[name]]
 
 
 class _Section(BaseModel):
@@ -146,6 +162,9 @@ class _SamplingBase(_Section):
     """Base of ``SamplingSpec``; the SamplingParams fields are added by ``create_model``."""
 
     overrides: dict[str, str] = Field(default_factory=dict)
+    beam_width: PositiveInt | None = None  # beam search: one output row per returned beam
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @field_validator("stop", mode="before", check_fields=False)
     @classmethod
@@ -159,10 +178,26 @@ class _SamplingBase(_Section):
             values["structured_outputs"] = values["structured_outputs"].model_dump(exclude_none=True)
         return values
 
-    def params(self, **changes: Any) -> SamplingParams:
+    def params(self, **changes: Any) -> SamplingParams | BeamSearchParams:
+        """The row's SamplingParams, or its BeamSearchParams when beam_width is set (a seed does not
+        apply to a beam search and is dropped)."""
         values = self.param_values()
         values.update(changes)
-        return SamplingParams(**values)
+        if self.beam_width is None:
+            return SamplingParams(**values)
+        changed = [name for name in NOT_FOR_BEAMS if values[name] != SAMPLING_DEFAULTS[name]]
+        if conflicts := beam_conflicts(values, changed):
+            name, why = conflicts[0]
+            raise ValueError(f"SamplingParams.{name}: {why}")
+        if values["max_tokens"] is None:
+            raise ValueError("SamplingParams.max_tokens: a beam search needs max_tokens")
+        keep = ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                "skip_special_tokens")
+        try:
+            return BeamSearchParams(beam_width=self.beam_width, length_penalty=self.length_penalty,
+                                    early_stopping=self.early_stopping, **{k: values[k] for k in keep})
+        except ValueError as e:
+            raise ValueError(str(e).replace("BeamSearchParams.", "SamplingParams.", 1)) from None
 
 
 def _sampling_fields() -> dict[str, Any]:
@@ -210,6 +245,14 @@ class JobSpec(_Section):
     shard: ShardSpec = Field(default_factory=ShardSpec)
     max_in_flight: PositiveInt | None = None  # default: 2 * model.max_num_seqs
     progress_interval: PositiveFloat = 30.0
+
+    @model_validator(mode="after")
+    def _beam_scores_by_default(self) -> JobSpec:
+        """A beam job's rows carry their cumulative logprob and score unless output.fields says otherwise."""
+        out = self.output
+        if self.sampling.beam_width and "fields" not in out.model_fields_set and out.format != "openai_batch":
+            out.fields = [*out.fields, "score"]
+        return self
 
     @field_validator("model", mode="before")
     @classmethod
@@ -303,7 +346,8 @@ class Job:
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
 _LATER_DEFAULTS = {("input", "check_model"): False, ("output", "format"): "parquet",
-                   ("sampling", "structured_outputs"): None}
+                   ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
+                   ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
 
 
 def _drop_later_defaults(data: dict[str, Any]) -> None:
@@ -403,8 +447,9 @@ def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: Outpu
     """Sampling and input settings the engine options cannot serve: refused here, before any
     row, instead of failing every row."""
     problems = []
-    if too_many := samples_problem(sampling.n, model.max_num_seqs):
-        problems.append(Problem("sampling.n", too_many))
+    width_field = "beam_width" if sampling.beam_width else "n"
+    if too_many := samples_problem(getattr(sampling, width_field), model.max_num_seqs):
+        problems.append(Problem(f"sampling.{width_field}", too_many))
     if model.skip_tokenizer_init:
         why = "needs the model's tokenizer, which model.skip_tokenizer_init leaves out"
         if isinstance(inp, dict) and inp.get("messages_column"):
@@ -419,7 +464,7 @@ def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: Outpu
 def sampling_problems(spec: Any) -> list[Problem]:
     """Ask SamplingParams about every field: on an error, note it, reset that field, try again."""
     names = SamplingParams.field_names()
-    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+    defaults = SAMPLING_DEFAULTS
     values = spec.param_values()
     problems: list[Problem] = []
     for _ in range(len(names) + 1):
@@ -433,8 +478,17 @@ def sampling_problems(spec: Any) -> list[Problem]:
                 break
             problems.append(Problem(f"sampling.{m.group(1)}{m.group(2)}", m.group(3)))
             values[m.group(1)] = defaults[m.group(1)]
+    if spec.beam_width is None:
+        problems += [Problem(f"sampling.{name}", "applies to beam search only; set sampling.beam_width")
+                     for name in BEAM_FIELDS[1:] if name in spec.model_fields_set]
+    else:
+        problems += [Problem(f"sampling.{name}", why) for name, why in beam_conflicts(values, spec.model_fields_set)]
+        problems += [Problem(f"sampling.overrides.{name}", "does not apply to beam search (sampling.beam_width)")
+                     for name in spec.overrides if name in NOT_FOR_BEAMS]
+        if spec.max_tokens is None:
+            problems.append(Problem("sampling.max_tokens", "a beam search needs max_tokens"))
     for key in spec.overrides:
-        if key not in names and key not in OVERRIDE_KEYS:
+        if key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
             hint = _suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
     return problems

@@ -67,9 +67,12 @@ def output_schema(fields: Iterable[str], carry: list[pa.Field]) -> pa.Schema:
         cols.append(pa.field("text", pa.string()))
     if "token_ids" in fields:
         cols.append(pa.field("token_ids", pa.list_(pa.int32())))
+    if fields & {"logprobs", "score"}:
+        cols.append(pa.field("cumulative_logprob", pa.float64()))
+    if "score" in fields:
+        cols.append(pa.field("score", pa.float64()))
     if "logprobs" in fields:
-        cols += [pa.field("cumulative_logprob", pa.float64()),
-                 pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32())))]
+        cols.append(pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
     if "finish_reason" in fields:
         cols += [pa.field("finish_reason", pa.string()), pa.field("stop_reason", pa.string())]
     if "token_counts" in fields:
@@ -89,7 +92,7 @@ def result_rows(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
     for c in sorted(out.outputs, key=lambda c: c.index):
         rows.append({
             **base, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
-            "cumulative_logprob": c.cumulative_logprob, "logprobs": c.logprobs,
+            "cumulative_logprob": c.cumulative_logprob, "score": c.score, "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": None if c.stop_reason is None else str(c.stop_reason),
             "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
