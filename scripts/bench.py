@@ -7,6 +7,8 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   mixed     prompts of 20-400 tokens, max_tokens from {16..256}, greedy, ignore_eos
   parallel  prompts of ~400 tokens, n=8 samples of 64 tokens (temperature 0.8, top_p 0.95)
   pressure  mixed with a KV cache of a quarter of mixed's peak need (must preempt; peers: mixed's numbers)
+  beam      prompts of ~400 tokens, beam search of width 4 for 64 tokens (ignore_eos; transformers:
+            generate(num_beams=4) with min_new_tokens, so both run every step)
   json      mixed's prompts, each output constrained to one shared JSON schema (structured outputs), then
             json-free: the same prompts unconstrained, each with max_tokens = its constrained output's length,
             so both generate the same tokens; the ratio of their output tokens/s is the constraint's cost
@@ -50,10 +52,12 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float3
 SETTINGS = {  # full and --quick sizes
     False: dict(mixed=dict(count=200, lengths=(20, 400), max_tokens=(16, 32, 64, 128, 256)),
                 parallel=dict(count=32, lengths=(390, 410), max_tokens=(64,), n=8),
+                beam=dict(count=32, lengths=(390, 410), max_tokens=(64,), beam_width=4),
                 decode=dict(count=256, lengths=(32, 32), max_tokens=(16, 32, 48, 64)),
                 batch_sizes=(8, 16, 32, 64), gemm_ms=(64, 128, 256), gemm_time=0.3),
     True: dict(mixed=dict(count=16, lengths=(20, 80), max_tokens=(4, 8, 16)),
                parallel=dict(count=4, lengths=(60, 70), max_tokens=(8,), n=8),
+               beam=dict(count=4, lengths=(60, 70), max_tokens=(8,), beam_width=4),
                decode=dict(count=64, lengths=(16, 16), max_tokens=(4, 8)),
                batch_sizes=(8,), gemm_ms=(64,), gemm_time=0.02),
 }
@@ -98,6 +102,12 @@ class Workload:
     temperature: float = 0.0
     top_p: float = 1.0
     structured_outputs: dict | None = None  # every request's constraint (SamplingParams.structured_outputs)
+    beam_width: int = 0  # > 0: a beam search (greedy, n unused)
+
+    @property
+    def width(self) -> int:
+        """Sequences per request: its samples or its beams."""
+        return self.beam_width or self.n
 
     @property
     def prompt_tokens(self) -> int:
@@ -105,11 +115,12 @@ class Workload:
 
     @property
     def output_tokens(self) -> int:
-        return self.n * sum(self.max_tokens)
+        return self.width * sum(self.max_tokens)
 
     def kv_blocks(self) -> list[int]:
-        """Blocks each request holds when it finishes: the prompt's full blocks shared, the rest per sample."""
-        return [len(p) // BLOCK + self.n * math.ceil((len(p) % BLOCK + m) / BLOCK)
+        """Blocks each request holds when it finishes: the prompt's full blocks shared, the rest per sample
+        (a bound for beams, which share part of their outputs too)."""
+        return [len(p) // BLOCK + self.width * math.ceil((len(p) % BLOCK + m) / BLOCK)
                 for p, m in zip(self.prompts, self.max_tokens, strict=True)]
 
     def decode_context_sum(self) -> int:
@@ -150,13 +161,13 @@ def chat_prompt(tokenizer, frames, rng: random.Random, length: int) -> list[int]
 
 
 def make_workload(name: str, tokenizer, seed: int, count: int, lengths: tuple[int, int], max_tokens: tuple[int, ...],
-                  n: int = 1) -> Workload:
+                  n: int = 1, beam_width: int = 0) -> Workload:
     rng = random.Random(f"{name}-{seed}")
     frames = chat_frames(tokenizer)
     prompts = [chat_prompt(tokenizer, frames, rng, rng.randint(*lengths)) for _ in range(count)]
     budget = [rng.choice(max_tokens) for _ in range(count)]
     sampled = dict(temperature=0.8, top_p=0.95) if n > 1 else {}
-    return Workload(name, prompts, budget, n, **sampled)
+    return Workload(name, prompts, budget, n, beam_width=beam_width, **sampled)
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
@@ -271,8 +282,10 @@ def isolated(isolate: bool, fn, *args):
 
 # --- engines -----------------------------------------------------------------------------------------------------
 def sampling_params(wl: Workload):
-    from batchgen import SamplingParams
+    from batchgen import BeamSearchParams, SamplingParams
 
+    if wl.beam_width:
+        return [BeamSearchParams(beam_width=wl.beam_width, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
     return [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True, seed=i,
                            structured_outputs=wl.structured_outputs) for i, m in enumerate(wl.max_tokens)]
 
@@ -330,6 +343,8 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def sampling_kwargs(wl: Workload) -> dict:
+    if wl.beam_width:
+        return dict(do_sample=False, num_beams=wl.beam_width)
     if wl.temperature == 0:
         return dict(do_sample=False)
     return dict(do_sample=True, temperature=wl.temperature, top_p=wl.top_p, top_k=0)
@@ -352,7 +367,7 @@ def run_hf_static(model_path: str, wl: Workload, dtype: str, threads: int, batch
     by (max_tokens, prompt length); each batch runs to its largest max_tokens, only asked-for tokens count."""
     model, pad_id = load_hf(model_path, dtype, threads)
     order = sorted(range(count), key=lambda i: (wl.max_tokens[i], len(wl.prompts[i])))
-    per_batch, computed = max(1, batch_size // wl.n), 0
+    per_batch, computed = max(1, batch_size // wl.width), 0
     with PeakRSS() as rss:
         start = time.perf_counter()
         for b in range(0, count, per_batch):
@@ -360,18 +375,18 @@ def run_hf_static(model_path: str, wl: Workload, dtype: str, threads: int, batch
             ids, mask = left_pad([wl.prompts[i] for i in chunk], pad_id)
             steps = max(wl.max_tokens[i] for i in chunk)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                                 num_return_sequences=wl.n, pad_token_id=pad_id, **sampling_kwargs(wl))
+                                 num_return_sequences=wl.width, pad_token_id=pad_id, **sampling_kwargs(wl))
             computed += out.numel()
         seconds = time.perf_counter() - start
-    useful = sum(wl.n * (len(p) + m) for p, m in zip(wl.prompts[:count], wl.max_tokens[:count], strict=True))
+    useful = sum(wl.width * (len(p) + m) for p, m in zip(wl.prompts[:count], wl.max_tokens[:count], strict=True))
     return Run(wl.name, f"hf-static-{batch_size}", dtype, seconds, count, sum(map(len, wl.prompts[:count])),
-               wl.n * sum(wl.max_tokens[:count]), rss.peak_mb, rss.start_mb,
+               wl.width * sum(wl.max_tokens[:count]), rss.peak_mb, rss.start_mb,
                dict(batch_size=batch_size, padded_token_fraction=1 - useful / computed))
 
 
 def best_static(args, wl: Workload, dtype: str, sizes: tuple[int, ...]) -> Run:
     """Each batch size on the first max(sizes) // n requests; the fastest then on the whole workload."""
-    subset = min(len(wl.prompts), max(1, max(sizes) // wl.n))
+    subset = min(len(wl.prompts), max(1, max(sizes) // wl.width))
     probes = [isolated(args.isolate, run_hf_static, args.model, wl, dtype, args.threads, size, subset)
               for size in sizes]
     best = max(probes, key=lambda r: r.rates()["total_tok_s"])
@@ -535,8 +550,9 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
         if pressure.extra["preemptions"] == 0:
             raise SystemExit(f"pressure: no preemption with {pressure.extra['kv_blocks']} KV blocks of {peak} peak")
         runs.append(pressure)
-    if "parallel" in args.workloads:
-        runs.append(run(workloads["parallel"]))
+    for name in ("parallel", "beam"):
+        if name in args.workloads:
+            runs.append(run(workloads[name]))
     if "json" in args.workloads:
         constrained = Workload(**{**asdict(mixed), "name": "json", "structured_outputs": {"json": JSON_SCHEMA}})
         runs.append(run(constrained))
@@ -547,12 +563,13 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
 
 def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run], settings: dict,
                 notes: list[str]) -> list[Run]:
-    """transformers static and continuous batching on mixed (also standing for pressure) and parallel."""
+    """transformers static and continuous batching on mixed (also standing for pressure) and parallel; static
+    only on beam (its continuous batching has no beam search)."""
     kv_of, runs = {r.workload: r.extra["kv_blocks"] for r in ours}, []
-    for name in [w for w in ("mixed", "parallel") if w in kv_of]:
+    for name in [w for w in ("mixed", "parallel", "beam") if w in kv_of]:
         print(f"[{dtype}] transformers static {name}: batch sizes {settings['batch_sizes']}", flush=True)
         runs.append(best_static(args, workloads[name], dtype, settings["batch_sizes"]))
-        if "continuous" not in args.peers:
+        if "continuous" not in args.peers or name == "beam":
             continue
         print(f"[{dtype}] transformers continuous {name}", flush=True)
         try:
@@ -592,7 +609,7 @@ def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str
 
 def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[Run], dict, list[str]]:
     workloads = {name: make_workload(name, tokenizer, args.seed, **settings[name])
-                 for name in ("mixed", "parallel", "decode")}
+                 for name in ("mixed", "parallel", "beam", "decode")}
     print(f"[{dtype}] GEMM rates", flush=True)
     rates = isolated(args.isolate, gemm_rates, layer_shapes(cfg), dtype, settings["gemm_ms"], settings["gemm_time"],
                      args.threads)
@@ -691,7 +708,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.peers = [p.strip() for p in args.peers.split(",")]
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args

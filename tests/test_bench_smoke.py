@@ -56,7 +56,7 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "bench.json"
     bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32",
-                "--workloads", "mixed,pressure,json", "--json", str(out)])
+                "--workloads", "mixed,pressure,json,beam", "--json", str(out)])
     report = json.loads(out.read_text())
     engines = {(r["workload"], r["engine"]) for r in report["runs"]}
     expected = {("mixed", "batchgen"), ("pressure", "batchgen"), ("decode", "batchgen"), ("mixed", "hf-static-8")}
@@ -68,6 +68,8 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     assert json_run["extra"]["grammar_compiles"] == 1
     assert json_run["output_tokens"] == free["output_tokens"]  # the same work, constrained or not
     assert "grammar fill" in json_run["extra"]["stage_seconds"]
+    beam = {r["engine"]: r for r in report["runs"] if r["workload"] == "beam"}
+    assert beam["batchgen"]["output_tokens"] == beam["hf-static-8"]["output_tokens"] == 4 * 4 * 8  # width 4, 8 tokens
     pressure = next(r for r in report["runs"] if r["workload"] == "pressure")
     assert pressure["extra"]["preemptions"] > 0
     ceiling = report["ceilings"]["float32"]
