@@ -229,3 +229,18 @@ def test_run_batch_example(home):
         body = kind.model_validate(line["response"]["body"])
         assert len(body.choices) == req["body"].get("n", 1)
         assert body.model == "SmolLM2-135M-Instruct"  # the name given, not where a symlink leads
+
+
+def test_beam_search_examples(home):
+    proc = bash(f"{shlex.quote(sys.executable)} - <<'PY'\n{block('python', 'beam')}PY", home)
+    assert proc.returncode == 0, proc.stderr
+    scores = [float(line.split()[0]) for line in proc.stdout.splitlines()[-4:]]
+    assert scores == sorted(scores, reverse=True)  # best first
+    proc = bash(block("beam"), home)
+    assert proc.returncode == 0, proc.stderr
+    rows = read_rows(home / "first-job" / "out" / "beams")
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == [(i, k) for i in sorted(FIRST_IDS) for k in range(4)]
+    for row_id in FIRST_IDS:
+        beams = sorted((r for r in rows if r["id"] == row_id), key=lambda r: r["sample_index"])
+        assert [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)
+        assert all(b["error"] is None and b["cumulative_logprob"] < 0 for b in beams)
