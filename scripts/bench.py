@@ -695,6 +695,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peers", default="static,continuous",
                         help="transformers engines to run: static (generate on static batches), continuous "
                              "(its continuous batching, the slowest to measure)")
+    parser.add_argument("--batch-sizes", help="comma list of transformers' static batch sizes (rows) to probe, "
+                                              "instead of the defaults (8,16,32,64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
@@ -706,6 +708,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtypes = [DTYPES[d.strip().lower()] for d in args.dtype.split(",")]
     args.workloads = [w.strip() for w in args.workloads.split(",")]
     args.peers = [p.strip() for p in args.peers.split(",")]
+    args.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
     unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam"}
@@ -728,6 +731,8 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     cfg, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
     settings = SETTINGS[args.quick]
+    if args.batch_sizes:
+        settings = {**settings, "batch_sizes": args.batch_sizes}
     runs, ceilings, notes = [], {}, []
     for dtype in args.dtypes:
         dtype_runs, ceilings[dtype], dtype_notes = bench_dtype(args, dtype, cfg, tokenizer, settings)

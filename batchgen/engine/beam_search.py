@@ -46,9 +46,9 @@ class BeamSearch:
     stopper: StopChecker
     hypotheses: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
     done: bool = False
-    # Logits of live beams whose siblings have not been computed yet (after a recompute preemption
-    # prefills the beams in different steps): seq id -> logits row.
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The logprobs of live beams computed in a step, until every sibling's are (after a recompute
+    # preemption the beams may be prefilled in different steps): seq id -> (a step's logprobs, row).
+    pending: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @property
     def num_candidates(self) -> int:
@@ -63,12 +63,12 @@ class BeamSearch:
         self.hypotheses, self.done = [], False
         self.pending.clear()
 
-    def step(self, beams: list[Sequence], logits: torch.Tensor) -> list[Continuation]:
+    def step(self, beams: list[Sequence], logprobs: torch.Tensor) -> list[Continuation]:
         """The next beams from the live `beams` (rank order, all with the same number of outputs)
-        and their logits `[len(beams), vocab]`; an empty list once the search is done."""
+        and their float32 log-softmaxed logits `[len(beams), vocab]` (banned tokens are set to -inf
+        in place); an empty list once the search is done."""
         width, sampling = self.params.beam_width, self.params.sampling_params
         num_outputs = beams[0].num_output_tokens
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
         banned = self.stopper.banned_tokens(sampling, num_outputs)
         if banned:  # after the softmax, as transformers' min-length processor
             logprobs[:, banned] = float("-inf")
@@ -76,7 +76,7 @@ class BeamSearch:
         totals = (logprobs + cumulative[:, None]).flatten()
         scores, index = torch.topk(totals, min(self.num_candidates, totals.numel()))
         normalised = (scores / self._length_norm(num_outputs + 1)).tolist()
-        vocab = logits.shape[1]
+        vocab = logprobs.shape[1]
         parents, tokens, scores = (index // vocab).tolist(), (index % vocab).tolist(), scores.tolist()
         survivors: list[Continuation] = []
         finished: list[Hypothesis] = []

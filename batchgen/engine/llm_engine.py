@@ -216,13 +216,12 @@ class LLMEngine:
         rows: list[SamplingRow] = []
         targets: list[tuple[_Request, Sequence]] = []
         row_of_logits: list[int] = []
-        beam_requests: dict[str, _Request] = {}
+        beam_rows: list[tuple[_Request, Sequence, int]] = []
         for i, s in enumerate(sampled):
             req = self._requests[s.group.request_id]
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
             if req.beams is not None:
-                req.beams.pending[s.seq.seq_id] = logits[i].clone()
-                beam_requests[s.group.request_id] = req
+                beam_rows.append((req, s.seq, i))
                 continue
             seqs = [s.seq]
             if req.params.n > 1 and len(s.group.seqs) == 1 and s.seq.num_prompt_tokens == len(s.seq.token_ids):
@@ -234,6 +233,7 @@ class LLMEngine:
                 rows.append(self._sampling_row(req, seq))
                 targets.append((req, seq))
                 row_of_logits.append(i)
+        beam_logprobs = self._beam_logprobs(logits, beam_rows)
         if rows:
             self._fill_grammar_masks(rows, targets)
             if len(row_of_logits) != len(sampled):
@@ -241,8 +241,8 @@ class LLMEngine:
             result = sample(logits, rows)
             for r, (req, seq) in enumerate(targets):
                 self._append(req, seq, result.token_ids[r], result.logprobs[r], result.top_logprobs[r], now)
-        for req in beam_requests.values():
-            self._beam_step(req, now)
+        for req in {req.group.request_id: req for req, _, _ in beam_rows}.values():
+            self._beam_step(req, beam_logprobs, now)
         for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
             finished.append(self._finish_request(request_id))
         return finished
@@ -311,12 +311,32 @@ class LLMEngine:
             banned_token_ids=banned,
         )
 
-    def _beam_step(self, req: _Request, now: float) -> None:
-        """Once every live beam has its logits: the next beams, or the end of the search."""
+    @staticmethod
+    def _beam_logprobs(logits: torch.Tensor | None,
+                       beam_rows: list[tuple[_Request, Sequence, int]]) -> torch.Tensor | None:
+        """The log-softmax of the step's beam rows, all in one call, each row's kept as pending for its beam."""
+        if not beam_rows:
+            return None
+        index = [i for _, _, i in beam_rows]
+        picked = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
+        logprobs = torch.log_softmax(picked.float(), dim=-1)
+        for j, (req, seq, _) in enumerate(beam_rows):
+            req.beams.pending[seq.seq_id] = (logprobs, j)
+        return logprobs
+
+    def _beam_step(self, req: _Request, step_logprobs: torch.Tensor, now: float) -> None:
+        """Once every live beam has its logprobs: the next beams, or the end of the search. A group's
+        rows usually sit side by side in this step's logprobs and are read in place."""
         search, live = req.beams, req.group.unfinished_seqs()
         if any(seq.seq_id not in search.pending for seq in live):
             return
-        continuations = search.step(live, torch.stack([search.pending.pop(seq.seq_id) for seq in live]))
+        pending = [search.pending.pop(seq.seq_id) for seq in live]
+        first = pending[0][1]
+        if all(t is step_logprobs and j == first + k for k, (t, j) in enumerate(pending)):
+            logprobs = step_logprobs[first:first + len(live)]
+        else:  # beams computed in different steps (after a recompute preemption)
+            logprobs = torch.stack([t[j] for t, j in pending])
+        continuations = search.step(live, logprobs)
         req.metrics.first_token_time = req.metrics.first_token_time or now
         if not continuations:
             for seq in live:
