@@ -76,6 +76,17 @@ def blocks_for(length: int) -> int:
     return -(-length // BLOCK_SIZE)
 
 
+def one_sequence(shape, dtype, gen, **variant):
+    """A fresh cache holding a SEQ_LEN-token sequence: its block table, another sequence's blocks, the
+    queries of every position and the rows of one whole prefill."""
+    heads, kv_heads, head_dim = shape
+    cache = Cache(kv_heads, head_dim, dtype)
+    table = cache.take(blocks_for(SEQ_LEN))
+    q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
+    (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)], **variant)
+    return cache, table, cache.take(blocks_for(SEQ_LEN)), q, whole
+
+
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
     return request.param
@@ -85,15 +96,10 @@ def dtype(request):
 def test_row_results_do_not_depend_on_the_step(cpu_isas, dtype, shape):
     from batchgen import _C
 
-    heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(2)
     for isa in cpu_isas:
         _C.set_cpu_isa(isa)
-        cache = Cache(kv_heads, head_dim, dtype)
-        table = cache.take(blocks_for(SEQ_LEN))
-        q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
-        (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
-        other = cache.take(blocks_for(SEQ_LEN))
+        cache, table, other, q, whole = one_sequence(shape, dtype, gen)
 
         def expect(rows: torch.Tensor, first: int, what: str, whole=whole, isa=isa) -> None:
             want = whole[first : first + len(rows)]
@@ -162,15 +168,11 @@ def test_windowed_rows_do_not_depend_on_the_step(cpu_isas, dtype):
     first row's window does; chunks, decodes, batches and shared samples still give the same bits."""
     from batchgen import _C
 
-    heads, kv_heads, head_dim = SHAPES[1]
+    heads, _, head_dim = SHAPES[1]
     gen = torch.Generator().manual_seed(4)
     for isa in cpu_isas:
         _C.set_cpu_isa(isa)
-        cache = Cache(kv_heads, head_dim, dtype)
-        table = cache.take(blocks_for(SEQ_LEN))
-        q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
-        (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)], **VARIANT)
-        other = cache.take(blocks_for(SEQ_LEN))
+        cache, table, other, q, whole = one_sequence(SHAPES[1], dtype, gen, **VARIANT)
 
         def expect(rows: torch.Tensor, first: int, what: str, whole=whole, isa=isa) -> None:
             assert torch.equal(rows, whole[first : first + len(rows)]), f"{isa}, {dtype}: {what}"

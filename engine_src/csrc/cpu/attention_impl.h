@@ -194,8 +194,11 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
 
 // s[g][t] = q_g . k_t for the first n rows of a block's K, n rounded up to kTokenStep (rows that
 // exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
+// Forced inline, as are the other score and value loops: once the variants had grown the walk, GCC
+// kept them out of line, a call per block (decode of 256 x 128-token sequences ~5% slower).
 template <typename T, int NG>
-void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile, int D, int n, float* s) {
+__attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile,
+                                                       int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const T* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
@@ -220,7 +223,8 @@ void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile, in
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
 template <typename T, int NG>
-void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile, int D, int n, float* s) {
+__attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
+                                                       int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
@@ -307,7 +311,8 @@ __attribute__((always_inline)) inline void score_quad(const BF16* q, const uint3
 
 // s[g][t] = q_g . k_t for keys t in [16 * c0, 16 * (c0 + KC)) of a transposed tile.
 template <int NG, int KC>
-void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0, float* s) {
+__attribute__((always_inline)) inline void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0,
+                                                             float* s) {
   Vec half[NG][KC], z[NG][KC];
   score_quad<NG, KC>(q, kt, D, c0, 0, half);
   score_quad<NG, KC>(q, kt, D, c0, 2, z);
@@ -323,7 +328,8 @@ void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0, float* 
 // The scores of keys [first, n) (first a multiple of 16, n rounded up to 16) of a transposed tile, 16 keys
 // at a time: few live vectors per row, so NG rows stay in registers.
 template <int NG>
-void scores_transposed(const BF16* q, const uint32_t* kt, int D, int first, int n, float* s) {
+__attribute__((always_inline)) inline void scores_transposed(const BF16* q, const uint32_t* kt, int D, int first,
+                                                             int n, float* s) {
   for (int c0 = first / 16; c0 * 16 < n; ++c0) scores_transposed<NG, 1>(q, kt, D, c0, s);
 }
 #endif
@@ -331,33 +337,27 @@ void scores_transposed(const BF16* q, const uint32_t* kt, int D, int first, int 
 // What masks a tile's scores from key `limit` on, in registers (storing -inf over the scores and loading
 // them again became a memcpy call per row): the scores from the limit on are zeroed (they may be NaN, from
 // K rows past a sequence's end) where -t + limit - 0.5 < 0, then kKeyMask.add + kTileKeys - limit is
-// added, 0 before the key and -inf from it. A sliding window's first key `low` masks the keys before
-// it alike: zeroed where t - low + 0.5 < 0 (scores of blocks the row group did not read are left
-// unwritten), then kKeyMask.low + kTileKeys - low added, -inf before the key and 0 from it.
+// added, 0 before the key and -inf from it.
 struct KeyMask {
   float minus_index[kTileKeys];
   float add[2 * kTileKeys];
-  float low[2 * kTileKeys];
-  constexpr KeyMask() : minus_index(), add(), low() {
+  constexpr KeyMask() : minus_index(), add() {
     for (int t = 0; t < kTileKeys; ++t) minus_index[t] = static_cast<float>(-t);
     for (int i = kTileKeys; i < 2 * kTileKeys; ++i) add[i] = kNegInf;
-    for (int i = 0; i < kTileKeys; ++i) low[i] = kNegInf;
   }
 };
 constexpr KeyMask kKeyMask{};
 
 // Online softmax step of rows 0 .. NG - 1 of a row group over one tile, row g's scores at
-// s + g * kTileKeys: scales the raw scores (and soft-caps them when cap > 0: cap * tanh(s / cap)),
-// masks those before low[g] (a sliding window's first key) and at and past limit[g], updates m[g] and l[g],
+// s + g * kTileKeys: scales the raw scores, masks those at and past limit[g], updates m[g] and l[g],
 // leaves the tile's probabilities exp(s - m) in s and sets correction[g], the factor by which the
 // row's accumulator must be rescaled. `width` is the number of scores to touch, a multiple of
 // Vec::N. The rows go through each phase together and the scaled scores stay in registers: one
 // row's max and sum are chains of dependent reductions, and rows side by side overlap them (taken
 // one row at a time, the step was 30% of prefill attention). The rescale factors are one vector exp.
 template <int NG>
-__attribute__((always_inline)) inline void softmax_rows(float* s, const int* low, const int* limit, int width,
-                                                        float scale, float cap, float inv_cap, float* m, float* l,
-                                                        float* correction) {
+__attribute__((always_inline)) inline void softmax_rows(float* s, const int* limit, int width, float scale, float* m,
+                                                        float* l, float* correction) {
   constexpr int kMaxVecs = kTileKeys / Vec::N;
   constexpr int kLanes = (NG + Vec::N - 1) / Vec::N * Vec::N;
   const int vecs = width / Vec::N;
@@ -370,17 +370,6 @@ __attribute__((always_inline)) inline void softmax_rows(float* s, const int* low
     m_new[g] = m[g];
     if (limit[g] <= 0) continue;  // this row sees none of the tile (causal prefill)
     for (int i = 0; i < vecs; ++i) x[g][i] = Vec::load(row + i * Vec::N) * vscale;
-    if (cap > 0.0f) {  // masked below: tanh(-inf) would be a finite -1
-      for (int i = 0; i < vecs; ++i) x[g][i] = tanh_vec(x[g][i] * Vec::set1(inv_cap)) * Vec::set1(cap);
-    }
-    if (low[g] > 0) {  // the first tile of a row's sliding window: -inf before the key at low
-      const Vec from = Vec::set1(0.5f - static_cast<float>(low[g]));  // t - low + 0.5 >= 0 from the key on
-      const float* infinities = kKeyMask.low + kTileKeys - low[g];
-      for (int i = 0; i < vecs; ++i) {
-        const Vec after = from - Vec::load(kKeyMask.minus_index + i * Vec::N);
-        x[g][i] = zero_if_below(x[g][i], after, 0.0f) + Vec::load(infinities + i * Vec::N);
-      }
-    }
     if (limit[g] < width) {  // the last tile of a row: -inf from the key at limit on
       const Vec before = Vec::set1(static_cast<float>(limit[g]) - 0.5f);  // limit - t > 0 before the limit
       const float* infinities = kKeyMask.add + kTileKeys - limit[g];
@@ -430,6 +419,7 @@ static_assert(8 % kValueChains == 0 && 8 % (2 * kPairChains) == 0, "blocks hold 
 // accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
 // blocks. `prefetch` lines of each block's next V go out per chunk.
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int fb, int n, int c,
                   int prefetch, float* acc) {
   constexpr int C = kValueChains;
@@ -463,6 +453,7 @@ void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D,
 // acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t for the NG rows of a row group. The blocks
 // before block fb hold no key the group sees (p = 0 there) and are not read.
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<T>& tile, int D, int BS,
                  int fb, int n, float* acc) {
   const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // a block's bytes per chunk
@@ -478,6 +469,7 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // through values_chunk, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
 // whatever the rows (as in values_chunk).
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
                  int fb, int n, float* acc) {
   constexpr int TP = kPairChains;
@@ -562,6 +554,7 @@ struct GroupKeys {
 // rows.s[g][t] = q_{r0 + g} . k_t for the tile's keys from block fb to n (rounded up), from kt, the tile's K
 // transposed, where the row groups share it, else from the blocks; the same bits either way.
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_unused]] const uint32_t* kt, int D,
                       int BS, int fb, int n) {
 #ifdef BATCHGEN_DOT_BF16
@@ -573,21 +566,46 @@ void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_un
     tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
 }
 
+// The attention variants on a row group's scores s[g][t] (t < width), in memory, before softmax_rows, which
+// is then called with scale 1 (an exact multiply): the scaled scores, soft-capped (cap * tanh(s / cap)) when
+// a cap is set, and -inf before each row's sliding window (keys.low; scores of blocks the group did not
+// read are left unwritten by the dot products and overwritten here). Kept out of softmax_rows, whose
+// scores stay in registers, so that the plain path's code does not change.
+template <int NG>
+void score_variants(const AttnArgs& a, const GroupKeys& keys, int width, float* s) {
+  const Vec scale = Vec::set1(a.scale), cap = Vec::set1(a.soft_cap), inv_cap = Vec::set1(a.inv_soft_cap);
+  for (int g = 0; g < NG; ++g) {
+    if (keys.limit[g] <= 0) continue;  // a row that sees none of the tile
+    float* row = s + g * kTileKeys;
+    for (int t = 0; t < width; t += Vec::N) {
+      Vec x = Vec::load(row + t) * scale;
+      if (a.soft_cap > 0.0f) x = tanh_vec(x * inv_cap) * cap;  // masked after: tanh(-inf) would be -1
+      x.store(row + t);
+    }
+    for (int t = 0; t < keys.low[g]; ++t) row[t] = kNegInf;
+  }
+}
+
 // Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's keys [keys.low[g], keys.limit[g]).
 template <typename T, int NG>
 void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys, Tile<T>& tile,
                  const uint32_t* kt) {
   const int D = a.head_dim, BS = a.block_size;
+  const int fb = keys.fb;
   int n = 0;
   for (int g = 0; g < NG; ++g) n = keys.limit[g] > n ? keys.limit[g] : n;
   // The score loops may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, keys.fb, n);
+  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, fb, n);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
+  float scale = a.scale;
+  if (a.soft_cap > 0.0f || a.sliding_window > 0) {  // the variants scale the scores themselves
+    score_variants<NG>(a, keys, width, rows.s);
+    scale = 1.0f;
+  }
   float correction[NG];
-  softmax_rows<NG>(rows.s, keys.low, keys.limit, width, a.scale, a.soft_cap, a.inv_soft_cap, rows.m + r0,
-                   rows.l + r0, correction);
-  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, keys.fb, n, rows.acc + r0 * D);
+  softmax_rows<NG>(rows.s, keys.limit, width, scale, rows.m + r0, rows.l + r0, correction);
+  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, fb, n, rows.acc + r0 * D);
 }
 
 template <typename T>
@@ -645,8 +663,9 @@ struct TileWalk {
   int count(int64_t visit) const {
     return static_cast<int>(min_i64(blocks_per_tile, first_block + blocks - first(visit)));
   }
-  // Whether block b of tile `visit` is read (it is not before the task's first block).
-  bool reads(int64_t visit, int b) const { return first(visit) + b >= begin_block; }
+  // Blocks at the start of tile `visit` that are not read (before the task's first block; only in its
+  // first tile of each kv head).
+  int skipped(int64_t visit) const { return visit < heads ? static_cast<int>(begin_block - first_block) : 0; }
   // Elements from the start of the cache to block b of tile `visit`.
   int64_t offset(int64_t visit, int b) const {
     return table[first(visit) + b] * block_elems + (kv_head + visit % heads) * block_tile_elems;
@@ -705,17 +724,19 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
     const TileWalk& ahead_walk = ahead_here ? walk : next_walk;
     const int64_t ahead_tile = ahead_here ? ahead_visit : ahead_visit - num_tiles;
     const int ahead_count = ahead_visit < all_tiles ? ahead_walk.count(ahead_tile) : 0;
+    const int ahead_skipped = ahead_visit < all_tiles ? ahead_walk.skipped(ahead_tile) : 0;
     Tile<T> tile;
     tile.count = walk.count(visit);
+    const int skipped = walk.skipped(visit);
     for (int b = 0; b < tile.count; ++b) {
       BlockKV<T>& kv = tile.block[b];
-      if (!walk.reads(visit, b)) {
+      if (b < skipped) {
         kv = {nullptr, nullptr, {}, {}};
         continue;
       }
       const int64_t offset = walk.offset(visit, b);
       kv = {k_cache + offset, v_cache + offset, {}, {}};
-      if (b < ahead_count && ahead_walk.reads(ahead_tile, b)) {
+      if (b < ahead_count && b >= ahead_skipped) {
         const int64_t next = ahead_walk.offset(ahead_tile, b);
         const char* next_k = reinterpret_cast<const char*>(k_cache + next);
         const char* next_v = reinterpret_cast<const char*>(v_cache + next);
@@ -731,22 +752,29 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
     for (int64_t r0 = 0; r0 < per_head; r0 += kGroupRows) {
       const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
       GroupKeys keys;
-      int any = 0, first_key = tile_keys;
+      keys.fb = 0;
+      int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
         const int64_t visible = row_stop - start;
         keys.limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, tile_keys));
         keys.low[i] = 0;
-        if (a.sliding_window > 0) {
-          const int64_t before = window_begin(row_position(task, (r0 + i) / group), a.sliding_window) - start;
-          keys.low[i] = before <= 0 ? 0 : static_cast<int>(min_i64(before, tile_keys));
-          if (keys.low[i] >= keys.limit[i]) keys.low[i] = keys.limit[i] = 0;  // the window ends before the tile
-        }
-        if (keys.limit[i] > 0 && keys.low[i] < first_key) first_key = keys.low[i];
         any |= keys.limit[i];
       }
       if (any == 0) continue;
-      keys.fb = first_key / BS;
+      if (a.sliding_window > 0) {  // each row's first key; the group reads from the block of the first
+        int first_key = tile_keys;
+        any = 0;
+        for (int i = 0; i < ng; ++i) {
+          const int64_t before = window_begin(row_position(task, (r0 + i) / group), a.sliding_window) - start;
+          keys.low[i] = before <= 0 ? 0 : static_cast<int>(min_i64(before, tile_keys));
+          if (keys.low[i] >= keys.limit[i]) keys.low[i] = keys.limit[i] = 0;  // the window ends before the tile
+          if (keys.limit[i] > 0 && keys.low[i] < first_key) first_key = keys.low[i];
+          any |= keys.limit[i];
+        }
+        if (any == 0) continue;
+        keys.fb = first_key / BS;
+      }
       attend_tile_rows<T>(a, ng, head_rows, r0, keys, tile, kt);
     }
   }
@@ -799,7 +827,8 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head, kt);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head,
+                   kt);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(a, task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(a, task, j + 1)) : after;
