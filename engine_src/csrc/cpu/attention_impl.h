@@ -549,6 +549,7 @@ struct GroupKeys {
   int low[kGroupRows];
   int limit[kGroupRows];
   int fb;
+  bool any_low;  // some low[g] > 0
 };
 
 // rows.s[g][t] = q_{r0 + g} . k_t for the tile's keys from block fb to n (rounded up), from kt, the tile's K
@@ -570,7 +571,8 @@ void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_un
 // is then called with scale 1 (an exact multiply): the scaled scores, soft-capped (cap * tanh(s / cap)) when
 // a cap is set, and -inf before each row's sliding window (keys.low; scores of blocks the group did not
 // read are left unwritten by the dot products and overwritten here). Kept out of softmax_rows, whose
-// scores stay in registers, so that the plain path's code does not change.
+// scores stay in registers, so that the plain path's code does not change; with a window alone it runs
+// only in the tile where some row's window starts (the same products as softmax_rows' either way).
 template <int NG>
 void score_variants(const AttnArgs& a, const GroupKeys& keys, int width, float* s) {
   const Vec scale = Vec::set1(a.scale), cap = Vec::set1(a.soft_cap), inv_cap = Vec::set1(a.inv_soft_cap);
@@ -599,7 +601,7 @@ void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const Group
   row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, fb, n);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float scale = a.scale;
-  if (a.soft_cap > 0.0f || a.sliding_window > 0) {  // the variants scale the scores themselves
+  if (a.soft_cap > 0.0f || keys.any_low) {  // the variants scale the scores themselves
     score_variants<NG>(a, keys, width, rows.s);
     scale = 1.0f;
   }
@@ -753,6 +755,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
       const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
       GroupKeys keys;
       keys.fb = 0;
+      keys.any_low = false;
       int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
@@ -770,6 +773,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
           keys.low[i] = before <= 0 ? 0 : static_cast<int>(min_i64(before, tile_keys));
           if (keys.low[i] >= keys.limit[i]) keys.low[i] = keys.limit[i] = 0;  // the window ends before the tile
           if (keys.limit[i] > 0 && keys.low[i] < first_key) first_key = keys.low[i];
+          keys.any_low |= keys.low[i] > 0;
           any |= keys.limit[i];
         }
         if (any == 0) continue;
