@@ -225,6 +225,7 @@ def test_variants_off_and_windows_past_the_sequence_change_nothing(cpu_isas, dty
         use(isa)
         plain = ops.paged_attention_decode(*args)
         assert torch.equal(ops.paged_attention_decode(*args, sliding_window=0, logits_soft_cap=0.0), plain)
+        assert torch.equal(ops.paged_attention_decode(*args, sliding_window=None, logits_soft_cap=None), plain)
         assert torch.equal(ops.paged_attention_decode(*args, sliding_window=100), plain)
         assert torch.equal(ops.paged_attention_prefill(*args[:5], starts, 0.125, sliding_window=100), plain)
         assert not torch.equal(ops.paged_attention_decode(*args, sliding_window=99), plain)

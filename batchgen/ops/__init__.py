@@ -84,14 +84,14 @@ def paged_attention_decode(
     `seq_groups` (int32 `[num_seqs]`, optional): sequences side by side with the same id, such as
     the n samples of a request, may read the cache blocks their tables share once for all of them
     (the CPU kernel does, with the same result bit for bit: see engine_src/README.md, batch invariance).
-    `sliding_window` (0 off): the query at position p sees only keys j with p - sliding_window < j <= p
-    (transformers' rule); blocks wholly outside the window are not read.
-    `logits_soft_cap` (0 off): each score s becomes `logits_soft_cap * tanh(s / logits_soft_cap)`
-    before the softmax (Gemma 2)."""
+    `sliding_window` (0 or None off): the query at position p sees only keys j with
+    p - sliding_window < j <= p (transformers' rule); blocks wholly outside the window are not read.
+    `logits_soft_cap` (0 or None off): each score s becomes `logits_soft_cap * tanh(s / logits_soft_cap)`
+    before the softmax (Gemma 2). None is taken as off, as Hugging Face configs write it."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups,
-                              int(sliding_window), float(logits_soft_cap))
+                              int(sliding_window or 0), float(logits_soft_cap or 0.0))
     return out
 
 
@@ -115,7 +115,7 @@ def paged_attention_prefill(
         out = torch.empty_like(query)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
-        int(sliding_window), float(logits_soft_cap),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0),
     )
     return out
 

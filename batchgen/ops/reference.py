@@ -53,11 +53,11 @@ def attend(
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", query.float(), keys) * scale
-    if logits_soft_cap > 0:
+    if logits_soft_cap:  # 0 or None: off
         scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     key_pos = torch.arange(keys.shape[0], device=keys.device)
     hidden = key_pos[None, :] > positions[:, None]
-    if sliding_window > 0:
+    if sliding_window:  # 0 or None: off
         hidden |= key_pos[None, :] <= positions[:, None] - sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
