@@ -45,6 +45,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_windows: tuple[int, ...] = ()  # per layer (0: none); empty: none anywhere
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +65,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: int = 0):
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, window)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         cfg, h = self.cfg, self.cfg.num_heads
@@ -109,10 +110,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -136,11 +137,16 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        windows = cfg.sliding_windows or (0,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, window) for window in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tied_head: PackedLinear | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -189,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
         projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.packed_gate_up,
                         layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
+            return
+        if any(cfg.sliding_windows):  # the stack's attention sees every key
             return
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
+from batchgen.models.architectures import NATIVE_ARCHITECTURES, architecture, layer_windows
 from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "*spiece*.model",
                    "sentencepiece*.model")
@@ -70,10 +69,9 @@ def _rope(hf_config) -> tuple[float, dict | None]:
 
 
 def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
-    archs = getattr(hf_config, "architectures", None) or []
-    arch = archs[0] if archs else "?"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = architecture(hf_config)
+    if NATIVE_ARCHITECTURES.get(arch) != "llama":
+        raise ValueError(f"architecture {arch!r} is not of the Llama family")
     theta, scaling = _rope(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     return LlamaConfig(
@@ -91,6 +89,7 @@ def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=tuple(layer_windows(hf_config)),
     )
 
 
@@ -112,9 +111,19 @@ def _checkpoint_tensors(model_dir: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int
-) -> LlamaForCausalLM:
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+               model_impl: str = "native") -> torch.nn.Module:
+    """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits`,
+    `attention_layers()` and `vocab_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl)."""
+    if model_impl == "transformers":
+        from batchgen.models.transformers_backend import load_transformers_model
+
+        return load_transformers_model(model_dir, hf_config, dtype, device)
+    return _load_llama(model_dir, hf_config, dtype, device, max_model_len)
+
+
+def _load_llama(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> LlamaForCausalLM:
     cfg = native_config(hf_config, max_model_len)
     with torch.device("meta"):  # no random init of parameters the checkpoint overwrites (~1.7 s for 135M)
         model = LlamaForCausalLM(cfg).to(dtype)
