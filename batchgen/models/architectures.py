@@ -28,7 +28,7 @@ ADAPTED_MODEL_TYPES = {"falcon"}
 
 def architecture(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None) or []
-    return archs[0] if archs else type(hf_config).__name__.removesuffix("Config") + " (no `architectures` in config.json)"
+    return archs[0] if archs else f"{type(hf_config).__name__} (config.json names no architecture)"
 
 
 def pick_impl(asked: str, hf_config: Any) -> str:

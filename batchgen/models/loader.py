@@ -11,6 +11,7 @@ import torch
 from batchgen.models.architectures import NATIVE_ARCHITECTURES, architecture, layer_windows
 from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
+
 # Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "*spiece*.model",
                    "sentencepiece*.model")

@@ -94,8 +94,8 @@ class TransformersModel(nn.Module):
         self.config = text_config(hf_model.config)
         self.step = Step()
         self.layers = [LayerAttention(self.step, w) for w in layer_windows(hf_model.config)]
-        attention_modules = [m for m in hf_model.modules()
-                             if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
+        attention_modules = [m for m in hf_model.modules() if type(m).__name__.endswith("Attention")
+                             and isinstance(getattr(m, "layer_idx", None), int)]
         for module in attention_modules:
             module.batchgen_layer = self.layers[module.layer_idx]
         if len(attention_modules) != len(self.layers):
