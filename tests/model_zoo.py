@@ -12,6 +12,7 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              max_position_embeddings=1024)
 KV = dict(num_key_value_heads=2)
 ALTERNATING = ["sliding_attention", "full_attention"]
+GEMMA3_GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}  # as Gemma 3 4B's
 
 
 def _configs(tf, tokens: dict) -> dict:
@@ -21,8 +22,11 @@ def _configs(tf, tokens: dict) -> dict:
         "gemma2": (tf.Gemma2Config(**gemma, query_pre_attn_scalar=80, attn_logit_softcapping=5.0,
                                    final_logit_softcapping=3.0, sliding_window=16, layer_types=ALTERNATING),
                    tf.Gemma2ForCausalLM),
-        "gemma3": (tf.Gemma3TextConfig(**gemma, query_pre_attn_scalar=80, sliding_window=16,
-                                       layer_types=ALTERNATING), tf.Gemma3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig(**gemma, query_pre_attn_scalar=80, sliding_window=16, layer_types=ALTERNATING,
+                                       rope_parameters={"full_attention": GEMMA3_GLOBAL_ROPE,
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}}),
+                   tf.Gemma3ForCausalLM),
         "phi3": (tf.Phi3Config(**SIZES, **KV, **tokens, partial_rotary_factor=0.5, sliding_window=None),
                  tf.Phi3ForCausalLM),
         "olmo2": (tf.Olmo2Config(**SIZES, **KV, **tokens), tf.Olmo2ForCausalLM),

@@ -12,7 +12,7 @@ from model_zoo import ZOO, build_zoo_model
 from batchgen import LLM, SamplingParams
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.preflight import plan_model
-from batchgen.models.architectures import attention_geometry
+from batchgen.models.architectures import attention_geometry, pick_impl
 
 PROMPT_LENS = [3, 28, 60, 17, 90]  # 28 and 60 cross a block edge while decoding
 MAX_NEW = 12
@@ -86,17 +86,33 @@ def test_transformers_backend_matches_transformers_generate(zoo, arch, engine_ru
     assert (stats["prefix_cache_hits"] > 0) == options["enable_prefix_caching"]
 
 
-def test_native_and_transformers_backends_agree(zoo):
-    """Mistral's window on the native layers; the Llama seam through the backend."""
-    for model_dir in (zoo("mistral_window"), zoo("qwen3")):
-        options = ENGINE_RUNS["prefix-cache,block-8,chunked,swap"]
-        native, _ = run(model_dir, "native", **options)
-        assert native == run(model_dir, "transformers", **options)[0]
+@pytest.mark.parametrize("engine_run", ENGINE_RUNS)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "mistral_window"])
+def test_native_families_match_transformers_generate(zoo, arch, engine_run):
+    """With the backend test above: native == transformers backend == transformers' generate."""
+    options = dict(ENGINE_RUNS[engine_run])
+    tokens, stats = run(zoo(arch), "native", **options)
+    assert tokens == reference(zoo(arch), arch)
+    assert stats[f"{options['preemption_mode']}_preemptions"] > 0
+
+
+def test_the_llama_seam_through_the_backend(zoo):
+    options = ENGINE_RUNS["prefix-cache,block-8,chunked,swap"]
+    assert run(zoo("qwen3"), "transformers", **options)[0] == run(zoo("qwen3"), "native", **options)[0]
 
 
 def test_auto_picks_native_where_there_is_one(zoo):
-    assert plan_model(EngineConfig(zoo("mistral_window"))).model_impl == "native"
+    assert plan_model(EngineConfig(zoo("gemma3"))).model_impl == "native"
     assert plan_model(EngineConfig(zoo("olmo2"))).model_impl == "transformers"
+    # A native family's member it cannot run (Phi-3's long-context rope): the backend, or a clear error.
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+            "original_max_position_embeddings": 512}
+    long_phi3 = tf.Phi3Config(architectures=["Phi3ForCausalLM"], hidden_size=256, num_attention_heads=4,
+                              rope_parameters=rope)
+    assert pick_impl("auto", long_phi3) == "transformers"
+    with pytest.raises(ValueError, match="model_impl: batchgen's native Phi3ForCausalLM cannot run this model: "
+                                         "its rope scaling 'longrope'"):
+        pick_impl("native", long_phi3)
 
 
 def refusal(tmp_path, config, **options) -> str:

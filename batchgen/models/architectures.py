@@ -7,12 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.layers.rotary import ROPE_TYPES
+
 # Architectures with a native implementation in batchgen/models/, by the module that has it.
 NATIVE_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {
@@ -35,16 +40,43 @@ def pick_impl(asked: str, hf_config: Any) -> str:
     """"native" or "transformers" for `model_impl` `asked`; a one-line ValueError when neither can run it.
     Its first word is the option at fault: "model_impl" or "model"."""
     arch = architecture(hf_config)
+    native_misfit = native_refusal(hf_config) if arch in NATIVE_ARCHITECTURES else None
     if asked == "native":
         if arch not in NATIVE_ARCHITECTURES:
             raise ValueError(f"model_impl: batchgen has no native implementation of {arch} (native: "
                              f"{', '.join(NATIVE_ARCHITECTURES)}); use model_impl auto or transformers")
+        if native_misfit:
+            raise ValueError(f"model_impl: batchgen's native {arch} cannot run this model: {native_misfit}; "
+                             "use model_impl auto or transformers")
         return "native"
-    if asked == "auto" and arch in NATIVE_ARCHITECTURES:
+    if asked == "auto" and arch in NATIVE_ARCHITECTURES and not native_misfit:
         return "native"
     if why := transformers_refusal(hf_config):
         raise ValueError(f"model: architecture {arch} cannot run in batchgen: {why}")
     return "transformers"
+
+
+def native_refusal(hf_config: Any) -> str | None:
+    """Why a native family cannot run this member of it (transformers then can), or None."""
+    for layer_type in set(getattr(text_config(hf_config), "layer_types", None) or [None]):
+        scaling = rope(hf_config, layer_type)[1] or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            return f"its rope scaling {rope_type!r} (native: {', '.join(ROPE_TYPES)})"
+    return None
+
+
+def rope(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """rope theta and scaling (None: plain), from transformers 5's `rope_parameters` (one per layer type
+    for Gemma 3) or the older fields."""
+    cfg = text_config(hf_config)
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return float(params["rope_theta"]), scaling
+    return float(getattr(cfg, "rope_theta", 10000.0)), getattr(cfg, "rope_scaling", None)
 
 
 def transformers_refusal(hf_config: Any) -> str | None:

@@ -1,8 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) on paged attention.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) on paged attention.
 
 One class covers the family: Qwen2 adds biases to the q/k/v projections, Qwen3 normalises q and k
-per head before the rotary embedding. q/k/v and gate/up projections are fused at load time so each
-layer runs two GEMMs where the checkpoint has five.
+per head before the rotary embedding, Phi-3 rotates part of each head and has q/k/v and gate/up
+fused in its checkpoint already; Mistral and Phi-3 may attend within a sliding window. q/k/v and
+gate/up projections are fused at load time so each layer runs two GEMMs where the checkpoint has five.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[int, ...] = ()  # per layer (0: none); empty: none anywhere
+    rotary_dim: int | None = None  # the leading dims of each head the rotary embedding turns; None: all
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_soft_cap: float = 0.0
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +86,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, window)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.scale, window, cfg.attn_soft_cap)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         cfg, h = self.cfg, self.cfg.num_heads
@@ -85,7 +97,7 @@ class Attention(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
             ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps, out=q)
             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps, out=k)
-        rotate(qk, rope)  # q and k in one pass, in place
+        rotate(qk if cfg.rotary_dim is None else qk[..., : cfg.rotary_dim], rope)  # q and k in one pass, in place
         out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -135,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotated_dims, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         windows = cfg.sliding_windows or (0,) * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, window) for window in windows)
@@ -196,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
                         layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
             return
-        if any(cfg.sliding_windows):  # the stack's attention sees every key
+        if any(cfg.sliding_windows) or cfg.rotary_dim or cfg.attn_scale or cfg.attn_soft_cap:  # the stack's are Llama's
             return
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]
@@ -234,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
             elif name in params:
                 params[name].copy_(tensor)
                 loaded.add(name)
+                if parts[-2] in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint already (Phi-3)
+                    loaded |= {f"{name}@{first}" for target, first, _ in pieces.values() if target == parts[-2]}
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         if missing := sorted(expected - loaded):
