@@ -5,8 +5,7 @@ Gemma 2's soft caps, Gemma's and Granite's attention scales."""
 
 from __future__ import annotations
 
-import torch
-from conftest import _tiny_tokenizer
+from conftest import _tiny_tokenizer, save_random_model
 
 SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=1024)
@@ -57,12 +56,4 @@ def build_zoo_model(path, arch: str, seed: int = 0):
     tokens = {"vocab_size": len(tokenizer), **{name: getattr(tokenizer, name)
                                                for name in ("bos_token_id", "eos_token_id", "pad_token_id")}}
     config, cls = _configs(tf, tokens)[arch]
-    torch.manual_seed(seed)
-    model = cls(config).float().eval()
-    with torch.no_grad():  # larger weights than the default init make the logits less flat
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(path, cls, config, tokenizer, seed)
