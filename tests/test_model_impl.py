@@ -3,6 +3,8 @@ architectures, native against the backend, and the kinds of model neither can ru
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers as tf
@@ -12,6 +14,7 @@ from model_zoo import ZOO, build_zoo_model
 from batchgen import LLM, SamplingParams
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.preflight import plan_model
+from batchgen.job.spec import ModelSpec, spec_problems
 from batchgen.models.architectures import attention_geometry, pick_impl
 
 PROMPT_LENS = [3, 28, 60, 17, 90]  # 28 and 60 cross a block edge while decoding
@@ -148,3 +151,12 @@ def test_native_for_an_architecture_without_one_is_a_config_error(tmp_path):
 def test_model_impl_is_checked():
     with pytest.raises(ConfigError, match="model_impl: must be auto, native or transformers"):
         LLM("anything", model_impl="vllm")
+
+
+def test_model_impl_in_a_job_file():
+    spec = {"model": {"path": "m", "model_impl": "transformers"},
+            "input": {"paths": ["p.jsonl"], "prompt_column": "prompt"}, "output": {"dir": "out"}}
+    assert spec_problems(spec) == []
+    assert ModelSpec(path="m", model_impl="transformers").engine_kwargs(Path("m"))["model_impl"] == "transformers"
+    [problem] = spec_problems({**spec, "model": {"path": "m", "model_impl": "vllm"}})
+    assert "model.model_impl" in str(problem)
