@@ -51,29 +51,40 @@ def ints(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def prefill(cache: Cache, q: torch.Tensor, chunks: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+def prefill(cache: Cache, q: torch.Tensor, chunks: list[tuple[list[int], int, int]], **variant) -> list[torch.Tensor]:
     """One prefill call over chunks (block table, first position, query count); q [seq, H, D] per
-    position. Returns each chunk's output rows."""
+    position. Returns each chunk's output rows. `variant`: sliding_window, logits_soft_cap."""
     query = torch.cat([q[start : start + count] for _, start, count in chunks])
     starts = [0]
     for _, _, count in chunks:
         starts.append(starts[-1] + count)
     out = ops.paged_attention_prefill(query, cache.k, cache.v, tables([t for t, _, _ in chunks]),
-                                      ints([s + c for _, s, c in chunks]), ints(starts), 0.125)
+                                      ints([s + c for _, s, c in chunks]), ints(starts), 0.125, **variant)
     return [out[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
 
-def decode(cache: Cache, q: torch.Tensor, seqs: list[tuple[list[int], int]], groups: list[int] | None = None
-           ) -> torch.Tensor:
+def decode(cache: Cache, q: torch.Tensor, seqs: list[tuple[list[int], int]], groups: list[int] | None = None,
+           **variant) -> torch.Tensor:
     """One decode call: per sequence (block table, position), q [seq, H, D] per position."""
     query = torch.stack([q[pos] for _, pos in seqs])
     return ops.paged_attention_decode(query, cache.k, cache.v, tables([t for t, _ in seqs]),
                                       ints([p + 1 for _, p in seqs]), 0.125,
-                                      seq_groups=None if groups is None else ints(groups))
+                                      seq_groups=None if groups is None else ints(groups), **variant)
 
 
 def blocks_for(length: int) -> int:
     return -(-length // BLOCK_SIZE)
+
+
+def one_sequence(shape, dtype, gen, **variant):
+    """A fresh cache holding a SEQ_LEN-token sequence: its block table, another sequence's blocks, the
+    queries of every position and the rows of one whole prefill."""
+    heads, kv_heads, head_dim = shape
+    cache = Cache(kv_heads, head_dim, dtype)
+    table = cache.take(blocks_for(SEQ_LEN))
+    q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
+    (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)], **variant)
+    return cache, table, cache.take(blocks_for(SEQ_LEN)), q, whole
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -85,15 +96,10 @@ def dtype(request):
 def test_row_results_do_not_depend_on_the_step(cpu_isas, dtype, shape):
     from batchgen import _C
 
-    heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(2)
     for isa in cpu_isas:
         _C.set_cpu_isa(isa)
-        cache = Cache(kv_heads, head_dim, dtype)
-        table = cache.take(blocks_for(SEQ_LEN))
-        q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
-        (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
-        other = cache.take(blocks_for(SEQ_LEN))
+        cache, table, other, q, whole = one_sequence(shape, dtype, gen)
 
         def expect(rows: torch.Tensor, first: int, what: str, whole=whole, isa=isa) -> None:
             want = whole[first : first + len(rows)]
@@ -151,3 +157,42 @@ def test_samples_sharing_blocks_decode_as_if_alone(cpu_isas, dtype, shared_len):
                 assert torch.equal(out[j], whole[pos]), (
                     f"{isa}, {dtype}, {threads} threads: sample {j} of a group sharing {shared_len} keys differs "
                     f"from its own prefill")
+
+
+# Mistral's window (not on a block or tile boundary) with Gemma 2's soft cap.
+VARIANT = dict(sliding_window=90, logits_soft_cap=5.0)
+
+
+def test_windowed_rows_do_not_depend_on_the_step(cpu_isas, dtype):
+    """With a sliding window a row walks only the tiles of its window, starting wherever its task's
+    first row's window does; chunks, decodes, batches and shared samples still give the same bits."""
+    from batchgen import _C
+
+    heads, _, head_dim = SHAPES[1]
+    gen = torch.Generator().manual_seed(4)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        cache, table, other, q, whole = one_sequence(SHAPES[1], dtype, gen, **VARIANT)
+
+        def expect(rows: torch.Tensor, first: int, what: str, whole=whole, isa=isa) -> None:
+            assert torch.equal(rows, whole[first : first + len(rows)]), f"{isa}, {dtype}: {what}"
+
+        for a, b in [(0, 63), (63, 65), (65, 200), (200, SEQ_LEN), (91, 92)]:
+            (rows,) = prefill(cache, q, [(table, a, b - a)], **VARIANT)
+            expect(rows, a, f"a chunk {a}..{b}")
+            rows = prefill(cache, q, [(other, 0, 37), (table, a, b - a)], **VARIANT)[1]
+            expect(rows, a, f"a chunk {a}..{b} beside another sequence")
+        positions = [0, 89, 90, 91, 153, 154, 299]
+        for threads in (1, 2):
+            with torch_threads(threads):
+                out = decode(cache, q, [(table, p) for p in positions] + [(other, 150)], **VARIANT)
+            for i, pos in enumerate(positions):
+                expect(out[i : i + 1], pos, f"a decode at {pos} in a batch, {threads} threads")
+        # Samples sharing 256 keys, their windows starting before, inside and after the shared blocks.
+        prompt = table[:16]
+        members = [(prompt + cache.take(blocks_for(length) - 16), length - 1) for length in (260, 300, 340, 400)]
+        q_long = torch.randn(400, heads, head_dim, generator=gen).to(dtype)
+        out = decode(cache, q_long, members, groups=[3] * len(members), **VARIANT)
+        for j, (member_table, pos) in enumerate(members):
+            (rows,) = prefill(cache, q_long, [(member_table, pos, 1)], **VARIANT)
+            assert torch.equal(out[j], rows[0]), f"{isa}, {dtype}: sample {j} of a group"

@@ -69,10 +69,11 @@ def _bind(lib):
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.emu_reshape_and_cache.argtypes = [i32, p, p, p, p, p, i64, i32, i32, i32, i64, i64, i64, i64]
     lib.emu_copy_blocks.argtypes = [p, p, i32, p, i64, i64]
-    lib.emu_decode_workspace_bytes.argtypes = [i32, i32, i32, i32]
+    lib.emu_decode_workspace_bytes.argtypes = [i32, i32, i32, i32, i32]
     lib.emu_decode_workspace_bytes.restype = ctypes.c_size_t
-    lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, p]
-    lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32]
+    lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p]
+    lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, i32,
+                                f32]
     return lib
 
 
@@ -108,13 +109,17 @@ def paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype, table_p
     return key_cache, value_cache, tables, keys, values
 
 
-def reference(query, keys, values, positions, scale):
-    """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j]."""
+def reference(query, keys, values, positions, scale, window=0, cap=0.0):
+    """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j], with a
+    window only those after positions[j] - window; a soft cap bends scores s to cap * tanh(s / cap)."""
     group = query.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", query.double(), k) * scale
-    hidden = torch.arange(k.shape[0])[None, :] > torch.tensor(positions)[:, None]
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    key_pos, query_pos = torch.arange(k.shape[0])[None, :], torch.tensor(positions)[:, None]
+    hidden = (key_pos > query_pos) | ((key_pos <= query_pos - window) if window else False)
     probs = scores.masked_fill(hidden[None], float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", probs, v)
 
@@ -125,32 +130,47 @@ def assert_close(got, want, dtype):
     assert err <= TOLERANCE[dtype] * (1 + want.abs().max().item()), f"max error {err:.3e}"
 
 
-def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad=1):
+def poison_before_windows(key_cache, value_cache, tables, first_positions, window):
+    """NaN into every block wholly before the window of a sequence's first query: a kernel that
+    reads such a block instead of skipping it poisons its output."""
+    block_size = key_cache.shape[2]
+    for i, pos in enumerate(first_positions):
+        for b in range(max(0, pos - window + 1) // block_size if window else 0):
+            key_cache[tables[i, b]] = float("nan")
+            value_cache[tables[i, b]] = float("nan")
+
+
+def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad=1, window=0, cap=0.0,
+               scale=None):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype, table_pad)
-    num_seqs, scale = len(seq_lens), head_dim**-0.5
+    poison_before_windows(key_cache, value_cache, tables, [n - 1 for n in seq_lens], window)
+    num_seqs, scale = len(seq_lens), scale or head_dim**-0.5
     query = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
     out = torch.full_like(query, float("nan"))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     max_context = tables.shape[1] * block_size
-    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context)
+    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context, window)
     workspace = torch.full((workspace_bytes // 4,), float("nan")) if workspace_bytes else None
     rc = lib.emu_decode(
         DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
         ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, max_context, scale, ptr(workspace))
+        num_kv_heads, head_dim, block_size, max_context, scale, window, cap, ptr(workspace))
     assert rc == 0
-    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale) for i, n in enumerate(seq_lens)]
+    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale, window, cap)
+            for i, n in enumerate(seq_lens)]
     want = torch.cat(want)
     assert_close(out, want, dtype)
     return workspace_bytes
 
 
 def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens,
-                strided_query=False):
+                strided_query=False, window=0, cap=0.0, scale=None):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype)
-    num_tokens, scale = sum(query_lens), head_dim**-0.5
+    poison_before_windows(key_cache, value_cache, tables, [n - q for n, q in zip(seq_lens, query_lens, strict=True)],
+                          window)
+    num_tokens, scale = sum(query_lens), scale or head_dim**-0.5
     query = torch.randn(num_tokens, num_heads + 3 * strided_query, head_dim).to(dtype)[:, :num_heads]
     out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=dtype)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -158,13 +178,13 @@ def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_l
     rc = lib.emu_prefill(
         DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
         ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
-        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale)
+        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, cap)
     assert rc == 0
     want = []
     for i, (n, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         context = n - q_len
         rows = query[starts[i]:starts[i + 1]]
-        want.append(reference(rows, keys[i], values[i], [context + j for j in range(q_len)], scale))
+        want.append(reference(rows, keys[i], values[i], [context + j for j in range(q_len)], scale, window, cap))
     assert_close(out, torch.cat(want), dtype)
 
 
@@ -217,6 +237,39 @@ def test_prefill_shapes(
 ):
     torch.manual_seed(2)
     run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens, strided)
+
+
+# Sliding windows and soft caps: (dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale).
+VARIANTS = [
+    (torch.float32, 64, 16, 4, 2, 37, 0.0, 0.3),  # window across blocks, not on a chunk or tile boundary
+    (torch.float32, 128, 8, 8, 1, 1, 0.0, 0.1),  # a window of one key, MQA
+    (torch.bfloat16, 80, 32, 3, 3, 0, 2.0, 0.5),  # soft cap alone (saturating)
+    (torch.float16, 96, 16, 14, 2, 20, 30.0, 0.2),  # both, group 7
+    (torch.float32, 256, 8, 2, 1, 500, 5.0, 0.125),  # a window longer than every sequence
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale", VARIANTS)
+def test_decode_variants(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale):
+    torch.manual_seed(5)
+    run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, [1, 7, 33, 70, 161], window=window,
+               cap=cap, scale=scale)
+
+
+@pytest.mark.parametrize("dtype, window", [(torch.float32, 600), (torch.bfloat16, 257), (torch.float16, 45)])
+def test_decode_split_context_with_a_window(lib, dtype, window):
+    """Partitions cover the window only: split when it is long, one partition when it is short."""
+    torch.manual_seed(6)
+    workspace = run_decode(lib, dtype, 64, 16, 2, 1, [1300, 20, 700], window=window, cap=10.0)
+    assert (workspace > 0) == (window > 256)
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale", VARIANTS)
+def test_prefill_variants(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale):
+    torch.manual_seed(7)
+    # plain prefill, chunks behind a cached context across the window's edge, a single token
+    run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, [50, 90, 9, 130], [50, 23, 1, 40],
+                window=window, cap=cap, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

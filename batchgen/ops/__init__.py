@@ -76,14 +76,22 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     seq_groups: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`).
+    """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`), the
+    query at position `seq_lens[i] - 1`; scores are `scale * q.k` (any scale, not only head_dim**-0.5).
     `seq_groups` (int32 `[num_seqs]`, optional): sequences side by side with the same id, such as
     the n samples of a request, may read the cache blocks their tables share once for all of them
-    (the CPU kernel does, with the same result bit for bit: see engine_src/README.md, batch invariance)."""
+    (the CPU kernel does, with the same result bit for bit: see engine_src/README.md, batch invariance).
+    `sliding_window` (0 or None off): the query at position p sees only keys j with
+    p - sliding_window < j <= p (transformers' rule); blocks wholly outside the window are not read.
+    `logits_soft_cap` (0 or None off): each score s becomes `logits_soft_cap * tanh(s / logits_soft_cap)`
+    before the softmax (Gemma 2). None is taken as off, as Hugging Face configs write it."""
     if out is None:
         out = torch.empty_like(query)
-    _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups)
+    _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups,
+                              int(sliding_window or 0), float(logits_soft_cap or 0.0))
     return out
 
 
@@ -96,13 +104,18 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens `[num_tokens, num_heads, head_dim]`; the
-    tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it."""
+    tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it
+    (row j at position `context + j`, `context = seq_lens[i] - q_len`). `sliding_window` and
+    `logits_soft_cap` as for `paged_attention_decode`."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_prefill(
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0),
     )
     return out
 

@@ -2,7 +2,8 @@
 
 Written to be obviously correct, not fast: attention gathers each sequence's keys and values
 through its block table and computes softmax(q k^T * scale) v in float32 with an explicit causal
-mask. Tests compare the kernels against these functions.
+(and optionally sliding-window) mask, the scores optionally soft-capped. Tests compare the kernels
+against these functions.
 """
 
 from __future__ import annotations
@@ -36,16 +37,29 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 
 
 def attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """float32 attention of query `[n, num_heads, head_dim]` over keys/values
-    `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i]."""
+    `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i], or with a
+    sliding window only keys j with positions[i] - sliding_window < j <= positions[i] (transformers'
+    `kv_idx > q_idx - sliding_window`). A soft cap c turns each score s into c * tanh(s / c)."""
     group = query.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", query.float(), keys) * scale
+    if logits_soft_cap:  # 0 or None: off
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     key_pos = torch.arange(keys.shape[0], device=keys.device)
-    scores = scores.masked_fill(key_pos[None, :] > positions[:, None], float("-inf"))
+    hidden = key_pos[None, :] > positions[:, None]
+    if sliding_window:  # 0 or None: off
+        hidden |= key_pos[None, :] <= positions[:, None] - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
 
 
@@ -58,9 +72,12 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     seq_groups: torch.Tensor | None = None,  # a hint for the kernels' shared reads; every sequence reads its own here
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out)
+    return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out,
+                                   sliding_window, logits_soft_cap)
 
 
 def paged_attention_prefill(
@@ -72,6 +89,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
@@ -84,7 +103,8 @@ def paged_attention_prefill(
         values = gather_sequence(value_cache, block_tables[i], seq_len)
         context = seq_len - (end - begin)
         positions = torch.arange(context, seq_len, device=query.device)
-        out[begin:end] = attend(query[begin:end], keys, values, positions, scale).to(out.dtype)
+        out[begin:end] = attend(query[begin:end], keys, values, positions, scale, sliding_window,
+                                logits_soft_cap).to(out.dtype)
     return out
 
 

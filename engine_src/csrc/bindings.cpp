@@ -119,6 +119,13 @@ void check_attention(const char* op, const Tensor& out, const Tensor& query, con
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
 }
 
+// The attention variants: sliding_window >= 0 (0 off), logits_soft_cap finite and >= 0 (0 off).
+void check_variants(const char* op, int64_t sliding_window, double logits_soft_cap) {
+  TORCH_CHECK_VALUE(sliding_window >= 0, op, ": sliding_window must be >= 0 (0 for none), got ", sliding_window);
+  TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
+                    ": logits_soft_cap must be finite and >= 0 (0 for none), got ", logits_soft_cap);
+}
+
 // block_mapping int64 [n, 2] of (src, dst) pairs; when it is on the host, every id is checked.
 void check_block_mapping(const char* op, const Tensor& block_mapping, int64_t src_blocks, int64_t dst_blocks) {
   check_index(op, "block_mapping", block_mapping, torch::kInt64, 2, "[n, 2] of (src, dst) block ids");
@@ -166,9 +173,10 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 // id once for all of them; the CUDA kernel reads every sequence's blocks itself and ignores it.
 void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                            const c10::optional<Tensor>& seq_groups) {
+                            const c10::optional<Tensor>& seq_groups, int64_t sliding_window, double logits_soft_cap) {
   const char* op = "paged_attention_decode";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  check_variants(op, sliding_window, logits_soft_cap);
   TORCH_CHECK_VALUE(seq_lens.size(0) == query.size(0), op, ": seq_lens has ", seq_lens.size(0),
                     " sequences but query has ", query.size(0), " (one query token per sequence)");
   if (seq_groups.has_value()) {
@@ -178,18 +186,20 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_
                       " entries but seq_lens has ", seq_lens.size(0), " sequences");
   }
   if (on_cuda(op, key_cache)) {
-    BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                       sliding_window, logits_soft_cap);
   } else {
     batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                          seq_groups);
+                                          seq_groups, sliding_window, logits_soft_cap);
   }
 }
 
 void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
-                             double scale) {
+                             double scale, int64_t sliding_window, double logits_soft_cap) {
   const char* op = "paged_attention_prefill";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  check_variants(op, sliding_window, logits_soft_cap);
   check_index(op, "query_start_loc", query_start_loc, torch::kInt32, 1, "[num_seqs + 1]");
   check_same_device(op, "query_start_loc", query_start_loc, key_cache, "key_cache");
   TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, op, ": query_start_loc has ",
@@ -197,10 +207,10 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
                     " sequences (need num_seqs + 1)");
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_prefill, out, query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale);
+                       query_start_loc, scale, sliding_window, logits_soft_cap);
   } else {
     batchgen::cpu::paged_attention_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           query_start_loc, scale);
+                                           query_start_loc, scale, sliding_window, logits_soft_cap);
   }
 }
 
@@ -434,10 +444,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), no_gil);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), py::arg("sliding_window") = 0,
+        py::arg("logits_soft_cap") = 0.0, no_gil);
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), no_gil);
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("logits_soft_cap") = 0.0, no_gil);
   m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),
@@ -463,7 +475,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<batchgen::DecoderStack>(m, "DecoderStack", "A Llama model's decoder layers on CPU in one call")
       .def(py::init([](const std::vector<std::vector<Tensor>>& layers,
                        const std::vector<c10::optional<Tensor>>& qkv_biases, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t hidden, int64_t intermediate, double eps, double scale) {
+                       int64_t head_dim, int64_t hidden, int64_t intermediate, double eps, double scale,
+                       int64_t sliding_window) {
              TORCH_CHECK_VALUE(qkv_biases.size() == layers.size(), "DecoderStack: ", layers.size(), " layers but ",
                                qkv_biases.size(), " qkv biases");
              std::vector<batchgen::DecoderLayerWeights> weights;
@@ -478,11 +491,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  weights.back().k_norm = l[8];
                }
              }
-             return batchgen::DecoderStack(std::move(weights),
-                                           {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale});
+             TORCH_CHECK_VALUE(sliding_window >= 0, "DecoderStack: sliding_window must be >= 0 (0 for none), got ",
+                               sliding_window);
+             return batchgen::DecoderStack(
+                 std::move(weights),
+                 {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, sliding_window});
            }),
            py::arg("layers"), py::arg("qkv_biases"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
+           py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
+           py::arg("sliding_window") = 0)
       .def("forward", &batchgen::DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
            py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),

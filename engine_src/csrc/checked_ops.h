@@ -10,10 +10,12 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale,
-                            const c10::optional<torch::Tensor>& seq_groups);
+                            const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window = 0,
+                            double logits_soft_cap = 0.0);
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                             int64_t sliding_window = 0, double logits_soft_cap = 0.0);
 void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps);
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);

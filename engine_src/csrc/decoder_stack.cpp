@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       const Tensor& lens = required(decode_seq_lens, "decode_seq_lens", when);
       timed(seconds[kDecodeAttention], [&] {
         checked::paged_attention_decode(out, q.narrow(0, 0, decodes), key_caches[i], value_caches[i], tables, lens,
-                                        s.scale, decode_seq_groups);
+                                        s.scale, decode_seq_groups, s.sliding_window);
       });
     }
     if (decodes < tokens) {
@@ -103,7 +103,7 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       const Tensor& starts = required(prefill_query_start_loc, "prefill_query_start_loc", when);
       timed(seconds[kPrefillAttention], [&] {
         checked::paged_attention_prefill(out, q.narrow(0, decodes, tokens - decodes), key_caches[i],
-                                         value_caches[i], tables, lens, starts, s.scale);
+                                         value_caches[i], tables, lens, starts, s.scale, s.sliding_window);
       });
     }
     Tensor o = torch::empty({tokens, s.hidden}, options);

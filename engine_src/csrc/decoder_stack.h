@@ -23,6 +23,7 @@ struct DecoderLayerWeights {
 struct DecoderShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
   double eps, scale;
+  int64_t sliding_window = 0;  // every layer's attention window (Mistral), 0 for none
 };
 
 class DecoderStack {

@@ -23,11 +23,14 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale,
-                            const c10::optional<torch::Tensor>& seq_groups);
+                            const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window,
+                            double logits_soft_cap);
 
+// sliding_window (0 off) and logits_soft_cap (0 off) as in engine_src/README.md, for both ops.
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                             int64_t sliding_window, double logits_soft_cap);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

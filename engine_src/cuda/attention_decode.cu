@@ -7,7 +7,9 @@
 // softmax (running max, running sum, rescaled accumulator) in fp32 registers. The warps are merged
 // through shared memory at the end. Long contexts are split into several partitions when there
 // are too few (sequence, head) pairs to fill the GPU; a second kernel then merges the partitions'
-// (max, sum, normalized output) triples.
+// (max, sum, normalized output) triples. With a sliding window a sequence's partitions cover its
+// window only (from the window's first key rounded down to a chunk, which stays inside that key's
+// cache block); the first chunk's keys before the window are neither read nor counted.
 #include <algorithm>
 #include <cstdint>
 
@@ -29,8 +31,14 @@ struct DecodePlan {
   int partition_size;  // tokens, a multiple of kChunk
 };
 
-DecodePlan plan_decode(int num_seqs, int num_heads, int max_context_len) {
-  const int context = std::max(max_context_len, 1);
+// The keys a sequence's partitions cover: from its window's first key rounded down to a chunk.
+__host__ __device__ __forceinline__ int first_chunk_key(int seq_len, int sliding_window) {
+  return window_begin(seq_len - 1, sliding_window) / kChunk * kChunk;
+}
+
+DecodePlan plan_decode(int num_seqs, int num_heads, int max_context_len, int sliding_window) {
+  int context = std::max(max_context_len, 1);
+  if (sliding_window > 0) context = std::min(context, sliding_window + kChunk - 1);  // a window from mid-chunk
   const int64_t pairs = static_cast<int64_t>(num_seqs) * num_heads;
   int parts = 1;
   if (pairs > 0 && pairs < kTargetBlocks) {
@@ -58,6 +66,8 @@ struct DecodeParams {
   int partition_size;
   int num_partitions;
   float scale_log2;  // softmax scale times log2(e): scores come out in base 2
+  int sliding_window;     // 0 off
+  float soft_cap_log2;    // logits_soft_cap times log2(e), 0 off
   // Per (seq, head, partition) results; used only when num_partitions > 1.
   float* partial_out;  // [num_seqs * num_heads * num_partitions, head_dim], normalized
   float* partial_max;  // [num_seqs * num_heads * num_partitions]
@@ -71,7 +81,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
   const int seq = blockIdx.x / p.num_heads;
   const int partition = blockIdx.y;
   const int seq_len = p.seq_lens[seq];
-  const int start = partition * p.partition_size;
+  const int window_start = window_begin(seq_len - 1, p.sliding_window);  // the first key seen
+  const int start = first_chunk_key(seq_len, p.sliding_window) + partition * p.partition_size;
   if (start >= seq_len) return;  // the whole block leaves: no __syncthreads is skipped by part of it
   const int end = min(seq_len, start + p.partition_size);
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
@@ -105,12 +116,13 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
     const T* keys = key_cache + row;
     const T* values = value_cache + row;
     const int valid = min(kChunk, end - chunk);  // tokens past the end are never read or counted
+    const int first = max(0, window_start - chunk);  // nor those before the window
 
     float score[kChunk];
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) {
       score[t] = 0.f;
-      if (t < valid) {
+      if (t >= first && t < valid) {
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           const int d = pair_index(s, lane);
@@ -124,18 +136,18 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
     float chunk_max = -INFINITY;
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) {
-      score[t] = warp_sum(score[t]);
-      if (t < valid) chunk_max = fmaxf(chunk_max, score[t]);
+      score[t] = soft_capped(warp_sum(score[t]), p.soft_cap_log2);
+      if (t >= first && t < valid) chunk_max = fmaxf(chunk_max, score[t]);
     }
 
-    const float new_max = fmaxf(running_max, chunk_max);  // finite: valid >= 1
+    const float new_max = fmaxf(running_max, chunk_max);  // finite: first < valid
     const float alpha = exp2f(running_max - new_max);     // 0 on the first chunk
     running_sum *= alpha;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) acc[s] = make_float2(acc[s].x * alpha, acc[s].y * alpha);
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) {
-      if (t < valid) {
+      if (t >= first && t < valid) {
         const float prob = exp2f(score[t] - new_max);
         running_sum += prob;
 #pragma unroll
@@ -208,7 +220,8 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_decode_merge_k
   __shared__ float total_s;
   const int head = blockIdx.x % p.num_heads;
   const int seq = blockIdx.x / p.num_heads;
-  const int parts = ceil_div(p.seq_lens[seq], p.partition_size);
+  const int seq_len = p.seq_lens[seq];
+  const int parts = ceil_div(seq_len - first_chunk_key(seq_len, p.sliding_window), p.partition_size);
   const int64_t first = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
 
   if (threadIdx.x < kWarpSize) {
@@ -238,8 +251,9 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_decode_merge_k
 
 }  // namespace
 
-size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len) {
-  const DecodePlan plan = plan_decode(num_seqs, num_heads, max_context_len);
+size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len,
+                                              int sliding_window) {
+  const DecodePlan plan = plan_decode(num_seqs, num_heads, max_context_len, std::max(sliding_window, 0));
   if (plan.num_partitions == 1) return 0;
   const size_t results = static_cast<size_t>(num_seqs) * num_heads * plan.num_partitions;
   return results * (head_dim + 2) * sizeof(float);
@@ -250,14 +264,15 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
                                           const void* key_cache, const void* value_cache, const int* block_tables,
                                           int64_t block_table_stride, const int* seq_lens, int num_seqs,
                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                          int max_context_len, float scale, void* workspace, cudaStream_t stream) {
+                                          int max_context_len, float scale, int sliding_window,
+                                          float logits_soft_cap, void* workspace, cudaStream_t stream) {
   if (num_seqs == 0) return cudaSuccess;
   const int64_t pairs = static_cast<int64_t>(num_seqs) * num_heads;
   if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
-      pairs > 0x7fffffff) {
+      pairs > 0x7fffffff || sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
-  const DecodePlan plan = plan_decode(num_seqs, num_heads, max_context_len);
+  const DecodePlan plan = plan_decode(num_seqs, num_heads, max_context_len, sliding_window);
   if (plan.num_partitions > 1 && workspace == nullptr) return cudaErrorInvalidValue;
 
   DecodeParams p{};
@@ -278,6 +293,8 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
   p.partition_size = plan.partition_size;
   p.num_partitions = plan.num_partitions;
   p.scale_log2 = scale * kLog2e;
+  p.sliding_window = sliding_window;
+  p.soft_cap_log2 = logits_soft_cap * kLog2e;
   if (plan.num_partitions > 1) {
     const int64_t results = pairs * plan.num_partitions;
     p.partial_out = static_cast<float*>(workspace);

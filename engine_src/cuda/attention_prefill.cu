@@ -12,7 +12,9 @@
 //      probabilities go through shared memory so that, for step 4, lanes switch to owning
 //      head_dim elements instead of keys;
 //   4. each lane accumulates its elements of probs x values.
-// Row j of sequence i sits at position context + j and sees keys 0 .. context + j.
+// Row j of sequence i sits at position context + j and sees keys 0 .. context + j; with a sliding
+// window W only keys context + j - W < key <= context + j, and a thread block starts at the tile of
+// its first row's window, not reading the keys before that window.
 #include <cstdint>
 
 #include "common.cuh"
@@ -59,6 +61,8 @@ struct PrefillParams {
   int num_kv_heads;
   int block_size;
   float scale_log2;  // softmax scale times log2(e): scores come out in base 2
+  int sliding_window;   // 0 off
+  float soft_cap_log2;  // logits_soft_cap times log2(e), 0 off
 };
 
 // Tiles are numbered so that sequence i's tiles start at first_tile(i) = qsl[i] * group / kRows + i,
@@ -89,11 +93,12 @@ __device__ __forceinline__ float component(const float4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Gathers keys key0 .. key0 + kKeyTile - 1 of one kv head into shared memory. Keys at or past
-// kv_end are zero-filled: their probabilities are 0, but 0 * NaN (stale shared memory) is not.
+// Gathers keys key0 .. key0 + kKeyTile - 1 of one kv head into shared memory. Keys before kv_begin
+// (outside every row's sliding window) or at or past kv_end are zero-filled, not read: their
+// probabilities are 0, but 0 * NaN (stale shared memory) is not.
 template <typename T, int HEAD_DIM>
-__device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int kv_head, int key0, int kv_end,
-                             T* key_s, T* value_s) {
+__device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int kv_head, int key0, int kv_begin,
+                             int kv_end, T* key_s, T* value_s) {
   using Config = PrefillConfig<T, HEAD_DIM>;
   using PairT = typename Pair<T>::type;
   const int warp = threadIdx.x / kWarpSize;
@@ -104,7 +109,7 @@ __device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int
     const int key = key0 + n;
     T* key_dst = key_s + n * Config::kKeyStride;
     T* value_dst = value_s + n * HEAD_DIM;
-    if (key < kv_end) {
+    if (key >= kv_begin && key < kv_end) {
       const int64_t block = block_table[key / p.block_size];
       const int64_t row = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM;
       for (int d = 2 * lane; d < HEAD_DIM; d += 2 * kWarpSize) {
@@ -146,6 +151,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   const int context = p.seq_lens[seq] - query_len;
   const int last_row = min(first_row + kRows, num_rows) - 1;
   const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
+  const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -172,11 +178,13 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   float row_sum[kRowsPerWarp];  // this lane's share; the lanes are summed at the end
   float2 acc[kRowsPerWarp][kSteps];
   int warp_last_position = -1;
+  int warp_first_key = 0x7fffffff;  // the first key any of the warp's rows sees
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = first_row + warp_row0 + i;
     position[i] = row < num_rows ? context + row / group : -1;
     warp_last_position = max(warp_last_position, position[i]);
+    if (position[i] >= 0) warp_first_key = min(warp_first_key, window_begin(position[i], p.sliding_window));
     row_max[i] = -INFINITY;
     row_sum[i] = 0.f;
 #pragma unroll
@@ -187,11 +195,12 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   const T* key_row = key_s + lane * Config::kKeyStride;
   float* warp_prob_s = prob_s + warp_row0 * kKeyTile;
 
-  for (int key0 = 0; key0 < kv_end; key0 += kKeyTile) {
+  for (int key0 = kv_begin / kKeyTile * kKeyTile; key0 < kv_end; key0 += kKeyTile) {
     __syncthreads();  // the previous tile is no longer read
-    load_kv_tile<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_end, key_s, value_s);
+    load_kv_tile<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
     __syncthreads();  // tile (and, the first time, the queries) visible to all warps
-    if (key0 > warp_last_position) continue;  // the whole tile is in this warp's future
+    // The whole tile in this warp's future, or past the windows of all its rows.
+    if (key0 > warp_last_position || key0 + kKeyTile <= warp_first_key) continue;
 
     // Step 2: lane scores key key0 + lane against each row.
     float score[kRowsPerWarp];
@@ -208,11 +217,12 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
       }
     }
 
-    // Step 3: causal mask and online softmax, one row at a time.
+    // Step 3: soft cap, causal (and window) mask and online softmax, one row at a time.
     const int key = key0 + lane;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const float s = key <= position[i] ? score[i] : -INFINITY;
+      const bool seen = key <= position[i] && key >= window_begin(position[i], p.sliding_window);
+      const float s = seen ? soft_capped(score[i], p.soft_cap_log2) : -INFINITY;
       const float new_max = fmaxf(row_max[i], warp_max(s));
       const float alpha = exp2_shifted(row_max[i], new_max);
       const float prob = exp2_shifted(s, new_max);
@@ -251,7 +261,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     }
   }
 
-  // Normalize and write. Every real row saw key 0, so its sum is positive.
+  // Normalize and write. Every real row saw its own key, so its sum is positive.
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -296,10 +306,11 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            int64_t block_table_stride, const int* seq_lens,
                                            const int* query_start_loc, int num_seqs, int64_t num_tokens,
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                           float scale, cudaStream_t stream) {
+                                           float scale, int sliding_window, float logits_soft_cap,
+                                           cudaStream_t stream) {
   if (num_seqs == 0 || num_tokens == 0) return cudaSuccess;
   if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_kv_heads > 65535 ||
-      num_heads % num_kv_heads != 0) {
+      num_heads % num_kv_heads != 0 || sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
   const int64_t group = num_heads / num_kv_heads;
@@ -323,6 +334,8 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.num_kv_heads = num_kv_heads;
   p.block_size = block_size;
   p.scale_log2 = scale * kLog2e;
+  p.sliding_window = sliding_window;
+  p.soft_cap_log2 = logits_soft_cap * kLog2e;
 
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = typename decltype(dtype_tag)::type;

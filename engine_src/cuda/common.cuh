@@ -89,6 +89,18 @@ __device__ __forceinline__ float exp2_shifted(float x, float max) {
 // Number of `step`-wide chunks needed to cover n.
 __host__ __device__ constexpr int ceil_div(int n, int step) { return (n + step - 1) / step; }
 
+// The first key a query at `position` sees: 0, or with a sliding window (> 0) position - window + 1
+// (transformers' `kv_idx > q_idx - sliding_window`).
+__host__ __device__ __forceinline__ int window_begin(int position, int window) {
+  return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
+// The soft cap of a base-2 score: cap * tanh(s / cap) with cap = logits_soft_cap * log2(e), which is
+// logits_soft_cap * tanh(s_e / logits_soft_cap) in base 2. Off (cap 0): s unchanged.
+__device__ __forceinline__ float soft_capped(float score, float cap_log2) {
+  return cap_log2 > 0.f ? cap_log2 * tanhf(score / cap_log2) : score;
+}
+
 // A type as a value, for generic lambdas: f(Tag<T>{}) lets f name T.
 template <typename T>
 struct Tag {

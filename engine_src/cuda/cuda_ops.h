@@ -13,11 +13,13 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale);
+                            const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
+                            double logits_soft_cap);
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale);
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                             int64_t sliding_window, double logits_soft_cap);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

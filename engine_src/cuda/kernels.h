@@ -29,16 +29,21 @@ cudaError_t launch_copy_blocks(void* const* key_caches, void* const* value_cache
 
 // Bytes of float32 scratch that launch_paged_attention_decode needs (0 when it splits no sequence).
 // max_context_len bounds every seq_lens[i]; the same arguments must be given to the launcher.
-size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len);
+size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len,
+                                              int sliding_window);
 
 // query/out [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, block_table_stride];
-// seq_lens int32 [num_seqs], each in 1..max_context_len.
+// seq_lens int32 [num_seqs], each in 1..max_context_len. Both attention launchers take
+// sliding_window (0 off: else a query at position p sees keys p - sliding_window < j <= p, and the
+// keys before are not read) and logits_soft_cap (0 off: else each score s = scale * q.k becomes
+// logits_soft_cap * tanh(s / logits_soft_cap) before the softmax).
 cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_seq_stride, int64_t out_head_stride,
                                           const void* query, int64_t query_seq_stride, int64_t query_head_stride,
                                           const void* key_cache, const void* value_cache, const int* block_tables,
                                           int64_t block_table_stride, const int* seq_lens, int num_seqs,
                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                          int max_context_len, float scale, void* workspace, cudaStream_t stream);
+                                          int max_context_len, float scale, int sliding_window,
+                                          float logits_soft_cap, void* workspace, cudaStream_t stream);
 
 // query/out [num_tokens, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1];
 // seq_lens int32 [num_seqs]: whole length after this step (cached context + new tokens).
@@ -49,6 +54,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            int64_t block_table_stride, const int* seq_lens,
                                            const int* query_start_loc, int num_seqs, int64_t num_tokens,
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                           float scale, cudaStream_t stream);
+                                           float scale, int sliding_window, float logits_soft_cap,
+                                           cudaStream_t stream);
 
 }  // namespace batchgen::kernels

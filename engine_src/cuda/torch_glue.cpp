@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -101,7 +102,8 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale) {
+                            const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
+                            double logits_soft_cap) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -116,8 +118,10 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   // Longest context the block tables can describe: bounds seq_lens without reading them back.
   const int max_context_len = to_int(tables.size(1) * block_size, "max_blocks_per_seq * block_size");
 
+  // A window longer than any context is no window.
+  const int window = static_cast<int>(std::min<int64_t>(sliding_window, max_context_len));
   const size_t workspace_bytes =
-      k::paged_attention_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context_len);
+      k::paged_attention_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context_len, window);
   torch::Tensor workspace;
   if (workspace_bytes > 0) {
     workspace = torch::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(torch::kByte));
@@ -129,14 +133,16 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                      q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr<int>(),
                      tables.stride(0), lens.data_ptr<int>(), num_seqs, num_heads,
                      to_int(key_cache.size(1), "num_kv_heads"), head_dim, block_size, max_context_len,
-                     static_cast<float>(scale), workspace_bytes > 0 ? workspace.data_ptr() : nullptr, stream),
+                     static_cast<float>(scale), window, static_cast<float>(logits_soft_cap),
+                     workspace_bytes > 0 ? workspace.data_ptr() : nullptr, stream),
                  "paged_attention_decode");
   });
 }
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale) {
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                             int64_t sliding_window, double logits_soft_cap) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -153,7 +159,9 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                      tables.stride(0), lens.data_ptr<int>(), starts.data_ptr<int>(),
                      to_int(lens.size(0), "num_seqs"), q.size(0), to_int(q.size(1), "num_heads"),
                      to_int(key_cache.size(1), "num_kv_heads"), to_int(q.size(2), "head_dim"),
-                     to_int(key_cache.size(2), "block_size"), static_cast<float>(scale), stream),
+                     to_int(key_cache.size(2), "block_size"), static_cast<float>(scale),
+                     static_cast<int>(std::min<int64_t>(sliding_window, 0x7fffffff)),
+                     static_cast<float>(logits_soft_cap), stream),
                  "paged_attention_prefill");
   });
 }

@@ -23,28 +23,30 @@ int emu_copy_blocks(void** key_caches, void** value_caches, int num_layers, cons
   return launch_copy_blocks(key_caches, value_caches, num_layers, mapping, num_pairs, block_bytes, nullptr);
 }
 
-size_t emu_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len) {
-  return paged_attention_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context_len);
+size_t emu_decode_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_context_len, int window) {
+  return paged_attention_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context_len, window);
 }
 
 int emu_decode(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
                int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
                int64_t table_stride, const int* seq_lens, int num_seqs, int num_heads, int num_kv_heads,
-               int head_dim, int block_size, int max_context_len, float scale, void* workspace) {
+               int head_dim, int block_size, int max_context_len, float scale, int window, float soft_cap,
+               void* workspace) {
   return launch_paged_attention_decode(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
                                        key_cache, value_cache, block_tables, table_stride, seq_lens, num_seqs,
-                                       num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale,
-                                       workspace, nullptr);
+                                       num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale, window,
+                                       soft_cap, workspace, nullptr);
 }
 
 int emu_prefill(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
                 int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
                 int64_t table_stride, const int* seq_lens, const int* query_start_loc, int num_seqs,
-                int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+                int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                int window, float soft_cap) {
   return launch_paged_attention_prefill(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
                                         key_cache, value_cache, block_tables, table_stride, seq_lens,
                                         query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
-                                        block_size, scale, nullptr);
+                                        block_size, scale, window, soft_cap, nullptr);
 }
 
 }  // extern "C"

@@ -31,7 +31,8 @@ constexpr int64_t kTasksPerWorker = 4;       // tasks per worker that balance ra
 constexpr int64_t kMinKeysSpared = 64;
 
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                   const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale) {
+                   const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale,
+                   int64_t sliding_window, double logits_soft_cap) {
   AttnArgs a;
   a.query = query.data_ptr();
   a.query_token_stride = query.stride(0);
@@ -48,7 +49,16 @@ AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::
   a.block_size = static_cast<int>(key_cache.size(2));
   a.head_dim = static_cast<int>(key_cache.size(3));
   a.scale = static_cast<float>(scale);
+  a.sliding_window = sliding_window;
+  a.soft_cap = static_cast<float>(logits_soft_cap);
+  a.inv_soft_cap = logits_soft_cap > 0 ? static_cast<float>(1.0 / logits_soft_cap) : 0.0f;
   return a;
+}
+
+// The first key a task whose first query sits at `pos` reads: its window's first key rounded down to
+// its block (0 without a window).
+inline int64_t first_key_read(const AttnArgs& a, int64_t pos) {
+  return window_begin(pos, a.sliding_window) / a.block_size * a.block_size;
 }
 
 // Each length must be in [1, max_blocks_per_seq * block_size] and each block id a sequence
@@ -102,14 +112,17 @@ inline int64_t wanted_tasks(int64_t workers) { return workers == 1 ? 1 : kTasksP
 // start with the same blocks: decode reads those blocks once for all of them. Only whole blocks
 // before every member's last block count (a sequence writes its last block, so that one is its own),
 // and only whole tiles of them: a member's own keys then start on a tile, as in its own walk.
+// With a sliding window the shared keys read start at the first block any member's window holds.
 struct SharedRun {
   int64_t first;
   int64_t count;
   int64_t tokens;  // keys in the shared blocks
+  int64_t begin;   // the first shared key read (0 without a window)
 };
 
-std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, const int32_t* tables,
-                                   int64_t num_seqs, int64_t max_blocks, int64_t block_size) {
+std::vector<SharedRun> shared_runs(const AttnArgs& a, const int32_t* groups, const int32_t* lens, int64_t num_seqs) {
+  const int32_t* tables = a.block_tables;
+  const int64_t max_blocks = a.max_blocks_per_seq, block_size = a.block_size;
   std::vector<SharedRun> runs;
   int64_t end = 0;
   for (int64_t first = 0; first < num_seqs; first = end) {
@@ -122,7 +135,9 @@ std::vector<SharedRun> shared_runs(const int32_t* groups, const int32_t* lens, c
       for (blocks = 0; blocks < limit && table[blocks] == lead[blocks];) ++blocks;
     }
     const int64_t tokens = blocks * block_size / kTileKeys * kTileKeys;
-    if ((end - first - 1) * tokens >= kMinKeysSpared) runs.push_back({first, end - first, tokens});
+    int64_t begin = tokens;
+    for (int64_t s = first; s < end; ++s) begin = std::min(begin, first_key_read(a, lens[s] - 1));
+    if ((end - first - 1) * (tokens - begin) >= kMinKeysSpared) runs.push_back({first, end - first, tokens, begin});
   }
   return runs;
 }
@@ -153,14 +168,15 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
     for (int64_t first = run.first; first < end; first += part) {
       const int64_t count = std::min(part, end - first);
       for (int64_t h = 0; h < args.num_kv_heads; h += run_heads) {
-        tasks.push_back({first, h, first, count, run.tokens, 0, run.tokens, run_heads, lens});
+        tasks.push_back({first, h, first, count, run.tokens, run.begin, run.tokens, run_heads, lens});
       }
     }
   }
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (in_run[s]) continue;
+    const int64_t begin = first_key_read(args, lens[s] - 1);
     for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task) {
-      tasks.push_back({s, h, s, 1, lens[s] - 1, 0, lens[s], heads_per_task});
+      tasks.push_back({s, h, s, 1, lens[s] - 1, begin, lens[s], heads_per_task});
     }
   }
   run_tasks(args, attend, tasks, workers,
@@ -180,17 +196,20 @@ DType dtype_of(const torch::Tensor& t) {
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale, const c10::optional<torch::Tensor>& seq_groups) {
+                            const torch::Tensor& seq_lens, double scale, const c10::optional<torch::Tensor>& seq_groups,
+                            int64_t sliding_window, double logits_soft_cap) {
   const int64_t num_seqs = query.size(0);
   const int64_t block_size = key_cache.size(2);
   check_lengths_and_blocks("paged_attention_decode", seq_lens, block_tables, block_size, key_cache.size(0));
   if (num_seqs == 0) return;
 
-  const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
+  const AttnArgs args =
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t group = args.num_heads / args.num_kv_heads;
-  const int64_t total_len = std::accumulate(lens, lens + num_seqs, int64_t{0});
+  int64_t total_len = 0;  // keys read
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s] - first_key_read(args, lens[s] - 1);
   const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * query.element_size());
   // A task takes all kv heads of its sequence when there are sequences enough to keep the
   // workers busy (reading whole blocks, see AttnTask), one kv head otherwise. A sequence's keys are
@@ -198,21 +217,22 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   // one walk (batch invariance, see attention_impl.h).
   const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? args.num_kv_heads : 1;
   if (seq_groups.has_value()) {
-    const std::vector<SharedRun> runs = shared_runs(seq_groups->data_ptr<int32_t>(), lens, args.block_tables,
-                                                    num_seqs, args.max_blocks_per_seq, block_size);
+    const std::vector<SharedRun> runs = shared_runs(args, seq_groups->data_ptr<int32_t>(), lens, num_seqs);
     if (!runs.empty()) return decode_shared(out, args, attend, lens, num_seqs, runs, heads_per_task, workers);
   }
   std::vector<AttnTask> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t begin = first_key_read(args, lens[seq] - 1);
     for (int64_t h = 0; h < args.num_kv_heads; h += heads_per_task)
-      tasks.push_back({seq, h, seq, 1, lens[seq] - 1, 0, lens[seq], heads_per_task});
+      tasks.push_back({seq, h, seq, 1, lens[seq] - 1, begin, lens[seq], heads_per_task});
   }
   run_tasks(args, attend, tasks, workers, attend_scratch_floats(heads_per_task * group, args.head_dim));
 }
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale) {
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
+                             int64_t sliding_window, double logits_soft_cap) {
   const char* op = "paged_attention_prefill";
   const int64_t num_seqs = seq_lens.size(0), num_tokens = query.size(0);
   check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
@@ -228,7 +248,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                       "] = ", lens[s], "; need 0 <= query tokens <= seq_len");
   }
 
-  const AttnArgs args = make_args(out, query, key_cache, value_cache, block_tables, scale);
+  const AttnArgs args =
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int64_t group = args.num_heads / args.num_kv_heads;
   auto count_tasks = [&](int64_t tokens_per_task) {
@@ -244,16 +265,17 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
     const int64_t q_len = starts[s + 1] - starts[s], context = lens[s] - q_len;
     for (int64_t j = 0; j < q_len; j += tile) {
       const int64_t count = std::min(tile, q_len - j);
-      keys_read += args.num_kv_heads * (context + j + count);
+      const int64_t begin = first_key_read(args, context + j);
+      keys_read += args.num_kv_heads * (context + j + count - begin);
       for (int64_t h = 0; h < args.num_kv_heads; ++h) {
-        tasks.push_back({s, h, starts[s] + j, count, context + j, 0, lens[s]});
+        tasks.push_back({s, h, starts[s] + j, count, context + j, begin, lens[s]});
       }
     }
   }
   // Costliest first (a task's cost grows with the keys its last row reads), so the tail of the
   // dynamic schedule is made of short tasks.
   std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
-    return x.q_pos + x.q_count > y.q_pos + y.q_count;
+    return x.q_pos + x.q_count - x.kv_begin > y.q_pos + y.q_count - y.kv_begin;
   });
   const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * query.element_size());
   run_tasks(args, attend, tasks, workers, attend_scratch_floats(tile * group, args.head_dim));

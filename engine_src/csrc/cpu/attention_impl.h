@@ -80,6 +80,26 @@ inline Vec exp_nonpositive(Vec x) {
   return zero_if_below(scale_pow2(p, n), x, kExpLow);
 }
 
+// tanh(x), relative error ~2e-7, for the soft cap of the scores. Below |x| = 0.55 an odd
+// polynomial x + x^3 P(x^2), P a least-squares fit of (tanh(x) - x) / x^3 on [0, 0.55] weighted for
+// relative error (~6e-8 evaluated in float32); from there (1 - e) / (1 + e) with e = exp(-2|x|),
+// where e <= 0.34 leaves no cancellation. Lanes holding NaN give NaN or anything: such scores
+// (K rows past a sequence's end) are masked afterwards.
+inline Vec tanh_vec(Vec x) {
+  const Vec a = max(x, Vec::zero() - x);
+  const Vec z = a * a;
+  Vec p = Vec::set1(-0.006356495898216963f);
+  p = fma(p, z, Vec::set1(0.021127240732312202f));
+  p = fma(p, z, Vec::set1(-0.05386507883667946f));
+  p = fma(p, z, Vec::set1(0.13332699239253998f));
+  p = fma(p, z, Vec::set1(-0.33333319425582886f));
+  const Vec small = fma(a * z, p, a);
+  const Vec one = Vec::set1(1.0f);
+  const Vec e = exp_nonpositive(a * Vec::set1(-2.0f));
+  const Vec t = blend_below(a, 0.55f, small, (one - e) / (one + e));
+  return blend_below(x, 0.0f, Vec::zero() - t, t);
+}
+
 // The query (and out) head of the task's row r: rows run over kv heads, then tokens, then the
 // heads sharing a kv head (see AttnTask).
 struct RowIndex {
@@ -174,8 +194,11 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
 
 // s[g][t] = q_g . k_t for the first n rows of a block's K, n rounded up to kTokenStep (rows that
 // exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
+// Forced inline, as are the other score and value loops: once the variants had grown the walk, GCC
+// kept them out of line, a call per block (decode of 256 x 128-token sequences ~5% slower).
 template <typename T, int NG>
-void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile, int D, int n, float* s) {
+__attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile,
+                                                       int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const T* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
@@ -200,7 +223,8 @@ void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile, in
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
 template <typename T, int NG>
-void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile, int D, int n, float* s) {
+__attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
+                                                       int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
@@ -236,6 +260,7 @@ void transpose_keys(Tile<T>& tile, int D, int BS, uint32_t* kt) {
   const int W = D / 2;  // pairs per key
   const int lines = lines_for(int64_t{BS} * D * sizeof(BF16));
   for (int b = 0; b < tile.count; ++b) {
+    if (tile.block[b].k == nullptr) continue;  // before the task's sliding window: not read
     tile.block[b].next_k.lines(lines);
     const uint32_t* k = reinterpret_cast<const uint32_t*>(tile.block[b].k);
     for (int t = 0; t < BS; t += 16)
@@ -286,7 +311,8 @@ __attribute__((always_inline)) inline void score_quad(const BF16* q, const uint3
 
 // s[g][t] = q_g . k_t for keys t in [16 * c0, 16 * (c0 + KC)) of a transposed tile.
 template <int NG, int KC>
-void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0, float* s) {
+__attribute__((always_inline)) inline void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0,
+                                                             float* s) {
   Vec half[NG][KC], z[NG][KC];
   score_quad<NG, KC>(q, kt, D, c0, 0, half);
   score_quad<NG, KC>(q, kt, D, c0, 2, z);
@@ -299,11 +325,12 @@ void scores_transposed(const BF16* q, const uint32_t* kt, int D, int c0, float* 
     for (int c = 0; c < KC; ++c) (half[g][c] + (other[g][c] + z[g][c])).store(s + g * kTileKeys + (c0 + c) * 16);
 }
 
-// The first n keys' scores (rounded up to 16) of a transposed tile, 16 keys at a time: few live
-// vectors per row, so NG rows stay in registers.
+// The scores of keys [first, n) (first a multiple of 16, n rounded up to 16) of a transposed tile, 16 keys
+// at a time: few live vectors per row, so NG rows stay in registers.
 template <int NG>
-void scores_transposed(const BF16* q, const uint32_t* kt, int D, int n, float* s) {
-  for (int c0 = 0; c0 * 16 < n; ++c0) scores_transposed<NG, 1>(q, kt, D, c0, s);
+__attribute__((always_inline)) inline void scores_transposed(const BF16* q, const uint32_t* kt, int D, int first,
+                                                             int n, float* s) {
+  for (int c0 = first / 16; c0 * 16 < n; ++c0) scores_transposed<NG, 1>(q, kt, D, c0, s);
 }
 #endif
 
@@ -392,8 +419,9 @@ static_assert(8 % kValueChains == 0 && 8 % (2 * kPairChains) == 0, "blocks hold 
 // accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
 // blocks. `prefetch` lines of each block's next V go out per chunk.
 template <typename T, int NG>
-void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int n, int c, int prefetch,
-                  float* acc) {
+__attribute__((always_inline)) inline
+void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int fb, int n, int c,
+                  int prefetch, float* acc) {
   constexpr int C = kValueChains;
   Vec sum[C][NG];
   for (int g = 0; g < NG; ++g) {
@@ -404,7 +432,7 @@ void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D,
     const Vec x = Vec::load(v + t * D + c);
     for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[i][g]);
   };
-  for (int b = 0; b * BS < n; ++b) {
+  for (int b = fb; b * BS < n; ++b) {
     tile.block[b].next_v.lines(prefetch);
     const T* v = tile.block[b].v;
     const float* pb = p + b * BS;
@@ -422,12 +450,14 @@ void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D,
   }
 }
 
-// acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t for the NG rows of a row group.
+// acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t for the NG rows of a row group. The blocks
+// before block fb hold no key the group sees (p = 0 there) and are not read.
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<T>& tile, int D, int BS,
-                 int n, float* acc) {
+                 int fb, int n, float* acc) {
   const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // a block's bytes per chunk
-  for (int c = 0; c < D; c += Vec::N) values_chunk<T, NG>(p, correction, tile, D, BS, n, c, prefetch, acc);
+  for (int c = 0; c < D; c += Vec::N) values_chunk<T, NG>(p, correction, tile, D, BS, fb, n, c, prefetch, acc);
 }
 
 #ifdef BATCHGEN_DOT_BF16
@@ -439,8 +469,9 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // through values_chunk, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
 // whatever the rows (as in values_chunk).
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
-                 int n, float* acc) {
+                 int fb, int n, float* acc) {
   constexpr int TP = kPairChains;
   BF16 pb[NG][kTileKeys];           // p in bf16; zero past each row's limit, as p is
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
@@ -455,7 +486,7 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       hi[0][g] = Vec::load(acc + g * D + c + Vec::N) * Vec::set1(correction[g]);
       for (int i = 1; i < TP; ++i) lo[i][g] = hi[i][g] = Vec::zero();
     }
-    for (int b = 0; b * BS < n; ++b) {
+    for (int b = fb; b * BS < n; ++b) {
       tile.block[b].next_v.lines(prefetch);
       const BF16* v = tile.block[b].v;
       const int first = b * BS, nb = min_i64(BS, n - first);
@@ -486,7 +517,7 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       total_hi.store(acc + g * D + c + Vec::N);
     }
   }
-  if (c < D) values_chunk<BF16, NG>(p, correction, tile, D, BS, n, c, 0, acc);
+  if (c < D) values_chunk<BF16, NG>(p, correction, tile, D, BS, fb, n, c, 0, acc);
 }
 
 // Restores the order of a row accumulated by the pair path (see unpermute_chunk).
@@ -512,43 +543,81 @@ struct Rows {
   Rows from(int64_t first, int D) const { return {q + first * D, acc + first * D, m + first, l + first, s}; }
 };
 
-// rows.s[g][t] = q_{r0 + g} . k_t for the tile's first n keys (rounded up), from kt, the tile's K
+// The keys of one tile that the rows of a row group see: row g those in [low[g], limit[g]) (low > 0 in the
+// first tile of a sliding window; limit 0 for a row that sees none), the group those from block fb on.
+struct GroupKeys {
+  int low[kGroupRows];
+  int limit[kGroupRows];
+  int fb;
+  bool any_low;  // some low[g] > 0
+};
+
+// rows.s[g][t] = q_{r0 + g} . k_t for the tile's keys from block fb to n (rounded up), from kt, the tile's K
 // transposed, where the row groups share it, else from the blocks; the same bits either way.
 template <typename T, int NG>
+__attribute__((always_inline)) inline
 void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_unused]] const uint32_t* kt, int D,
-                      int BS, int n) {
+                      int BS, int fb, int n) {
 #ifdef BATCHGEN_DOT_BF16
   if constexpr (kPairs<T>) {
-    if (kt != nullptr) return scores_transposed<NG>(rows.q + r0 * D, kt, D, n, rows.s);
+    if (kt != nullptr) return scores_transposed<NG>(rows.q + r0 * D, kt, D, fb * BS, n, rows.s);
   }
 #endif
-  for (int b = 0; b * BS < n; ++b)
+  for (int b = fb; b * BS < n; ++b)
     tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
 }
 
-// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's first limit[g] keys.
+// The attention variants on a row group's scores s[g][t] (t < width), in memory, before softmax_rows, which
+// is then called with scale 1 (an exact multiply): the scaled scores, soft-capped (cap * tanh(s / cap)) when
+// a cap is set, and -inf before each row's sliding window (keys.low; scores of blocks the group did not
+// read are left unwritten by the dot products and overwritten here). Kept out of softmax_rows, whose
+// scores stay in registers, so that the plain path's code does not change; with a window alone it runs
+// only in the tile where some row's window starts (the same products as softmax_rows' either way).
+template <int NG>
+void score_variants(const AttnArgs& a, const GroupKeys& keys, int width, float* s) {
+  const Vec scale = Vec::set1(a.scale), cap = Vec::set1(a.soft_cap), inv_cap = Vec::set1(a.inv_soft_cap);
+  for (int g = 0; g < NG; ++g) {
+    if (keys.limit[g] <= 0) continue;  // a row that sees none of the tile
+    float* row = s + g * kTileKeys;
+    for (int t = 0; t < width; t += Vec::N) {
+      Vec x = Vec::load(row + t) * scale;
+      if (a.soft_cap > 0.0f) x = tanh_vec(x * inv_cap) * cap;  // masked after: tanh(-inf) would be -1
+      x.store(row + t);
+    }
+    for (int t = 0; t < keys.low[g]; ++t) row[t] = kNegInf;
+  }
+}
+
+// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's keys [keys.low[g], keys.limit[g]).
 template <typename T, int NG>
-void attend_tile(const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt, int D, int BS,
-                 float scale) {
+void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys, Tile<T>& tile,
+                 const uint32_t* kt) {
+  const int D = a.head_dim, BS = a.block_size;
+  const int fb = keys.fb;
   int n = 0;
-  for (int g = 0; g < NG; ++g) n = limit[g] > n ? limit[g] : n;
+  for (int g = 0; g < NG; ++g) n = keys.limit[g] > n ? keys.limit[g] : n;
   // The score loops may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, n);
+  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, fb, n);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
+  float scale = a.scale;
+  if (a.soft_cap > 0.0f || keys.any_low) {  // the variants scale the scores themselves
+    score_variants<NG>(a, keys, width, rows.s);
+    scale = 1.0f;
+  }
   float correction[NG];
-  softmax_rows<NG>(rows.s, limit, width, scale, rows.m + r0, rows.l + r0, correction);
-  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, n, rows.acc + r0 * D);
+  softmax_rows<NG>(rows.s, keys.limit, width, scale, rows.m + r0, rows.l + r0, correction);
+  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, fb, n, rows.acc + r0 * D);
 }
 
 template <typename T>
-void attend_tile_rows(int ng, const Rows<T>& rows, int64_t r0, const int* limit, Tile<T>& tile, const uint32_t* kt,
-                      int D, int BS, float scale) {
+void attend_tile_rows(const AttnArgs& a, int ng, const Rows<T>& rows, int64_t r0, const GroupKeys& keys,
+                      Tile<T>& tile, const uint32_t* kt) {
   switch (ng) {
-    case 1: return attend_tile<T, 1>(rows, r0, limit, tile, kt, D, BS, scale);
-    case 2: return attend_tile<T, 2>(rows, r0, limit, tile, kt, D, BS, scale);
-    case 3: return attend_tile<T, 3>(rows, r0, limit, tile, kt, D, BS, scale);
-    default: return attend_tile<T, 4>(rows, r0, limit, tile, kt, D, BS, scale);
+    case 1: return attend_tile<T, 1>(a, rows, r0, keys, tile, kt);
+    case 2: return attend_tile<T, 2>(a, rows, r0, keys, tile, kt);
+    case 3: return attend_tile<T, 3>(a, rows, r0, keys, tile, kt);
+    default: return attend_tile<T, 4>(a, rows, r0, keys, tile, kt);
   }
 }
 
@@ -577,12 +646,14 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
 }
 
 // The tiles a task visits in order: tile by tile over its keys, its kv heads inner, each tile the
-// K (or V) of up to blocks_per_tile blocks of one kv head.
+// K (or V) of up to blocks_per_tile blocks of one kv head. Tiles start at multiples of kTileKeys;
+// the blocks of the first tile before the task's kv_begin (a sliding window's) are not read.
 // A default TileWalk has no tiles (no next task).
 struct TileWalk {
   const int32_t* table = nullptr;  // the sequence's block table
-  int64_t first_block = 0;         // the task's first block
-  int64_t blocks = 0;              // blocks the task reads
+  int64_t first_block = 0;         // the first block of the task's first tile
+  int64_t begin_block = 0;         // the first block the task reads
+  int64_t blocks = 0;              // blocks from first_block to the task's last
   int64_t kv_head = 0;
   int64_t heads = 1;
   int blocks_per_tile = 1;
@@ -594,6 +665,9 @@ struct TileWalk {
   int count(int64_t visit) const {
     return static_cast<int>(min_i64(blocks_per_tile, first_block + blocks - first(visit)));
   }
+  // Blocks at the start of tile `visit` that are not read (before the task's first block; only in its
+  // first tile of each kv head).
+  int skipped(int64_t visit) const { return visit < heads ? static_cast<int>(begin_block - first_block) : 0; }
   // Elements from the start of the cache to block b of tile `visit`.
   int64_t offset(int64_t visit, int b) const {
     return table[first(visit) + b] * block_elems + (kv_head + visit % heads) * block_tile_elems;
@@ -603,13 +677,21 @@ struct TileWalk {
 // The end of the keys the task's last row sees.
 inline int64_t keys_seen(const AttnTask& task) { return min_i64(task.kv_end, task.q_pos + task.q_count); }
 
+// The position of the task's query token j: q_pos + j, or for the shared keys of samples (member_lens)
+// sample j's own last position.
+inline int64_t row_position(const AttnTask& task, int64_t j) {
+  return task.member_lens != nullptr ? task.member_lens[task.q_begin + j] - 1 : task.q_pos + j;
+}
+
 inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
   const int BS = a.block_size;
   const int64_t block_tile_elems = int64_t{BS} * a.head_dim;
   const int64_t kv_stop = keys_seen(task);
+  const int64_t tile_begin = task.kv_begin / kTileKeys * kTileKeys;
   return {a.block_tables + task.seq * a.max_blocks_per_seq,
+          tile_begin / BS,
           task.kv_begin / BS,
-          (kv_stop - task.kv_begin + BS - 1) / BS,
+          (kv_stop - tile_begin + BS - 1) / BS,
           task.kv_head,
           task.kv_head_count,
           kTileKeys / BS,
@@ -644,13 +726,19 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
     const TileWalk& ahead_walk = ahead_here ? walk : next_walk;
     const int64_t ahead_tile = ahead_here ? ahead_visit : ahead_visit - num_tiles;
     const int ahead_count = ahead_visit < all_tiles ? ahead_walk.count(ahead_tile) : 0;
+    const int ahead_skipped = ahead_visit < all_tiles ? ahead_walk.skipped(ahead_tile) : 0;
     Tile<T> tile;
     tile.count = walk.count(visit);
+    const int skipped = walk.skipped(visit);
     for (int b = 0; b < tile.count; ++b) {
-      const int64_t offset = walk.offset(visit, b);
       BlockKV<T>& kv = tile.block[b];
+      if (b < skipped) {
+        kv = {nullptr, nullptr, {}, {}};
+        continue;
+      }
+      const int64_t offset = walk.offset(visit, b);
       kv = {k_cache + offset, v_cache + offset, {}, {}};
-      if (b < ahead_count) {
+      if (b < ahead_count && b >= ahead_skipped) {
         const int64_t next = ahead_walk.offset(ahead_tile, b);
         const char* next_k = reinterpret_cast<const char*>(k_cache + next);
         const char* next_v = reinterpret_cast<const char*>(v_cache + next);
@@ -662,30 +750,50 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
     if (kt != nullptr) transpose_keys(tile, D, BS, kt);
 #endif
     const Rows<T> head_rows = rows.from(h * head_stride, D);
+    const int tile_keys = tile.count * BS;
     for (int64_t r0 = 0; r0 < per_head; r0 += kGroupRows) {
       const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
-      int limit[kGroupRows];
+      GroupKeys keys;
+      keys.fb = 0;
+      keys.any_low = false;
       int any = 0;
       for (int i = 0; i < ng; ++i) {
         const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
         const int64_t visible = row_stop - start;
-        limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, int64_t{tile.count} * BS));
-        any |= limit[i];
+        keys.limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, tile_keys));
+        keys.low[i] = 0;
+        any |= keys.limit[i];
       }
       if (any == 0) continue;
-      attend_tile_rows<T>(ng, head_rows, r0, limit, tile, kt, D, BS, a.scale);
+      if (a.sliding_window > 0) {  // each row's first key; the group reads from the block of the first
+        int first_key = tile_keys;
+        any = 0;
+        for (int i = 0; i < ng; ++i) {
+          const int64_t before = window_begin(row_position(task, (r0 + i) / group), a.sliding_window) - start;
+          keys.low[i] = before <= 0 ? 0 : static_cast<int>(min_i64(before, tile_keys));
+          if (keys.low[i] >= keys.limit[i]) keys.low[i] = keys.limit[i] = 0;  // the window ends before the tile
+          if (keys.limit[i] > 0 && keys.low[i] < first_key) first_key = keys.low[i];
+          keys.any_low |= keys.low[i] > 0;
+          any |= keys.limit[i];
+        }
+        if (any == 0) continue;
+        keys.fb = first_key / BS;
+      }
+      attend_tile_rows<T>(a, ng, head_rows, r0, keys, tile, kt);
     }
   }
 }
 
-// Member j of a task over samples sharing blocks (AttnTask::member_lens): its own keys only.
-inline AttnTask member_task(const AttnTask& task, int64_t j) {
+// Member j of a task over samples sharing blocks (AttnTask::member_lens): its own keys only (from its
+// sliding window's first block, where that comes after the shared keys).
+inline AttnTask member_task(const AttnArgs& a, const AttnTask& task, int64_t j) {
   AttnTask member = task;
   member.seq = member.q_begin = task.q_begin + j;
   member.q_count = 1;
   member.kv_end = task.member_lens[member.seq];
   member.q_pos = member.kv_end - 1;
-  member.kv_begin = task.kv_end;
+  const int64_t window_block = window_begin(member.q_pos, a.sliding_window) / a.block_size * a.block_size;
+  member.kv_begin = task.kv_end > window_block ? task.kv_end : window_block;
   member.member_lens = nullptr;
   return member;
 }
@@ -723,10 +831,11 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(task, 0)), rows, per_head, per_head, kt);
+    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head,
+                   kt);
     for (int64_t j = 0; j < task.q_count; ++j) {
-      const AttnTask member = member_task(task, j);
-      const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(task, j + 1)) : after;
+      const AttnTask member = member_task(a, task, j);
+      const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(a, task, j + 1)) : after;
       attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group,
                      nullptr);
     }

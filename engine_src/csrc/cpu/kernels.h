@@ -40,13 +40,24 @@ struct AttnArgs {
   int head_dim;
   int block_size;
   float scale;
+  int64_t sliding_window;  // 0: off; else the query at position p sees keys (p - sliding_window, p]
+  float soft_cap;          // 0: off; else each scaled score s becomes soft_cap * tanh(s / soft_cap)
+  float inv_soft_cap;      // 1 / soft_cap
 };
+
+// The first key a query at position `pos` sees: 0, or with a sliding window pos - window + 1 (transformers'
+// `kv_idx > q_idx - sliding_window`).
+inline int64_t window_begin(int64_t pos, int64_t window) {
+  return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
 
 // One unit of work: the query tokens [q_begin, q_begin + q_count) of sequence `seq`, all query
 // heads of kv heads [kv_head, kv_head + kv_head_count). Query token q_begin + j sits at position q_pos + j and reads the
-// keys at positions [kv_begin, min(kv_end, q_pos + j + 1)); kv_begin is a multiple of kTileKeys, so
-// that a row's tiles start at the same absolute positions in every task (batch invariance, see
-// attention_impl.h). A task over several kv heads walks each K/V block through all of
+// keys at positions [kv_begin, min(kv_end, q_pos + j + 1)), with a sliding window only those from
+// window_begin(q_pos + j) on; kv_begin is a multiple of kTileKeys, or with a sliding window of the
+// block size (the first block of its first row's window): the walk starts its tiles at multiples of
+// kTileKeys whatever kv_begin, so that a row's tiles start at the same absolute positions in every
+// task (batch invariance, see attention_impl.h), and does not read the blocks before kv_begin. A task over several kv heads walks each K/V block through all of
 // them: the heads of a block lie side by side in the cache, so its reads are long contiguous
 // runs, which the processor's prefetchers follow far better than one head's scattered tiles.
 // With `member_lens` set (decode of samples sharing their first blocks), the task's query tokens are

@@ -22,7 +22,9 @@ struct Vec {
 };
 
 inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
 
@@ -64,6 +66,11 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
 
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   return {_mm256_and_ps(value.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ))};
+}
+
+// Lane i of `below` where lane i of x < limit, else of `other`.
+inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
+  return {_mm256_blendv_ps(other.v, below.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_LT_OQ))};
 }
 
 }  // namespace batchgen::cpu::avx2

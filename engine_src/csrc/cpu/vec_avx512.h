@@ -23,7 +23,9 @@ struct Vec {
 };
 
 inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
@@ -61,6 +63,11 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
   return {_mm512_maskz_mov_ps(keep, value.v)};
+}
+
+// Lane i of `below` where lane i of x < limit, else of `other`.
+inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_LT_OQ), other.v, below.v)};
 }
 
 #ifdef BATCHGEN_DOT_BF16

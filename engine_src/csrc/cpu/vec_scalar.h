@@ -32,8 +32,16 @@ inline Vec operator+(Vec a, Vec b) {
   for (int i = 0; i < Vec::N; ++i) a.x[i] += b.x[i];
   return a;
 }
+inline Vec operator-(Vec a, Vec b) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] -= b.x[i];
+  return a;
+}
 inline Vec operator*(Vec a, Vec b) {
   for (int i = 0; i < Vec::N; ++i) a.x[i] *= b.x[i];
+  return a;
+}
+inline Vec operator/(Vec a, Vec b) {
+  for (int i = 0; i < Vec::N; ++i) a.x[i] /= b.x[i];
   return a;
 }
 inline Vec fma(Vec a, Vec b, Vec c) {  // a * b + c
@@ -82,6 +90,12 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   for (int i = 0; i < Vec::N; ++i) value.x[i] = x.x[i] >= limit ? value.x[i] : 0.0f;
   return value;
+}
+
+// Lane i of `below` where lane i of x < limit, else of `other`.
+inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
+  for (int i = 0; i < Vec::N; ++i) other.x[i] = x.x[i] < limit ? below.x[i] : other.x[i];
+  return other;
 }
 
 }  // namespace batchgen::cpu::scalar
