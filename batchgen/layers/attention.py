@@ -63,53 +63,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     d = meta.num_decode_tokens
-    plain = variant.sliding_window == 0 and variant.logits_soft_cap == 0
-    decode, prefill = ((ops.paged_attention_decode, ops.paged_attention_prefill) if plain
-                       else (_shim_decode, _shim_prefill))
     if d:
-        decode(q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, variant.scale,
-               out=out[:d], seq_groups=meta.decode_seq_groups, **_variant_args(variant))
+        ops.paged_attention_decode(
+            q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, variant.scale,
+            out=out[:d], seq_groups=meta.decode_seq_groups, sliding_window=variant.sliding_window,
+            logits_soft_cap=variant.logits_soft_cap)
     if d < q.shape[0]:
-        prefill(q[d:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-                meta.prefill_query_start_loc, variant.scale, out=out[d:], **_variant_args(variant))
+        ops.paged_attention_prefill(
+            q[d:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+            meta.prefill_query_start_loc, variant.scale, out=out[d:], sliding_window=variant.sliding_window,
+            logits_soft_cap=variant.logits_soft_cap)
     return out
-
-
-def _variant_args(variant: AttentionVariant) -> dict:
-    if variant.sliding_window == 0 and variant.logits_soft_cap == 0:
-        return {}
-    return {"sliding_window": variant.sliding_window, "logits_soft_cap": variant.logits_soft_cap}
-
-
-# --- TEMPORARY SHIM (until the kernels-variants branch is merged) ------------------------------------------------
-# The paged attention ops of batchgen._C do not take sliding_window / logits_soft_cap yet. These two functions
-# take the ops' future signatures and compute in pure torch (float32), so windowed and soft-capped layers run
-# correctly, slowly. Delete them, and call ops.paged_attention_* for every variant, once the kernels have them.
-def _shim_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out=None, seq_groups=None,
-                 sliding_window=0, logits_soft_cap=0.0):
-    one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return _shim_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out,
-                         sliding_window, logits_soft_cap)
-
-
-def _shim_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                  sliding_window=0, logits_soft_cap=0.0):
-    from batchgen.ops.reference import gather_sequence
-
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        begin, end = starts[i], starts[i + 1]
-        keys = gather_sequence(key_cache, block_tables[i], seq_len)
-        values = gather_sequence(value_cache, block_tables[i], seq_len)
-        group = query.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", query[begin:end].float(), keys) * scale
-        if logits_soft_cap:
-            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        pos = torch.arange(seq_len - (end - begin), seq_len, device=query.device)[:, None]
-        key_pos = torch.arange(seq_len, device=query.device)[None, :]
-        hidden = (key_pos > pos) | ((key_pos <= pos - sliding_window) if sliding_window else False)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        out[begin:end] = torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values).to(out.dtype)
-    return out
-# --- end of TEMPORARY SHIM -----------------------------------------------------------------------------------------

@@ -208,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
                         layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
             return
-        if any(cfg.sliding_windows) or cfg.rotary_dim or cfg.attn_scale or cfg.attn_soft_cap:  # the stack's are Llama's
+        windows = set(cfg.sliding_windows or (0,))
+        if len(windows) > 1 or cfg.rotary_dim or cfg.attn_scale or cfg.attn_soft_cap:  # the stack's are Llama's
             return
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]
@@ -216,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
                    for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)]
         self.decoder_stack = ops.DecoderStack(
             weights, [qkv.bias for qkv, *_ in projections], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+            cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            **({"sliding_window": window} if (window := windows.pop()) else {}))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
