@@ -154,6 +154,7 @@ def run_batch(
     preemption_mode: Annotated[str, typer.Option("--preemption-mode", help="swap or recompute")] = "swap",
     num_threads: Annotated[int | None, typer.Option("--num-threads")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
+    model_impl: Annotated[str, typer.Option("--model-impl", help="auto, native or transformers")] = "auto",
     rows_per_part: Annotated[int, typer.Option("--rows-per-part", help="Requests per saved part.")] = 1000,
     force: Annotated[bool, typer.Option("--force", help="Continue parts written with other options.")] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Redo the requests that failed.")] = False,
@@ -179,7 +180,7 @@ def run_batch(
             "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
             "kv_cache_memory": kv_cache_memory, "swap_space": swap_space,
             "enable_prefix_caching": enable_prefix_caching, "preemption_mode": preemption_mode,
-            "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization}
+            "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization, "model_impl": model_impl}
         job_dict = {
             "model": {k: v for k, v in model_options.items() if v is not None},
             "input": {"paths": [str(input_file.resolve())], "format": "openai_batch", "check_model": check_model},

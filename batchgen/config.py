@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from batchgen.engine.config import batch_limits_problem
 
+MODEL_IMPLS = ("auto", "native", "transformers")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -58,6 +59,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
+    model_impl: str = "auto"  # native | transformers | auto: native where batchgen has one
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -93,6 +95,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
             (self.preemption_mode in ("swap", "recompute"), "preemption_mode", "must be swap or recompute"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
+            (self.model_impl in MODEL_IMPLS, "model_impl", "must be auto, native or transformers"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

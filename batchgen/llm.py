@@ -17,7 +17,8 @@ class LLM:
 
     Engine options (vLLM's names): dtype, device, block_size, kv_cache_memory (CPU), gpu_memory_utilization
     (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
-    preemption_mode, seed, num_threads, skip_tokenizer_init.
+    preemption_mode, seed, num_threads, skip_tokenizer_init, model_impl ("auto", "native" or "transformers":
+    batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention).
     """
 
     def __init__(self, model: str, **options):

@@ -232,7 +232,7 @@ class StepProfile:
         for layer in engine.runner.model.attention_layers():
             self._wrap(layer, "forward", "attention")
         # The layers in one C++ call (ops.DecoderStack) time their own ops.
-        self.stack = engine.runner.model.decoder_stack
+        self.stack = getattr(engine.runner.model, "decoder_stack", None)
         self.stack_start = self.stack.op_seconds() if self.stack is not None else {}
 
     def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
@@ -291,13 +291,13 @@ def sampling_params(wl: Workload):
 
 
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
-                 bytes_per_block: int) -> Run:
+                 bytes_per_block: int, model_impl: str = "native") -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
               swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads)
+              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl)
     llm.generate([list(range(10, 26))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
     if wl.structured_outputs is not None:
@@ -331,7 +331,8 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
                      finished_by_grammar=sum(c.finish_reason == "stop" for r in finished for c in r.outputs))
     del llm, profile
     gc.collect()
-    return Run(wl.name, "batchgen", dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
+    engine = "batchgen" if model_impl == "native" else f"batchgen-{model_impl}"
+    return Run(wl.name, engine, dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
                rss.peak_mb, rss.start_mb, extra)
 
 
@@ -534,11 +535,12 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
     """mixed (when mixed or pressure is asked for), pressure, parallel, then the decode run, in that order."""
     bytes_per_block = BLOCK * kv_bytes_per_token(cfg, dtype)
 
-    def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64) -> Run:
+    def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64, model_impl: str = "native") -> Run:
         kv_blocks = kv_blocks or int(sum(wl.kv_blocks()) * 1.1) + 16  # all of it at once: no preemption
-        print(f"[{dtype}] batchgen {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks", flush=True)
+        print(f"[{dtype}] batchgen ({model_impl}) {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks",
+              flush=True)
         return isolated(args.isolate, run_batchgen, args.model, wl, dtype, args.threads, kv_blocks, swap_blocks,
-                        bytes_per_block)
+                        bytes_per_block, model_impl)
 
     runs, mixed = [], workloads["mixed"]
     if {"mixed", "pressure"} & set(args.workloads):
@@ -558,7 +560,13 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
         runs.append(run(constrained))
         lengths = runs[-1].extra["output_lengths"]
         runs.append(run(Workload(**{**asdict(mixed), "name": "json-free", "max_tokens": lengths})))
-    return runs + [run(workloads["decode"])]
+    runs.append(run(workloads["decode"]))
+    # --model-impl transformers: the transformers backend on the same workloads, in the same process's run, as a
+    # peer of the native path (engine "batchgen-transformers"; bench_dtype keeps it apart from the native runs).
+    if args.model_impl == "transformers":
+        runs += [run(workloads[name], model_impl="transformers") for name in ("mixed", "parallel")
+                 if name in args.workloads or (name == "mixed" and "pressure" in args.workloads)]
+    return runs
 
 
 def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run], settings: dict,
@@ -615,11 +623,13 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
                      args.threads)
     read_gbs = isolated(args.isolate, read_gb_s, args.threads, settings["gemm_time"] * 10)
     ours, notes = bench_batchgen(args, dtype, cfg, workloads), []
+    backend = [r for r in ours if r.engine != "batchgen"]  # compared as a peer (ratio_rows)
+    ours = [r for r in ours if r.engine == "batchgen"]
     limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours)
-    for run in ours:
+    for run in ours + backend:
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
     peers = [] if args.skip_peers else bench_peers(args, dtype, workloads, ours, settings, notes)
-    return ours + peers, limit, notes
+    return ours + backend + peers, limit, notes
 
 
 def ratio_rows(runs: list[Run]) -> list[dict]:
@@ -639,6 +649,24 @@ def ratio_rows(runs: list[Run]) -> list[dict]:
     return rows
 
 
+def backend_rows(runs: list[Run]) -> list[dict]:
+    """The transformers backend per workload: the native path's throughput over it, and it over transformers'
+    own generate on static batches (when that peer ran)."""
+    by_key = {(r.workload, r.dtype, r.engine.split("-")[1] if "-" in r.engine else r.engine): r for r in runs}
+    rows = []
+    for (workload, dtype, kind), backend in by_key.items():
+        if kind != "transformers":
+            continue
+        rate = backend.rates()["total_tok_s"]
+        row = dict(workload=workload, dtype=dtype, backend_tok_s=rate)
+        if native := by_key.get((workload, dtype, "batchgen")):
+            row["native_over_backend"] = native.rates()["total_tok_s"] / rate
+        if static := by_key.get((workload, dtype, "static")):
+            row["backend_over_hf_static"] = rate / static.rates()["total_tok_s"]
+        rows.append(row)
+    return rows
+
+
 def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
     for dtype, c in ceilings.items():
         print(f"\n== limit, {dtype}: GEMM GFLOP/s by M (tokens), the faster of F.linear and packed")
@@ -654,10 +682,10 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
         for label, rate in c["batchgen_decode_tok_s"].items():
             print(f"  batchgen decode-only, batch {label}: {rate:.0f} tok/s = {c['decode_fraction'][label]:.1%}")
     print("\n== where batchgen's time goes (seconds, share of the run)")
-    for r in [r for r in runs if r.engine == "batchgen"]:
+    for r in [r for r in runs if r.engine.startswith("batchgen")]:
         stages = r.extra["stage_seconds"]
         shares = ", ".join(f"{k} {v:.1f} ({v / r.seconds:.0%})" for k, v in stages.items())
-        print(f"  {r.workload:9s} {r.dtype:9s} {shares}")
+        print(f"  {r.workload:9s} {r.engine:21s} {r.dtype:9s} {shares}")
     if any(r.workload == "pressure" for r in runs):
         print("note: pressure is compared with the peers' mixed runs (the same requests; they have no KV budget)")
     for r in [r for r in runs if r.workload == "json"]:
@@ -682,6 +710,10 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
         cells = ", ".join(f"{k[3:]} x{v['throughput']:.2f} (RSS x{v['peak_rss']:.2f})"
                           for k, v in row.items() if k.startswith("vs_"))
         print(f"batchgen/peer throughput  {row['workload']:9s} {row['dtype']:9s} {cells}")
+    for row in backend_rows(runs):
+        cells = ", ".join(f"{k} x{row[k]:.2f}" for k in ("native_over_backend", "backend_over_hf_static") if k in row)
+        print(f"transformers backend      {row['workload']:9s} {row['dtype']:9s} {row['backend_tok_s']:.1f} tok/s; "
+              f"{cells}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -697,6 +729,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(its continuous batching, the slowest to measure)")
     parser.add_argument("--batch-sizes", help="comma list of transformers' static batch sizes (rows) to probe, "
                                               "instead of the defaults (8,16,32,64)")
+    parser.add_argument("--model-impl", choices=("native", "transformers"), default="native",
+                        help="transformers: also run mixed and parallel on the transformers backend (model_impl), "
+                             "reported as a peer of the native path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
@@ -742,7 +777,7 @@ def main(argv=None) -> dict:
     notes.append(f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end, "
                  f"{psutil.cpu_count()} CPUs: other work on the machine slows every engine down")
     report = dict(args=vars(args), torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
-                  runs=[r.record() for r in runs], ratios=ratio_rows(runs),
+                  runs=[r.record() for r in runs], ratios=ratio_rows(runs), backend=backend_rows(runs),
                   ceilings=ceilings, notes=notes)
     if args.json:
         with open(args.json, "w") as f:

@@ -63,6 +63,11 @@ def build_tiny_model(path, arch: str, seed: int = 0):
         config, cls = tf.Qwen3Config(**common, tie_word_embeddings=False), tf.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
+    return save_random_model(path, cls, config, tokenizer, seed)
+
+
+def save_random_model(path, cls, config, tokenizer, seed: int):
+    """A float32 model of `cls` with random weights, saved with `tokenizer`."""
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     with torch.no_grad():  # larger weights than the default init make the logits less flat

@@ -56,10 +56,11 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "bench.json"
     bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32",
-                "--workloads", "mixed,pressure,json,beam", "--json", str(out)])
+                "--workloads", "mixed,pressure,json,beam", "--model-impl", "transformers", "--json", str(out)])
     report = json.loads(out.read_text())
     engines = {(r["workload"], r["engine"]) for r in report["runs"]}
-    expected = {("mixed", "batchgen"), ("pressure", "batchgen"), ("decode", "batchgen"), ("mixed", "hf-static-8")}
+    expected = {("mixed", "batchgen"), ("pressure", "batchgen"), ("decode", "batchgen"), ("mixed", "hf-static-8"),
+                ("mixed", "batchgen-transformers")}
     assert expected <= engines
     assert ("mixed", "hf-continuous") in engines or report["notes"]
     for run in report["runs"]:
@@ -75,6 +76,8 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     ceiling = report["ceilings"]["float32"]
     assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
     assert ceiling["read_gb_s"] > 0 and 0 < ceiling["mixed_with_kv_tok_s"] < ceiling["mixed_ceiling_tok_s"]
+    [backend] = report["backend"]  # the transformers backend against the native path and transformers' generate
+    assert backend["native_over_backend"] > 0 and backend["backend_over_hf_static"] > 0
     assert "batchgen/peer" in capsys.readouterr().out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_llm import make_prompts
@@ -70,24 +72,21 @@ def test_stack_arguments_are_checked():
         ops.DecoderStack([], [], 4, 2, 64, 128, 256, 1e-6, 0.125)
 
 
-def test_the_stack_takes_a_sliding_window_as_the_python_layers_do(tiny_model_dirs, monkeypatch):
-    """DecoderStack(..., sliding_window=W) gives every layer's attention the window (Mistral's native path):
-    bit for bit what the Python layers give when their attention ops get the same window."""
-    import functools
-
+def test_the_stack_takes_a_sliding_window_as_the_python_layers_do(tiny_model_dirs):
+    """A Mistral whose layers attend within a window builds its stack with it (DecoderStack(..., sliding_window=W)):
+    bit for bit what the Python layers give with the same window."""
     window = 50  # shorter than most prompts, on no block or tile boundary
     llm = LLM(tiny_model_dirs["mistral"], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
               max_num_seqs=16, enable_prefix_caching=False)
     model = llm.engine.runner.model
     unwindowed = run(llm, model.decoder_stack)
-    with monkeypatch.context() as patch:
-        patch.setattr(ops, "DecoderStack", functools.partial(ops.DecoderStack, sliding_window=window))
-        model._build_decoder_stack()
+    model.cfg.sliding_windows = (window,) * model.cfg.num_layers  # as a config with sliding_window: 50 gives
+    for attn in model.attention_layers():
+        attn.variant = dataclasses.replace(attn.variant, sliding_window=window)
+    model._build_decoder_stack()
     stack = model.decoder_stack
-    ours = run(llm, stack)
-    for name in ("paged_attention_decode", "paged_attention_prefill"):
-        monkeypatch.setattr(ops, name, functools.partial(getattr(ops, name), sliding_window=window))
-    theirs = run(llm, None)
+    assert stack is not None
+    ours, theirs = run(llm, stack), run(llm, None)
     for a, b in zip(ours, theirs, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert x.token_ids == y.token_ids

@@ -231,8 +231,10 @@ def test_a_prompt_that_can_never_fit_is_reported_not_fatal(tiny_model_dirs):
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     cfg = tf.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)
     tf.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
-        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has head_dim 32; batchgen.s attention kernels take 64"):
+        LLM(str(tmp_path))  # GPT-2 itself would run on the transformers backend
+    with pytest.raises(ValueError, match="model_impl: batchgen has no native implementation of GPT2LMHeadModel"):
+        LLM(str(tmp_path), model_impl="native")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "missing"))
 

@@ -60,10 +60,11 @@ class LLMEngine:
         self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
         if self.device.type == "cpu":
             retain_freed_memory()
-        model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len)
+        model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
+                           plan.model_impl)
         if self.device.type == "cpu":
             release_freed_memory()
-        self.vocab_size = model.cfg.vocab_size
+        self.vocab_size = model.vocab_size
         shape = plan.cache_shape
         num_device_blocks = self._num_device_blocks(shape)
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block

@@ -8,7 +8,6 @@ import torch
 
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata
-from batchgen.models.llama import LlamaForCausalLM
 
 
 @dataclass
@@ -27,7 +26,7 @@ class CacheShape:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, shape: CacheShape, num_device_blocks: int, num_cpu_blocks: int,
+    def __init__(self, model: torch.nn.Module, shape: CacheShape, num_device_blocks: int, num_cpu_blocks: int,
                  device: torch.device):
         self.model, self.shape, self.device = model, shape, device
         self.block_size = shape.block_size

@@ -15,7 +15,9 @@ import torch
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
-from batchgen.models.loader import first_line, missing_tokenizer, missing_weights, native_config, resolve_model_dir
+from batchgen.models.architectures import architecture, attention_geometry, pick_impl, text_config
+from batchgen.models.loader import first_line, missing_tokenizer, missing_weights, resolve_model_dir
+from batchgen.ops import SUPPORTED_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ModelPlan:
     dtype: torch.dtype
     max_model_len: int
     cache_shape: CacheShape
+    model_impl: str  # "native" or "transformers"
 
 
 def plan_model(config: EngineConfig) -> ModelPlan:
@@ -36,20 +39,26 @@ def plan_model(config: EngineConfig) -> ModelPlan:
     model_dir = resolve_model_dir(config.model)
     hf_config = _read_hf_config(model_dir)
     try:
-        cfg = native_config(hf_config)
+        impl = pick_impl(config.model_impl, hf_config)
     except ValueError as e:
-        raise ConfigError([ConfigProblem("model", str(e))]) from None
+        option, message = str(e).split(": ", 1)
+        raise ConfigError([ConfigProblem(option, message)]) from None
+    geometry = attention_geometry(hf_config)
     no_tokenizer = None if config.skip_tokenizer_init else missing_tokenizer(model_dir)
     problems = [ConfigProblem("model", missing) for missing in (missing_weights(model_dir), no_tokenizer) if missing]
     device = _pick_device(config.device, problems)
     dtype = _pick_dtype(config.dtype, hf_config, device)
     max_model_len = _max_model_len(config.max_model_len, hf_config, problems)
-    shape = CacheShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+    if geometry.head_dim not in SUPPORTED_HEAD_DIMS:
+        problems.append(ConfigProblem("model", f"architecture {architecture(hf_config)} has head_dim "
+                                               f"{geometry.head_dim}; batchgen's attention kernels take "
+                                               f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
+    shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
     if problems:
         raise ConfigError(problems)
-    return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape)
+    return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape, impl)
 
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
@@ -90,10 +99,7 @@ def _pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
 
 
 def _max_model_len(asked: int | None, hf_config: Any, problems: list[ConfigProblem]) -> int:
-    limit = hf_config.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)  # we attend to everything, so stay where that is exact
+    limit = text_config(hf_config).max_position_embeddings
     if asked is not None and asked > limit:
         problems.append(ConfigProblem("max_model_len", f"{asked} is more than the model supports ({limit})"))
         return limit

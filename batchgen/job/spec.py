@@ -87,6 +87,7 @@ class ModelSpec(_Section):
     preemption_mode: Literal["swap", "recompute"] = "swap"
     seed: int = 0
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
     name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
 
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
@@ -319,7 +320,7 @@ class Job:
         s = self.spec
         data = {
             "model": {"path": str(self.model_path.resolve()), "dtype": s.model.dtype,
-                      "max_model_len": s.model.max_model_len},
+                      "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl},
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
@@ -345,7 +346,7 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("input", "check_model"): False, ("output", "format"): "parquet",
+_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("input", "check_model"): False, ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
 

@@ -151,17 +151,17 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replaces every packable `Linear` below module by a `PackedLinear` (dropping the plain
-    weight); returns how many it replaced."""
-    count = 0
+def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear,)) -> dict[str, nn.Linear]:
+    """Replaces every packable linear of `kinds` below module by a `PackedLinear` (dropping the plain
+    weight); returns the replaced modules by their qualified names."""
+    replaced = {}
     for name, child in list(module.named_children()):
-        if isinstance(child, Linear) and can_pack(child.weight):
+        if isinstance(child, kinds) and can_pack(child.weight):
             setattr(module, name, PackedLinear(child.weight, child.bias))
-            count += 1
+            replaced[name] = child
         else:
-            count += pack_linears(child)
-    return count
+            replaced |= {f"{name}.{key}": m for key, m in pack_linears(child, kinds).items()}
+    return replaced
 
 
 def gather_panels(module: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Rotary position embedding (the rotate-half layout Llama uses), with Llama 3 frequency scaling."""
+"""Rotary position embedding (the rotate-half layout Llama uses), with linear and Llama 3 frequency scaling."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from batchgen import ops
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -48,8 +50,10 @@ class RotaryEmbedding(nn.Module):
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
         angles = torch.arange(self.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         return torch.cat([angles.cos(), angles.sin()], dim=-1)
 

@@ -1,8 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) on paged attention.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) on paged attention.
 
 One class covers the family: Qwen2 adds biases to the q/k/v projections, Qwen3 normalises q and k
-per head before the rotary embedding. q/k/v and gate/up projections are fused at load time so each
-layer runs two GEMMs where the checkpoint has five.
+per head before the rotary embedding, Phi-3 rotates part of each head and has q/k/v and gate/up
+fused in its checkpoint already; Mistral and Phi-3 may attend within a sliding window. q/k/v and
+gate/up projections are fused at load time so each layer runs two GEMMs where the checkpoint has five.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_windows: tuple[int, ...] = ()  # per layer (0: none); empty: none anywhere
+    rotary_dim: int | None = None  # the leading dims of each head the rotary embedding turns; None: all
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_soft_cap: float = 0.0
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +77,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: int = 0):
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -73,7 +86,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.scale, window, cfg.attn_soft_cap)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         cfg, h = self.cfg, self.cfg.num_heads
@@ -84,7 +97,7 @@ class Attention(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
             ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps, out=q)
             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps, out=k)
-        rotate(qk, rope)  # q and k in one pass, in place
+        rotate(qk if cfg.rotary_dim is None else qk[..., : cfg.rotary_dim], rope)  # q and k in one pass, in place
         out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -109,10 +122,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -134,13 +147,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotated_dims, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        windows = cfg.sliding_windows or (0,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, window) for window in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tied_head: PackedLinear | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -190,13 +208,17 @@ class LlamaForCausalLM(nn.Module):
                         layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
             return
+        windows = set(cfg.sliding_windows or (0,))
+        if len(windows) > 1 or cfg.rotary_dim or cfg.attn_scale or cfg.attn_soft_cap:  # the stack's are Llama's
+            return
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]
                    + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else [])
                    for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)]
         self.decoder_stack = ops.DecoderStack(
             weights, [qkv.bias for qkv, *_ in projections], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+            cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            **({"sliding_window": window} if (window := windows.pop()) else {}))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -226,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
             elif name in params:
                 params[name].copy_(tensor)
                 loaded.add(name)
+                if parts[-2] in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint already (Phi-3)
+                    loaded |= {f"{name}@{first}" for target, first, _ in pieces.values() if target == parts[-2]}
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         if missing := sorted(expected - loaded):

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import torch
 
+from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.models.architectures import NATIVE_ARCHITECTURES, architecture, layer_windows, rope
+from batchgen.models.gemma import GemmaConfig, GemmaForCausalLM
 from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "*spiece*.model",
                    "sentencepiece*.model")
@@ -60,23 +62,15 @@ def first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _rope(hf_config) -> tuple[float, dict | None]:
-    """rope theta and scaling, from either the transformers 5 `rope_parameters` or the older fields."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling = None if params.get("rope_type", "default") == "default" else params
-        return float(params["rope_theta"]), scaling
-    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
-
-
 def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
-    archs = getattr(hf_config, "architectures", None) or []
-    arch = archs[0] if archs else "?"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    theta, scaling = _rope(hf_config)
+    """The native model's config (a GemmaConfig for the Gemma family)."""
+    arch = architecture(hf_config)
+    family = NATIVE_ARCHITECTURES.get(arch)
+    if family is None:
+        raise ValueError(f"architecture {arch!r} has no native implementation")
+    theta, scaling = rope(hf_config, "full_attention")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return LlamaConfig(
+    common = dict(
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
@@ -90,8 +84,27 @@ def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
         max_position=min(hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        sliding_windows=tuple(layer_windows(hf_config)),
+        rotary_dim=_rotary_dim(hf_config, head_dim),
     )
+    if family == "llama":
+        return LlamaConfig(**common)
+    local_theta, local_scaling = rope(hf_config, "sliding_attention")
+    return GemmaConfig(
+        **common,
+        attn_scale=hf_config.query_pre_attn_scalar**-0.5,
+        attn_soft_cap=getattr(hf_config, "attn_logit_softcapping", None) or 0.0,
+        final_logit_soft_cap=getattr(hf_config, "final_logit_softcapping", None) or 0.0,
+        local_rope_theta=local_theta if arch == "Gemma3ForCausalLM" else None,
+        local_rope_scaling=local_scaling,
+    )
+
+
+def _rotary_dim(hf_config, head_dim: int) -> int | None:
+    """Phi-3's partial rotary embedding: the leading dims it turns (None: all)."""
+    factor = getattr(hf_config, "partial_rotary_factor", None)
+    return int(head_dim * factor) if factor and factor < 1 else None
 
 
 def missing_weights(model_dir: Path) -> str | None:
@@ -112,14 +125,27 @@ def _checkpoint_tensors(model_dir: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int
-) -> LlamaForCausalLM:
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+               model_impl: str = "native") -> torch.nn.Module:
+    """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits`,
+    `attention_layers()` and `vocab_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl)."""
+    if model_impl == "transformers":
+        from batchgen.models.transformers_backend import load_transformers_model
+
+        return load_transformers_model(model_dir, hf_config, dtype, device)
+    return _load_native(model_dir, hf_config, dtype, device, max_model_len)
+
+
+def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int) -> LlamaForCausalLM:
     cfg = native_config(hf_config, max_model_len)
+    model_class = GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
     with torch.device("meta"):  # no random init of parameters the checkpoint overwrites (~1.7 s for 135M)
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = model_class(cfg).to(dtype)
     model.to_empty(device=device)
-    model.rotary.reset_table()
+    for rotary in model.modules():
+        if isinstance(rotary, RotaryEmbedding):
+            rotary.reset_table()
     model.load_weights(_checkpoint_tensors(model_dir))
     model.eval().requires_grad_(False)
     model.pack_weights()

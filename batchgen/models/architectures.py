@@ -1,0 +1,144 @@
+"""What batchgen reads from a model's config before building anything: which implementation runs it
+(batchgen's native one, or the model's own transformers code on batchgen's paged attention), or why
+neither can; the attention geometry the KV cache is shaped by; each layer's sliding window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.layers.rotary import ROPE_TYPES
+
+# Architectures with a native implementation in batchgen/models/, by the module that has it.
+NATIVE_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+}
+# Layers with a state instead of attention over a KV cache.
+RECURRENT_MODEL_TYPES = {
+    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
+    "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm2_moe", "xlstm", "qwen3_next", "minimax", "plamo2",
+}
+ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# transformers implementations whose attention does not go through its attention interface, and that
+# batchgen/models/transformers_adapters.py plugs into batchgen's attention itself.
+ADAPTED_MODEL_TYPES = {"falcon"}
+
+
+def architecture(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    return archs[0] if archs else f"{type(hf_config).__name__} (config.json names no architecture)"
+
+
+def pick_impl(asked: str, hf_config: Any) -> str:
+    """"native" or "transformers" for `model_impl` `asked`; a one-line ValueError when neither can run it.
+    Its first word is the option at fault: "model_impl" or "model"."""
+    arch = architecture(hf_config)
+    native_misfit = native_refusal(hf_config) if arch in NATIVE_ARCHITECTURES else None
+    if asked == "native":
+        if arch not in NATIVE_ARCHITECTURES:
+            raise ValueError(f"model_impl: batchgen has no native implementation of {arch} (native: "
+                             f"{', '.join(NATIVE_ARCHITECTURES)}); use model_impl auto or transformers")
+        if native_misfit:
+            raise ValueError(f"model_impl: batchgen's native {arch} cannot run this model: {native_misfit}; "
+                             "use model_impl auto or transformers")
+        return "native"
+    if asked == "auto" and arch in NATIVE_ARCHITECTURES and not native_misfit:
+        return "native"
+    if why := transformers_refusal(hf_config):
+        raise ValueError(f"model: architecture {arch} cannot run in batchgen: {why}")
+    return "transformers"
+
+
+def native_refusal(hf_config: Any) -> str | None:
+    """Why a native family cannot run this member of it (transformers then can), or None."""
+    for layer_type in set(getattr(text_config(hf_config), "layer_types", None) or [None]):
+        scaling = rope(hf_config, layer_type)[1] or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            return f"its rope scaling {rope_type!r} (native: {', '.join(ROPE_TYPES)})"
+    return None
+
+
+def rope(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """rope theta and scaling (None: plain), from transformers 5's `rope_parameters` (one per layer type
+    for Gemma 3) or the older fields."""
+    cfg = text_config(hf_config)
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return float(params["rope_theta"]), scaling
+    return float(getattr(cfg, "rope_theta", 10000.0)), getattr(cfg, "rope_scaling", None)
+
+
+def transformers_refusal(hf_config: Any) -> str | None:
+    """Why the transformers backend cannot run this model on batchgen's paged attention, or None."""
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(hf_config, "model_type", "")
+    archs = getattr(hf_config, "architectures", None) or []
+    layer_types = set(getattr(hf_config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
+    if getattr(hf_config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; batchgen runs decoder-only models"
+    if model_type in RECURRENT_MODEL_TYPES or layer_types:
+        kinds = ", ".join(sorted(layer_types)) or "recurrent/state-space"
+        return f"it has {kinds} layers, which keep a state instead of a KV cache"
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "it has no causal language-model head (a ...ForCausalLM class)"
+    if type(hf_config) not in AutoModelForCausalLM._model_mapping:
+        return f"transformers has no causal language model for model type {model_type!r}"
+    if getattr(hf_config, "add_cross_attention", False):
+        return "it has cross-attention layers"
+    if model_type in ALIBI_MODEL_TYPES or getattr(hf_config, "alibi", False):
+        return "it uses ALiBi position biases, which batchgen's attention kernels do not have"
+    if getattr(hf_config, "attention_chunk_size", None):
+        return "it uses chunked attention, which batchgen's attention kernels do not have"
+    if getattr(hf_config, "kv_lora_rank", None):
+        return "it uses multi-head latent attention, which batchgen's attention kernels do not have"
+    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES:
+        return "its transformers code does not call attention through transformers' attention interface"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def text_config(hf_config: Any) -> Any:
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def attention_geometry(hf_config: Any) -> AttentionGeometry:
+    cfg = text_config(hf_config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if cfg.model_type == "falcon":  # its own names, and one KV head for all with multi_query
+        kv_heads = cfg.num_kv_heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else heads
+    return AttentionGeometry(cfg.num_hidden_layers, heads, kv_heads, head_dim)
+
+
+def layer_windows(hf_config: Any) -> list[int]:
+    """Each layer's sliding window (0: none), as transformers' layers read it: `layer_types` names the
+    sliding layers where the config has it, else a `sliding_window` holds for every layer."""
+    cfg = text_config(hf_config)
+    window = getattr(cfg, "sliding_window", None) or 0
+    if not getattr(cfg, "use_sliding_window", True):
+        window = 0
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        return [window] * cfg.num_hidden_layers
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]

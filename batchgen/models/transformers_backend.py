@@ -1,0 +1,201 @@
+"""The transformers backend: a model's own transformers code, its attention on batchgen's paged KV cache.
+
+The model is built by `AutoModelForCausalLM.from_pretrained` (empty on the meta device, then the
+checkpoint's weights, with transformers' own renames and tied weights, in the dtype asked for). Its
+attention layers call `batchgen_attention`, registered with transformers' attention interface as
+"batchgen": the step's flat batch runs as one row `[1, T]` with its positions, and each layer writes
+its K/V with `ops.reshape_and_cache` and attends through the block tables like the native layers.
+Everything else (embeddings, positions, norms, MLPs, rotary variants, biases) stays transformers'.
+With "batchgen" unknown to transformers' mask interface, no dense T x T mask is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchgen import ops
+from batchgen.config import ConfigError, ConfigProblem
+from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
+from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, pack_linears
+from batchgen.models.architectures import (
+    ADAPTED_MODEL_TYPES,
+    architecture,
+    attention_geometry,
+    layer_windows,
+    text_config,
+)
+from batchgen.models.transformers_adapters import adapt_attention
+
+BACKEND = "batchgen"
+# Arguments transformers' layers pass for attention the kernels do not have (sinks, relative biases).
+_UNSUPPORTED_ARGUMENTS = ("s_aux", "sinks", "position_bias")
+
+
+@dataclass
+class Step:
+    """The step being run, shared by every layer of one model."""
+
+    meta: AttentionMetadata | None = None
+
+
+@dataclass
+class LayerAttention:
+    """One layer's KV cache (given by the model runner) and its sliding window from the config."""
+
+    step: Step
+    window: int
+    key_cache: torch.Tensor | None = None
+    value_cache: torch.Tensor | None = None
+    calls: int = field(default=0, repr=False)
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.forward(*args)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """query `[1, Hq, T, D]`, key/value `[1, Hk, T, D]` -> `[1, T, Hq, D]`."""
+        self.calls += 1
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+        window = sliding_window if sliding_window is not None else self.window
+        variant = AttentionVariant(float(scaling), int(window or 0), float(softcap or 0.0))
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant)[None]
+
+
+def batchgen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, softcap: float | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature over batchgen's paged attention."""
+    unsupported = [name for name in _UNSUPPORTED_ARGUMENTS if kwargs.get(name) is not None]
+    if unsupported:
+        raise NotImplementedError(f"its attention takes {', '.join(unsupported)}, which batchgen's kernels do not have")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("its attention is not causal")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError("its values have another head size than its queries and keys")
+    layer: LayerAttention = module.batchgen_layer
+    return layer(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window,
+                 softcap), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(BACKEND, batchgen_attention)
+
+
+class TransformersModel(nn.Module):
+    """The runner's seam over a transformers causal LM: flat batch in, hidden states out; `compute_logits`."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.config = text_config(hf_model.config)
+        self.step = Step()
+        self.layers = [LayerAttention(self.step, w) for w in layer_windows(hf_model.config)]
+        attention_modules = [m for m in hf_model.modules() if type(m).__name__.endswith("Attention")
+                             and isinstance(getattr(m, "layer_idx", None), int)]
+        for module in attention_modules:
+            module.batchgen_layer = self.layers[module.layer_idx]
+        if len(attention_modules) != len(self.layers):
+            raise NotImplementedError(f"batchgen found {len(attention_modules)} attention layers in its "
+                                      f"{len(self.layers)} layers")
+        self.head: nn.Module = hf_model.get_output_embeddings()
+        self.vocab_size = self.head.out_features
+
+    def pack_weights(self) -> None:
+        """The projections into batchgen's packed GEMMs, as the native models' (layers/linear.py): several
+        times faster on CPU than F.linear, and every row independent of the batch. Left unpacked when the
+        model then fails its one-token check (its code reads a projection's weight itself)."""
+        head = self.head
+        replaced = pack_linears(self.hf.base_model, (nn.Linear,))
+        if can_pack(head.weight):
+            self.head = PackedLinear(head.weight, head.bias, float_out=True)
+        try:
+            _try_one_token(self)
+        except NotImplementedError:
+            for name, module in replaced.items():
+                self.hf.base_model.set_submodule(name, module)
+            self.head = head
+            return
+        gather_panels(self)
+
+    def attention_layers(self) -> list[LayerAttention]:
+        return self.layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.step.meta = meta
+        try:
+            out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        finally:
+            self.step.meta = None
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head, then what transformers' causal LMs do to its logits (scale, soft cap)."""
+        cfg = self.config
+        logits = self.head(hidden)
+        if scale := getattr(cfg, "logit_scale", None):  # Cohere
+            logits = logits * scale
+        if scaling := getattr(cfg, "logits_scaling", None):  # Granite
+            logits = logits / scaling
+        if cap := getattr(cfg, "final_logit_softcapping", None):  # Gemma 2/3
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
+                            device: torch.device) -> TransformersModel:
+    """Builds and checks the model; a ConfigError naming the architecture when it cannot run here."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    adapted = text_config(hf_config).model_type in ADAPTED_MODEL_TYPES
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": str(device)},
+                                              attn_implementation="eager" if adapted else BACKEND)
+    if adapted:
+        adapt_attention(hf, batchgen_attention)
+        hf.config._attn_implementation = BACKEND  # no mask: batchgen's attention is causal by block table
+    hf.eval().requires_grad_(False)
+    try:
+        model = TransformersModel(hf)
+        _try_one_token(model)
+    except NotImplementedError as e:
+        message = f"architecture {architecture(hf_config)} cannot run in batchgen: {e}"
+        raise ConfigError([ConfigProblem("model", message)]) from None
+    model.pack_weights()
+    return model
+
+
+def _try_one_token(model: TransformersModel) -> None:
+    """Runs one token through every layer on a scratch cache of one block, so a layer that needs what
+    batchgen's attention lacks is refused now, not when the first requests run."""
+    geometry = attention_geometry(model.hf.config)
+    embeddings = model.hf.get_input_embeddings().weight
+    device, dtype = embeddings.device, embeddings.dtype
+    block_size = ops.SUPPORTED_BLOCK_SIZES[0]
+    for layer in model.layers:
+        layer.key_cache, layer.value_cache = ops.allocate_kv_cache(
+            1, geometry.num_kv_heads, block_size, geometry.head_dim, dtype, device)
+    ints = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.int64, device=device), num_decode_tokens=0,
+                             decode_block_tables=None, decode_seq_lens=None, decode_seq_groups=None,
+                             prefill_block_tables=ints, prefill_seq_lens=ints[0] + 1,
+                             prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device))
+    try:
+        with torch.inference_mode():
+            model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device), ints[0].long(), meta))
+    except (RuntimeError, ValueError, AttributeError, TypeError) as e:
+        raise NotImplementedError(f"its layers do not fit batchgen's attention ({str(e).splitlines()[0]})") from None
+    finally:
+        for layer in model.layers:
+            layer.key_cache = layer.value_cache = None
+    if uncalled := [i for i, layer in enumerate(model.layers) if layer.calls != 1]:
+        raise NotImplementedError(f"its layers {uncalled} did not run batchgen's attention once")
+    for layer in model.layers:
+        layer.calls = 0

@@ -1,0 +1,59 @@
+"""Tiny random models of architectures beyond the Llama family, from transformers configs (2 layers,
+4 query and 2 KV heads of 64, hidden 256), saved with conftest's tiny tokenizer. Sizes that change a
+model's attention are small enough to matter in short prompts: sliding windows of 16-40 tokens,
+Gemma 2's soft caps, Gemma's and Granite's attention scales."""
+
+from __future__ import annotations
+
+from conftest import _tiny_tokenizer, save_random_model
+
+SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=1024)
+KV = dict(num_key_value_heads=2)
+ALTERNATING = ["sliding_attention", "full_attention"]
+GEMMA3_GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}  # as Gemma 3 4B's
+
+
+def _configs(tf, tokens: dict) -> dict:
+    """arch -> (config, model class); `tokens`: the vocabulary size and special token ids."""
+    gemma = dict(SIZES, **KV, **tokens, head_dim=64, hidden_activation="gelu_pytorch_tanh")
+    return {
+        "gemma2": (tf.Gemma2Config(**gemma, query_pre_attn_scalar=80, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=3.0, sliding_window=16, layer_types=ALTERNATING),
+                   tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig(**gemma, query_pre_attn_scalar=80, sliding_window=16, layer_types=ALTERNATING,
+                                       rope_parameters={"full_attention": GEMMA3_GLOBAL_ROPE,
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}}),
+                   tf.Gemma3ForCausalLM),
+        "phi3": (tf.Phi3Config(**SIZES, **KV, **tokens, partial_rotary_factor=0.5, sliding_window=None),
+                 tf.Phi3ForCausalLM),
+        "olmo2": (tf.Olmo2Config(**SIZES, **KV, **tokens), tf.Olmo2ForCausalLM),
+        "granite": (tf.GraniteConfig(**SIZES, **KV, **tokens, attention_multiplier=0.1,
+                                     embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+                    tf.GraniteForCausalLM),
+        "gpt_neox": (tf.GPTNeoXConfig(**SIZES, **tokens, rotary_pct=0.25, use_parallel_residual=True),
+                     tf.GPTNeoXForCausalLM),
+        "starcoder2": (tf.Starcoder2Config(**SIZES, **KV, **tokens, sliding_window=40),
+                       tf.Starcoder2ForCausalLM),
+        "cohere": (tf.CohereConfig(**SIZES, **KV, **tokens, logit_scale=0.5), tf.CohereForCausalLM),
+        "falcon": (tf.FalconConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                   new_decoder_architecture=True, alibi=False, bias=False, **tokens,
+                                   max_position_embeddings=1024), tf.FalconForCausalLM),
+        "mistral_window": (tf.MistralConfig(**SIZES, **KV, head_dim=64, **tokens, sliding_window=24),
+                           tf.MistralForCausalLM),
+    }
+
+
+ZOO = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox", "starcoder2", "cohere", "falcon",
+       "mistral_window"]
+
+
+def build_zoo_model(path, arch: str, seed: int = 0):
+    import transformers as tf
+
+    tokenizer = _tiny_tokenizer()
+    tokens = {"vocab_size": len(tokenizer), **{name: getattr(tokenizer, name)
+                                               for name in ("bos_token_id", "eos_token_id", "pad_token_id")}}
+    config, cls = _configs(tf, tokens)[arch]
+    return save_random_model(path, cls, config, tokenizer, seed)
