@@ -49,15 +49,15 @@ class BeamSearch:
     # The logprobs of live beams computed in a step, until every sibling's are (after a recompute
     # preemption the beams may be prefilled in different steps): seq id -> (a step's logprobs, row).
     pending: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # transformers keeps (1 + stop tokens) * k candidates, at least 2k, so that k survive even when
+    # the k best all end; fixed for the request, so counted once.
+    num_candidates: int = field(init=False)
 
-    @property
-    def num_candidates(self) -> int:
-        """transformers keeps (1 + stop tokens) * k candidates, at least 2k, so that k survive
-        even when the k best all end."""
+    def __post_init__(self) -> None:
         stops = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             stops |= self.stopper.eos_token_ids
-        return max(2, 1 + len(stops)) * self.params.beam_width
+        self.num_candidates = max(2, 1 + len(stops)) * self.params.beam_width
 
     def reset(self) -> None:
         self.hypotheses, self.done = [], False
