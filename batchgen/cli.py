@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from .job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, JobError, JobInvalid
+from .job.errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, JobError, JobInvalid
+from .storage import StorageError, location
 
 app = typer.Typer(
     name="batchgen",
@@ -45,6 +46,9 @@ def _user_errors() -> Iterator[None]:
     except JobError as e:
         _err(f"batchgen: error: {e}")
         raise typer.Exit(e.exit_code) from None
+    except StorageError as e:  # a bucket problem found outside the job layer's own checks
+        _err(f"batchgen: error: {e}")
+        raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         _err("batchgen: aborted; finished parts are kept, run the same command again to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -109,9 +113,9 @@ def ray_run(
     """Run a job over a Ray cluster: shard i/N of it per worker; a rerun resumes."""
     import os
 
-    from .job.storage import node_local_warning
     from .job.validate import validate_job_file
     from .ray.cluster import import_ray, run_on_ray
+    from .storage.mounts import node_local_warning
 
     with _user_errors():
         import_ray()
@@ -128,10 +132,12 @@ def ray_run(
 
 @app.command("run-batch")
 def run_batch(
-    input_file: Annotated[Path, typer.Option("--input", "-i", help="OpenAI batch request file (JSONL).")],
-    output_file: Annotated[Path, typer.Option("--output", "-o", help="Where to write the OpenAI batch output.")],
+    input_file: Annotated[str, typer.Option(
+        "--input", "-i", help="OpenAI batch request file (JSONL): a path or an s3:// / gs:// URL.")],
+    output_file: Annotated[str, typer.Option(
+        "--output", "-o", help="Where to write the OpenAI batch output: a path or a URL.")],
     model: Annotated[str, typer.Option("--model", help="Model directory (Hugging Face layout).")],
-    output_dir: Annotated[Path | None, typer.Option(
+    output_dir: Annotated[str | None, typer.Option(
         "--output-dir", help="Where the resumable parts go (default: OUTPUT.parts next to the output).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model name written in responses (default: the model dir's name).")] = None,
@@ -170,10 +176,10 @@ def run_batch(
     from .job.validate import validate_job_text
 
     with _user_errors():
-        if not input_file.is_file():
-            raise JobError(f"--input: no such request file: {input_file}")
+        requests, out = location(input_file), location(output_file)
+        if not requests.is_file():
+            raise JobError(f"--input: no such request file: {requests}")
         factory = load_factory(engine)
-        out = output_file.resolve()
         model_options = {
             "path": str(Path(model).expanduser().absolute()), "name": served_model_name, "dtype": dtype,
             "device": device, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
@@ -183,21 +189,22 @@ def run_batch(
             "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization, "model_impl": model_impl}
         job_dict = {
             "model": {k: v for k, v in model_options.items() if v is not None},
-            "input": {"paths": [str(input_file.resolve())], "format": "openai_batch", "check_model": check_model},
+            "input": {"paths": [str(requests)], "format": "openai_batch", "check_model": check_model},
             "sampling": {"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
-            "output": {"dir": str((output_dir or out.with_name(out.name + ".parts")).resolve()),
+            "output": {"dir": str(location(output_dir) if output_dir else out.with_name(out.name + ".parts")),
                        "format": "openai_batch", "merge_to": str(out), "rows_per_part": rows_per_part},
         }
         text = "# written by batchgen run-batch\n" + yaml.safe_dump(job_dict, sort_keys=False)
-        job = validate_job_text(text, out.parent)
+        job = validate_job_text(text, out.parent.local if out.is_local else Path.cwd())
         result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
     _exit(result.exit_code, result.signal_name)
 
 
 @app.command()
 def merge(
-    output_dir: Annotated[Path, typer.Argument(help="The job's output.dir (jsonl or openai_batch parts).")],
-    out: Annotated[Path, typer.Option("--output", "-o", help="The single JSONL file to write.")],
+    output_dir: Annotated[str, typer.Argument(
+        help="The job's output.dir (jsonl or openai_batch parts): a path or an s3:// / gs:// URL.")],
+    out: Annotated[str, typer.Option("--output", "-o", help="The single JSONL file to write: a path or a URL.")],
     partial: Annotated[bool, typer.Option(
         "--partial", help="Write the rows done so far even if some input rows are not done yet.")] = False,
 ) -> None:
@@ -205,16 +212,14 @@ def merge(
     from .job.merge import merge as merge_parts
 
     with _user_errors():
-        if not output_dir.is_dir():
-            raise JobError(f"no such output dir: {output_dir}")
-        merged = merge_parts(output_dir, out, partial)
+        merged = merge_parts(_output_dir(output_dir), location(out), partial)
         notes = []
         if merged.missing:
             notes.append(f"{merged.missing:,} input rows not done yet")
         if merged.extra:
             notes.append(f"{merged.extra:,} rows no longer in the input, at the end")
         note = f" ({'; '.join(notes)})" if notes else ""
-        print(f"wrote {merged.lines:,} lines for {merged.rows + merged.extra:,} rows to {out}{note}")
+        print(f"wrote {merged.lines:,} lines for {merged.rows + merged.extra:,} rows to {merged.path}{note}")
 
 
 @app.command()
@@ -226,8 +231,8 @@ def validate(
 ) -> None:
     """Check a job file, its model (without loading the weights) and its input files; list every problem."""
     from .job.engine import load_factory
-    from .job.storage import node_local_warning
     from .job.validate import validate_job_file
+    from .storage.mounts import node_local_warning
 
     try:
         spec = validate_job_file(job, load_factory(engine))
@@ -248,7 +253,7 @@ def validate(
 
 @app.command()
 def status(
-    output_dir: Annotated[Path, typer.Argument(help="The job's output.dir.")],
+    output_dir: Annotated[str, typer.Argument(help="The job's output.dir: a path or an s3:// / gs:// URL.")],
     no_input: Annotated[bool, typer.Option(
         "--no-input", help="Do not read the input to count missing rows.")] = False,
 ) -> None:
@@ -256,9 +261,7 @@ def status(
     from .job.status import collect, render
 
     with _user_errors():
-        if not output_dir.is_dir():
-            raise JobError(f"no such output dir: {output_dir}")
-        print(render(collect(output_dir, with_input=not no_input)))
+        print(render(collect(_output_dir(output_dir), with_input=not no_input)))
 
 
 @app.command()
@@ -285,6 +288,14 @@ def slurm(
                             cpus_per_task=cpus_per_task, mem=mem, max_parallel=max_parallel)
         path = write_script(spec, job.resolve(), opts, out)
         print(f"wrote {path}; submit with: sbatch {path}")
+
+
+def _output_dir(text: str):
+    """An existing output dir (local or a bucket prefix holding a run's files)."""
+    out = location(text)
+    if not out.is_dir():
+        raise JobError(f"no such output dir: {out}")
+    return out
 
 
 def main() -> None:

@@ -101,3 +101,27 @@ def cpu_isas():
     active = _C.cpu_isa()
     yield _C.supported_cpu_isas()
     _C.set_cpu_isa(active)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port) for the whole session, its variables set in
+    this process (subprocesses inherit them); each test makes its own bucket."""
+    from s3_server import S3Server, apply_env, restore_env
+
+    server = S3Server().start()
+    old = apply_env(server.env())
+    yield server
+    restore_env(old)
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    """A fresh, empty bucket named after the test; its ``s3://`` URL."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    s3_server.make_bucket(name)
+    return f"s3://{name}"

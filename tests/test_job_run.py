@@ -27,6 +27,7 @@ from jobkit import (
 from batchgen.job.errors import EXIT_ENGINE, EXIT_LOCKED
 from batchgen.job.lock import ShardLock
 from batchgen.job.shard import Shard
+from batchgen.storage.locks import FileLock
 
 
 def test_run_writes_every_id_and_sample_once(tmp_path):
@@ -101,7 +102,7 @@ def test_new_rows_and_files_are_the_only_work_of_a_rerun(tmp_path):
 
 def test_second_run_of_a_shard_is_refused(tmp_path, monkeypatch):
     job = setup_job(tmp_path, rows=5)
-    monkeypatch.setattr(ShardLock, "retry_seconds", 0.0)
+    monkeypatch.setattr(FileLock, "retry_seconds", 0.0)
     with ShardLock(tmp_path / "out", Shard(0, 1)):
         r = run(job)
         assert r.exit_code == EXIT_LOCKED

@@ -14,7 +14,7 @@ import time
 import pytest
 from jobkit import batchgen_cmd, cli, outputs_by_key, run, setup_job, subprocess_env
 
-from batchgen.job.storage import node_local_warning
+from batchgen.storage.mounts import node_local_warning
 
 pytest.importorskip("ray")
 

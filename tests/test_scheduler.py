@@ -122,7 +122,8 @@ def test_prompt_larger_than_the_device_pool_is_ignored():
 def test_more_samples_than_max_num_seqs_is_ignored():
     eng = engine(max_num_seqs=4, max_num_batched_tokens=16)
     bad = eng.add(prompt(4), n=5)
-    assert eng.step().ignored == [bad] and "5 samples or beams of one request" in bad.error and "max_num_seqs >= 5" in bad.error
+    assert eng.step().ignored == [bad] and "5 samples or beams of one request" in bad.error
+    assert "max_num_seqs >= 5" in bad.error
 
 
 def _two_growing_requests(mode: str, num_cpu_blocks: int = 32) -> FakeEngine:

@@ -1,42 +1,23 @@
-"""Writing files so that they exist whole or not at all, as parts and the saved job need."""
+"""Writing files whole or not at all, on any store, as parts, merged files and the saved job need.
+A failure is a ``JobError`` naming the file."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from pathlib import Path
-
+from ..storage import Location
+from ..storage.stores import Writer
 from .errors import JobError
 
 
-def write_atomic(final: Path, write: Callable[[Path], object], tmp: Path | None = None) -> None:
-    """``write(tmp)`` under a hidden temp name, fsync it, rename it into place, fsync the dir.
-    Give ``tmp`` when several processes may write ``final`` at once (one temp name each)."""
-    tmp = tmp or final.parent / f".{final.name.lstrip('.')}.tmp"
+def write_whole(final: Location, write: Writer, create_only: bool = False) -> bool:
+    """``write`` a local temp file and publish it at ``final`` at once (``Location.publish``)."""
     try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+        return final.publish(write, create_only)
     except OSError as e:
         raise JobError(f"cannot write {final}: {e}") from None
 
 
-def remove_file(path: Path) -> None:
+def remove_file(path: Location) -> None:
     try:
-        path.unlink()
-        fsync_dir(path.parent)
+        path.remove()
     except OSError as e:
         raise JobError(f"cannot remove {path}: {e}") from None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,83 +1,61 @@
-"""One run per (output dir, shard) at a time, via ``flock`` on ``OUTPUT/.locks/shard-I-of-N.lock``.
+"""One run per (output dir, shard) at a time: the lock ``OUTPUT/.locks/shard-I-of-N.lock``.
 
-The kernel drops a flock when its holder dies, however it dies, so a crashed or killed run never
-leaves a stale lock behind; the file itself stays (removing it would race with a new holder).
-The holder writes its pid and host into the file, only for the message a refused run prints.
+Locally it is an ``flock`` (dropped by the kernel however its holder dies); on a bucket a lease
+that the run renews while it lives and that another run takes over once it has expired
+(``batchgen.storage.locks``, lease time ``storage.lease_seconds``, default 60 s). A run whose
+lease was taken over stops before its next part, so it never writes next to the new holder.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import re
-import socket
-import time
 from pathlib import Path
 
-from .errors import LockedError
+from ..storage import Location, location
+from ..storage.locks import Lock, LockHeld, LockLost, lock_for
+from .errors import JobError, LockedError
 from .shard import Shard
 
 LOCK_DIR = ".locks"
 LOCK_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.lock$")
 
 
-def lock_path(out_dir: Path, shard: Shard) -> Path:
+def lock_path(out_dir: Location, shard: Shard) -> Location:
     return out_dir / LOCK_DIR / f"shard-{shard.tag}.lock"
 
 
 class ShardLock:
-    # A brief retry absorbs a ``batchgen status`` probing the lock at the same instant.
-    retry_seconds = 0.5
-
-    def __init__(self, out_dir: Path, shard: Shard):
-        self.path = lock_path(out_dir, shard)
+    def __init__(self, out_dir: Location | Path, shard: Shard, lease_seconds: float = 60.0):
+        self.out_dir = out_dir = location(out_dir)
         self.shard = shard
-        self._fd: int | None = None
+        self.lock: Lock = lock_for(lock_path(out_dir, shard), lease_seconds)
 
     def acquire(self) -> ShardLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.retry_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(fd)
-                    raise LockedError(
-                        f"another batchgen run is already working on shard {self.shard} of "
-                        f"{self.path.parent.parent} ({holder}); not starting a second one") from None
-                time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._fd = fd
+        try:
+            self.lock.acquire()
+        except LockHeld as e:
+            raise LockedError(f"another batchgen run is already working on shard {self.shard} of "
+                              f"{self.out_dir} ({e}); not starting a second one") from None
+        except OSError as e:
+            raise JobError(f"cannot lock shard {self.shard} of {self.out_dir}: {e}") from None
         return self
 
+    @property
+    def warning(self) -> str | None:
+        return self.lock.warning
+
+    def check(self) -> None:
+        """Raises ``JobError`` if another run has taken this shard over (a bucket lease expired)."""
+        try:
+            self.lock.check()
+        except LockLost as e:
+            raise JobError(str(e)) from None
+
     def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        self.lock.release()
 
     def __enter__(self) -> ShardLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def is_locked(path: Path) -> bool:
-    """Whether some process holds this lock now (probes it for an instant)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the shared lock if we got it
-    return False

@@ -4,20 +4,21 @@ file, in input order, each row once.
 Parts are written in the order rows finish, by every shard; the merged file follows the input
 instead (as the OpenAI batch output does), so it is built from an index (row id -> where its
 lines are in which part) and the input's ids read in order. Only the index is held in memory;
-lines are copied from the parts. The file is written under a temp name and renamed, so it is
-whole or absent, and merging again gives the same file.
+lines are copied from the parts. The file is published whole (a renamed temp file locally, one
+PUT on a bucket), so it is whole or absent, and merging again gives the same file.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pyarrow.compute as pc
 
+from ..storage import Location, location
 from .errors import JobError
-from .files import write_atomic
+from .files import write_whole
 from .part_formats import format_of
 from .reader import InputReader
 from .saved import load_saved_job
@@ -26,15 +27,16 @@ from .writer import complete_ids, list_parts
 
 @dataclass
 class Merged:
-    path: Path
+    path: Location
     rows: int = 0  # input rows written
     lines: int = 0
     missing: int = 0  # input rows in no part (not done yet)
     extra: int = 0  # rows in parts whose id is not in the input (any more); written at the end
 
 
-def merge(out_dir: Path, target: Path, partial: bool = False) -> Merged:
+def merge(out_dir: Location | Path, target: Location | Path, partial: bool = False) -> Merged:
     """Write ``target`` from the parts in ``out_dir``; refuses while rows are missing unless ``partial``."""
+    out_dir, target = location(out_dir), location(target)
     job = load_saved_job(out_dir)
     index, files = _index(out_dir)
     result = Merged(target)
@@ -50,30 +52,30 @@ def merge(out_dir: Path, target: Path, partial: bool = False) -> Merged:
     in_input = set(order)
     extra = [row_id for row_id in index if row_id not in in_input]
     result.rows, result.extra = len(order), len(extra)
-    handles = {}
+    handles: dict[int, IO[bytes]] = {}
     try:
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as out:
                 for row_id in [*order, *extra]:
                     for file_no, offset, length in index.pop(row_id):
-                        f = handles.get(file_no) or handles.setdefault(file_no, open(files[file_no], "rb"))  # noqa: SIM115
+                        f = handles.get(file_no) or handles.setdefault(file_no, files[file_no].open_read())
                         f.seek(offset)
                         out.write(f.read(length))
                         result.lines += 1
 
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(target, write, target.with_name(f".{target.name}.{os.getpid()}.tmp"))
+        target.parent.prepare_dir()
+        write_whole(target, write)
     finally:
         for f in handles.values():
             f.close()
     return result
 
 
-def _index(out_dir: Path) -> tuple[dict[str, list[tuple[int, int, int]]], list[Path]]:
+def _index(out_dir: Location) -> tuple[dict[str, list[tuple[int, int, int]]], list[Location]]:
     """Row id -> (part number, offset, length) of its lines, for ids complete in a part (the first
     part holding an id wins; ``status`` reports an id written twice)."""
     index: dict[str, list[tuple[int, int, int]]] = {}
-    files: list[Path] = []
+    files: list[Location] = []
     for part in list_parts(out_dir):
         keys = format_of(part.path).keys(part.path)
         if "offset" not in keys.column_names:

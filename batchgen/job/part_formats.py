@@ -1,7 +1,8 @@
 """How a part file is laid out on disk: ``output.format`` parquet, jsonl or openai_batch.
 
-Every format writes a part whole or not at all (temp file, fsync, rename, fsync the dir) and can
-read back, for each line or row, the output id, the number of samples of its request and
+Every format writes a part whole or not at all, and only if no part of that name exists (a local
+temp file hard-linked into place; on a bucket one create-only PUT), and can read back, for each
+line or row, the output id, the number of samples of its request and
 whether it is an error: that is all recovery and ``status`` need. Parquet keeps the run's
 metadata (config hash, model, shard) in the file's schema; a JSONL part keeps it in a hidden
 sidecar ``.<part name>.meta`` written before the part, so a part that exists always has it.
@@ -19,15 +20,15 @@ import datetime
 import decimal
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..storage import Location
 from .errors import JobError
-from .files import remove_file, write_atomic
+from .files import remove_file, write_whole
 
 META_FORMAT = "batchgen.format"
 
@@ -36,36 +37,36 @@ class PartFormat(Protocol):
     name: str
     suffix: str
 
-    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
-        """The records of a part, written whole or not at all."""
+    def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
+        """The records of a part, written whole or not at all; ``PartExists`` if the name is taken."""
 
-    def keys(self, path: Path) -> pa.Table:
+    def keys(self, path: Location) -> pa.Table:
         """Per row or line: id, num_samples and error (null where the row is not an error)."""
 
-    def drop_errors(self, path: Path) -> int:
+    def drop_errors(self, path: Location) -> int:
         """Rewrites the part without its error rows (removes it if none is left); how many."""
 
-    def metadata(self, path: Path) -> dict[str, str]: ...
+    def metadata(self, path: Location) -> dict[str, str]: ...
 
 
 class ParquetParts:
     name = "parquet"
     suffix = ".parquet"
 
-    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
+    def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         schema = schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
         table = pa.Table.from_pylist(records, schema=schema)
-        write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        create_part(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
-    def keys(self, path: Path) -> pa.Table:
+    def keys(self, path: Location) -> pa.Table:
         try:
-            return pq.read_table(path, columns=["id", "num_samples", "error"])
+            return pq.read_table(path.arrow_source(), columns=["id", "num_samples", "error"])
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"cannot read part {path}: {e}; move it away if it is not a batchgen part") from None
 
-    def drop_errors(self, path: Path) -> int:
+    def drop_errors(self, path: Location) -> int:
         try:
-            table = pq.read_table(path)
+            table = pq.read_table(path.arrow_source())
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"cannot read part {path}: {e}") from None
         errors = table.num_rows - table.column("error").null_count
@@ -73,14 +74,14 @@ class ParquetParts:
             return 0
         kept = table.filter(pc.is_null(table.column("error")))
         if kept.num_rows:
-            write_atomic(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
+            write_whole(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
         else:
             remove_file(path)
         return errors
 
-    def metadata(self, path: Path) -> dict[str, str]:
+    def metadata(self, path: Location) -> dict[str, str]:
         try:
-            meta = pq.read_schema(path).metadata or {}
+            meta = pq.read_schema(path.arrow_source()).metadata or {}
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"cannot read part {path}: {e}") from None
         return {k.decode(): v.decode() for k, v in meta.items()}
@@ -92,10 +93,10 @@ class JsonlParts:
     name = "jsonl"
     suffix = ".jsonl"
 
-    def write(self, records: list[dict[str, Any]], path: Path, schema: pa.Schema, meta: dict[str, str]) -> None:
+    def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         lines = [self.line(r, schema.names) for r in records]
-        write_atomic(meta_path(path), lambda tmp: tmp.write_text(json.dumps({**meta, META_FORMAT: self.name})))
-        write_atomic(path, lambda tmp: tmp.write_bytes(b"".join(lines)))
+        write_whole(meta_path(path), lambda tmp: tmp.write_text(json.dumps({**meta, META_FORMAT: self.name})))
+        create_part(path, lambda tmp: tmp.write_bytes(b"".join(lines)))
 
     @staticmethod
     def line(record: dict[str, Any], names: list[str]) -> bytes:
@@ -105,7 +106,7 @@ class JsonlParts:
     def key(self, obj: dict[str, Any]) -> tuple[Any, Any, Any]:
         return obj.get("id"), obj.get("num_samples"), obj.get("error")
 
-    def keys(self, path: Path) -> pa.Table:
+    def keys(self, path: Location) -> pa.Table:
         """Also where each line is: its byte offset and length (``merge`` copies lines by them)."""
         ids, counts, errors, offsets, lengths = [], [], [], [], []
         for offset, line, obj in self._objects(path):
@@ -119,27 +120,27 @@ class JsonlParts:
                          "error": pa.array(errors, pa.string()), "offset": pa.array(offsets, pa.int64()),
                          "length": pa.array(lengths, pa.int64())})
 
-    def drop_errors(self, path: Path) -> int:
+    def drop_errors(self, path: Location) -> int:
         lines = list(self._objects(path))
         kept = [line for _, line, obj in lines if self.key(obj)[2] is None]
         total = len(lines)
         if len(kept) == total:
             return 0
         if kept:
-            write_atomic(path, lambda tmp: tmp.write_bytes(b"".join(kept)))
+            write_whole(path, lambda tmp: tmp.write_bytes(b"".join(kept)))
         else:
             remove_file(path)
-            meta_path(path).unlink(missing_ok=True)
+            remove_file(meta_path(path))
         return total - len(kept)
 
-    def metadata(self, path: Path) -> dict[str, str]:
+    def metadata(self, path: Location) -> dict[str, str]:
         return read_meta(path)
 
     @staticmethod
-    def _objects(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
+    def _objects(path: Location) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
         """(byte offset, line, parsed object) of every non-blank line."""
         try:
-            with open(path, "rb") as f:
+            with path.open_read() as f:
                 offset = 0
                 for n, line in enumerate(f, 1):
                     at, offset = offset, offset + len(line)
@@ -170,6 +171,16 @@ class OpenAIBatchParts(JsonlParts):
         return obj.get("custom_id"), 1, obj.get("error")
 
 
+class PartExists(JobError):
+    """A part of this name exists already: another run is writing the same shard."""
+
+
+def create_part(path: Location, write: Any) -> None:
+    if not write_whole(path, write, create_only=True):
+        raise PartExists(f"{path} exists already: another run is writing this shard (or did, with the same "
+                         "part numbers); this run stops so that no row is written twice")
+
+
 _FORMATS: dict[str, PartFormat] = {f.name: f for f in (ParquetParts(), JsonlParts(), OpenAIBatchParts())}
 
 
@@ -177,21 +188,21 @@ def part_format(name: str) -> PartFormat:
     return _FORMATS[name]
 
 
-def format_of(path: Path) -> PartFormat:
+def format_of(path: Location) -> PartFormat:
     """The format of an existing part: Parquet by its suffix, else as its sidecar says."""
     if path.suffix == ".parquet":
         return _FORMATS["parquet"]
     return _FORMATS.get(read_meta(path).get(META_FORMAT, "jsonl"), _FORMATS["jsonl"])
 
 
-def meta_path(part: Path) -> Path:
+def meta_path(part: Location) -> Location:
     return part.with_name(f".{part.name}.meta")
 
 
-def read_meta(part: Path) -> dict[str, str]:
+def read_meta(part: Location) -> dict[str, str]:
     """A JSONL part's sidecar; empty when it is missing (the part then matches no configuration)."""
     try:
-        return json.loads(meta_path(part).read_text(encoding="utf-8"))
+        return json.loads(meta_path(part).read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:

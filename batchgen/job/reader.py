@@ -17,6 +17,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Container, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,10 +25,11 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..storage import Location, StorageOptions, location
 from . import openai_batch
 from .errors import JobError, JobInvalid, Problem
 from .shard import Shard
-from .spec import InputSpec, Job, resolve_path
+from .spec import InputSpec, Job
 
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet",
                ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -47,7 +49,7 @@ BAD_UTF8 = _BadUTF8()
 
 @dataclass
 class InputFile:
-    path: Path
+    path: Location
     format: str
     name: str  # as shown in messages and used in derived ids
 
@@ -105,7 +107,7 @@ class Row:
     top_logprobs: int | None = None  # the row's sampling logprobs, once its params are known
 
 
-def file_format(path: Path, given: str | None) -> str | None:
+def file_format(path: Path | Location, given: str | None) -> str | None:
     if given:
         return given
     suffixes = [s.lower() for s in path.suffixes]
@@ -114,29 +116,24 @@ def file_format(path: Path, given: str | None) -> str | None:
     return _EXTENSIONS.get(suffixes[-1]) if suffixes else None
 
 
-def discover(spec: InputSpec, base_dir: Path, exclude: Path | None = None
-             ) -> tuple[list[InputFile], list[Problem]]:
-    """Expand the input paths/globs (directories mean every known input file inside, sorted).
-
-    Files under ``exclude`` (the job's output dir) are never input, whatever the globs say.
-    """
+def discover(spec: InputSpec, base_dir: Path | Location, exclude: Location | None = None,
+             storage: StorageOptions | None = None) -> tuple[list[InputFile], list[Problem]]:
+    """Expand the input paths/globs, local or in a bucket (directories mean every known input
+    file inside, sorted). Files under ``exclude`` (the job's output dir) are never input."""
     files: list[InputFile] = []
     problems: list[Problem] = []
-    seen: set[Path] = set()
+    seen: set[Location] = set()
+    base = location(base_dir)
     for i, pattern in enumerate(spec.paths):
-        full = resolve_path(base_dir, pattern)
-        if glob.has_magic(str(full)):
-            matches = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if os.path.isfile(p))
-        elif full.is_dir():
-            matches = sorted(p for p in full.iterdir()
-                             if p.is_file() and not p.name.startswith((".", "_")) and file_format(p, None))
-        else:
-            matches = [full] if full.is_file() else []
+        try:
+            matches = _matches(location(pattern, base, storage))
+        except OSError as e:
+            problems.append(Problem(f"input.paths[{i}]", str(e)))
+            continue
         if exclude is not None:
-            out = exclude.resolve()
-            matches = [p for p in matches if not p.resolve().is_relative_to(out)]
+            matches = [p for p in matches if not p.is_under(exclude)]
         if not matches:
-            problems.append(Problem(f"input.paths[{i}]", f"no input file matches {str(full)!r}"))
+            problems.append(Problem(f"input.paths[{i}]", f"no input file matches {_shown(pattern, base, storage)!r}"))
         for p in matches:
             if p in seen:
                 continue
@@ -146,24 +143,37 @@ def discover(spec: InputSpec, base_dir: Path, exclude: Path | None = None
                 problems.append(Problem(f"input.paths[{i}]",
                                         f"cannot tell the format of {p.name!r}; set input.format"))
                 continue
-            files.append(InputFile(p, fmt, _display_name(p, base_dir)))
+            files.append(InputFile(p, fmt, _display_name(p, base)))
     if len({f.format for f in files}) > 1:
         problems.append(Problem("input.paths", "all input files must have one format (parquet, jsonl or openai_batch)"))
     return files, problems
 
 
-def _display_name(path: Path, base_dir: Path) -> str:
-    try:
-        return path.resolve().relative_to(base_dir.resolve()).as_posix()
-    except ValueError:
-        return path.resolve().as_posix()
+def _matches(full: Location) -> list[Location]:
+    if glob.has_magic(full.path):
+        return full.expand()
+    if full.is_dir():
+        return sorted((p for p in full.list_files() if not p.name.startswith((".", "_")) and file_format(p, None)),
+                      key=lambda p: p.path)
+    return [full] if full.is_file() else []
+
+
+def _shown(pattern: str, base: Location, storage: StorageOptions | None) -> str:
+    return str(location(pattern, base, storage))
+
+
+def _display_name(path: Location, base: Location) -> str:
+    if not path.is_local:
+        return str(path)
+    return path.relative_to(base) or os.path.realpath(path.path)
 
 
 class InputReader:
     """Rows of all input files of a job, in file order then row order."""
 
-    def __init__(self, spec: InputSpec, base_dir: Path, overrides: Mapping[str, str] | None = None,
-                 files: list[InputFile] | None = None, exclude: Path | None = None, model_name: str | None = None):
+    def __init__(self, spec: InputSpec, base_dir: Path | Location, overrides: Mapping[str, str] | None = None,
+                 files: list[InputFile] | None = None, exclude: Location | None = None,
+                 model_name: str | None = None, storage: StorageOptions | None = None):
         """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given.
         ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows."""
         self.spec = spec
@@ -171,7 +181,7 @@ class InputReader:
         self.model_name = model_name
         self.ignored_fields: Counter[str] = Counter()  # OpenAI batch body fields that change nothing
         if files is None:
-            files, problems = discover(spec, base_dir, exclude)
+            files, problems = discover(spec, base_dir, exclude, storage)
             if problems:
                 raise JobInvalid(problems)
         self.files = files
@@ -182,7 +192,7 @@ class InputReader:
     @classmethod
     def for_job(cls, job: Job) -> InputReader:
         return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
-                   model_name=job.model_name if job.spec.input.check_model else None)
+                   model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage)
 
     # ----------------------------------------------------------------------------- checks, schema
 
@@ -268,7 +278,7 @@ class InputReader:
         """(rows in all files, exact?) cheaply: Parquet footers, or a newline count for small JSONL."""
         total = 0
         exact = True
-        jsonl_bytes = sum(f.path.stat().st_size for f in self.files if f.format != "parquet")
+        jsonl_bytes = sum(f.path.info().size for f in self.files if f.format != "parquet")
         if jsonl_bytes > _COUNT_LINES_LIMIT:
             return None, False
         for f in self.files:
@@ -277,7 +287,7 @@ class InputReader:
                 continue
             if f.path.suffix == ".gz":
                 return None, False
-            with open(f.path, "rb") as fh:
+            with _open_binary(f) as fh:
                 total += sum(chunk.count(b"\n") for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""))
             exact = False  # blank lines and a last line without newline blur it
         return total, exact
@@ -459,17 +469,25 @@ class InputReader:
 
 
 def _parquet(f: InputFile) -> pq.ParquetFile:
+    """Footer first, then row groups as they are read (a bucket object is fetched in ranges)."""
     try:
-        return pq.ParquetFile(f.path)
+        source = f.path.local if f.path.is_local else f.path.open_read()
+        return pq.ParquetFile(source)
     except (OSError, pa.ArrowException) as e:
         raise JobError(f"cannot read input file {f.name}: {e}") from None
 
 
-def _open_lines(f: InputFile) -> IO[bytes]:
+def _open_binary(f: InputFile) -> IO[bytes]:
     try:
-        return gzip.open(f.path, "rb") if f.path.suffix == ".gz" else open(f.path, "rb")  # noqa: SIM115
+        return f.path.open_read()
     except OSError as e:
         raise JobError(f"cannot read input file {f.name}: {e}") from None
+
+
+@contextmanager
+def _open_lines(f: InputFile) -> Iterator[IO[bytes]]:
+    with _open_binary(f) as raw:
+        yield gzip.GzipFile(fileobj=raw, mode="rb") if f.path.suffix == ".gz" else raw  # type: ignore[misc]
 
 
 def _parse_line(line: bytes) -> tuple[dict[str, Any] | None, str | None]:

@@ -111,10 +111,12 @@ class Runner:
         if problems:
             raise JobInvalid(problems)
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            out_dir.prepare_dir()
         except OSError as e:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
-        with ShardLock(out_dir, shard):
+        with ShardLock(out_dir, shard, job.spec.storage.lease) as lock:
+            if lock.warning:
+                self.reporter.message(f"warning: {lock.warning}")
             saved.check_saved(out_dir, job, self.force)
             rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
             saved.save(out_dir, job)
@@ -142,7 +144,7 @@ class Runner:
                 job.spec.output.rows_per_part, rec.next_seq,
                 {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
                  "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
-                 "batchgen.shard": str(shard)}, part_format(job.spec.output.format))
+                 "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check)
             status = "failed"
             snap = Snapshot()
             self.reporter.start(plan)
@@ -164,10 +166,13 @@ class Runner:
         target = self.job.spec.output.merge_to
         if target is None:
             return
-        path = self.job.resolve(target)
-        parts = [p.path.stat().st_mtime for p in list_parts(self.job.output_dir)]
-        if path.exists() and path.stat().st_mtime >= max(parts, default=0):
-            return
+        path = self.job.location(target)
+        newest = max((p.info.mtime for p in list_parts(self.job.output_dir)), default=0)
+        try:
+            if path.info().mtime >= newest:
+                return
+        except FileNotFoundError:
+            pass
         try:
             merged = merge(self.job.output_dir, path)
         except JobError as e:

@@ -6,29 +6,28 @@ readers skip them."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
+from ..storage import Location
 from .errors import JobError
-from .files import write_atomic
+from .files import write_whole
 from .spec import Job
 
 SAVED_JSON = "_job.json"
 SAVED_YAML = "_job.yaml"
 
 
-def read_saved(out_dir: Path) -> dict[str, Any] | None:
+def read_saved(out_dir: Location) -> dict[str, Any] | None:
     path = out_dir / SAVED_JSON
-    if not path.exists():
-        return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError) as e:
         raise JobError(f"cannot read {path}: {e}") from None
 
 
-def check_saved(out_dir: Path, job: Job, force: bool) -> None:
+def check_saved(out_dir: Location, job: Job, force: bool) -> None:
     saved = read_saved(out_dir)
     if saved is None or force or saved.get("config_hash") == job.config_hash:
         return
@@ -38,12 +37,14 @@ def check_saved(out_dir: Path, job: Job, force: bool) -> None:
         "to keep the rows already done and do the rest with the new configuration")
 
 
-def save(out_dir: Path, job: Job) -> None:
-    _write_atomic(out_dir / SAVED_YAML, job.text)
-    _write_atomic(out_dir / SAVED_JSON, json.dumps(job.saved_form(), indent=2, sort_keys=True) + "\n")
+def save(out_dir: Location, job: Job) -> None:
+    """Every shard saves the same files; on a bucket the last PUT wins, with the same content."""
+    write_whole(out_dir / SAVED_YAML, lambda tmp: tmp.write_text(job.text, encoding="utf-8"))
+    text = json.dumps(job.saved_form(), indent=2, sort_keys=True) + "\n"
+    write_whole(out_dir / SAVED_JSON, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def load_saved_job(out_dir: Path) -> Job:
+def load_saved_job(out_dir: Location) -> Job:
     saved = read_saved(out_dir)
     if saved is None:
         raise JobError(f"{out_dir} has no {SAVED_JSON}: not a batchgen output dir (or no run started yet)")
@@ -51,9 +52,3 @@ def load_saved_job(out_dir: Path) -> Job:
         return Job.from_saved(saved)
     except (KeyError, ValueError) as e:
         raise JobError(f"{out_dir / SAVED_JSON} is not usable: {e}") from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """One temp name per process: every shard saves the job."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write_atomic(path, lambda t: t.write_text(text, encoding="utf-8"), tmp)

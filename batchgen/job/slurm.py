@@ -42,10 +42,17 @@ class SlurmOptions:
             raise JobError("--gpus must be >= 0")
 
 
+def logs_dir(job: Job) -> Path:
+    """Where Slurm writes the tasks' logs: ``_logs`` in the output dir, or beside the job file
+    when the output is in a bucket (Slurm writes local files only)."""
+    out = job.output_dir
+    return out.local / "_logs" if out.is_local else job.base_dir / "_logs"
+
+
 def sbatch_script(job: Job, job_path: Path, opts: SlurmOptions) -> str:
     opts.check()
     n = opts.array
-    logs = job.output_dir / "_logs"
+    logs = logs_dir(job)
     throttle = f"%{opts.max_parallel}" if opts.max_parallel else ""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", job_path.stem)
     directives = [
@@ -109,7 +116,7 @@ def write_script(job: Job, job_path: Path, opts: SlurmOptions, out: Path | None 
     script = sbatch_script(job, job_path, opts)
     out = out or job_path.with_suffix(".sbatch")
     try:
-        (job.output_dir / "_logs").mkdir(parents=True, exist_ok=True)  # Slurm does not create it
+        logs_dir(job).mkdir(parents=True, exist_ok=True)  # Slurm does not create it
         out.write_text(script, encoding="utf-8")
         out.chmod(0o755)
     except OSError as e:

@@ -35,6 +35,7 @@ from pydantic import (
 
 from ..engine.config import samples_problem
 from ..sampling_params import BeamSearchParams, SamplingParams
+from ..storage import Location, StorageOptions, location
 from .errors import JobError, JobInvalid, Problem
 from .structured import OVERRIDE_KEYS, resolve_schema_file
 
@@ -244,6 +245,7 @@ class JobSpec(_Section):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
     output: OutputSpec
     shard: ShardSpec = Field(default_factory=ShardSpec)
+    storage: StorageOptions = Field(default_factory=StorageOptions)  # buckets: endpoint, region, lease
     max_in_flight: PositiveInt | None = None  # default: 2 * model.max_num_seqs
     progress_interval: PositiveFloat = 30.0
 
@@ -293,6 +295,10 @@ class Job:
     def resolve(self, p: str) -> Path:
         return resolve_path(self.base_dir, p)
 
+    def location(self, p: str) -> Location:
+        """A path or URL of the job file (relative to its directory) on its store."""
+        return location(p, self.base_dir, self.spec.storage)
+
     @property
     def model_path(self) -> Path:
         return self.resolve(self.spec.model.path)
@@ -302,8 +308,8 @@ class Job:
         return self.spec.model.name or self.model_path.name
 
     @property
-    def output_dir(self) -> Path:
-        return self.resolve(self.spec.output.dir)
+    def output_dir(self) -> Location:
+        return self.location(self.spec.output.dir)
 
     @property
     def max_in_flight(self) -> int:

@@ -10,7 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .lock import LOCK_DIR, LOCK_RE, is_locked
+from ..storage import Location, location
+from ..storage.locks import lock_states
+from .lock import LOCK_DIR, LOCK_RE
 from .reader import InputReader
 from .saved import load_saved_job, read_saved
 from .shard import Shard, shard_of
@@ -41,7 +43,7 @@ class ShardStatus:
 
 @dataclass
 class Report:
-    out_dir: Path
+    out_dir: Location
     config_hash: str
     count: int
     shards: list[ShardStatus] = field(default_factory=list)
@@ -52,18 +54,18 @@ class Report:
     input_error: str | None = None
 
 
-def collect(out_dir: Path, with_input: bool = True) -> Report:
+def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
+    out_dir = location(out_dir)
     job = load_saved_job(out_dir)
     saved = read_saved(out_dir) or {}
     parts = list_parts(out_dir)
-    locks = sorted((out_dir / LOCK_DIR).glob("shard-*.lock"), key=lambda p: p.stat().st_mtime)
-    lock_shards = {}
-    for p in locks:
-        m = LOCK_RE.match(p.name)
+    lock_shards: dict[Shard, bool] = {}  # shard -> running now, oldest lock first
+    for state in lock_states(out_dir / LOCK_DIR):
+        m = LOCK_RE.match(state.name)
         if m:
-            lock_shards[p] = Shard(int(m.group(1)), int(m.group(2)))
+            lock_shards[Shard(int(m.group(1)), int(m.group(2)))] = state.held
     # The shard count of the newest run decides how missing rows are split.
-    count = (list(lock_shards.values())[-1].count if lock_shards
+    count = (list(lock_shards)[-1].count if lock_shards
              else max((pt.shard.count for pt in parts), default=1))
     report = Report(out_dir, str(saved.get("config_hash", "?")), count)
     per = {i: ShardStatus(Shard(i, count)) for i in range(count)}
@@ -81,10 +83,10 @@ def collect(out_dir: Path, with_input: bool = True) -> Report:
         st.errors += errors
         st.started = True
     report.written_twice = sum(1 for n in seen.values() if n > 1)
-    for path, sh in lock_shards.items():
+    for sh, held in lock_shards.items():
         if sh.count == count:
             per[sh.index].started = True
-            per[sh.index].running = is_locked(path)
+            per[sh.index].running = held
     if with_input:
         try:
             reader = InputReader.for_job(job)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..storage import Location, StorageOptions, location
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
 from .reader import InputReader, discover
@@ -51,9 +52,14 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     if inp is not None:
         sampling = _part(SamplingSpec, raw.get("sampling") or {})
         output = _part(OutputSpec, raw.get("output"))
-        exclude = None if output is None else resolve_path(base_dir, output.dir)
+        storage = _part(StorageOptions, raw.get("storage") or {})
+        try:
+            exclude = None if output is None else location(output.dir, base_dir, storage)
+        except OSError as e:
+            problems.append(Problem("output.dir", str(e)))
+            exclude = None
         overrides = sampling.overrides if sampling is not None else {}
-        problems += input_problems(inp, base_dir, overrides, exclude, warnings)
+        problems += input_problems(inp, base_dir, overrides, exclude, warnings, storage)
     if problems:
         raise JobInvalid(sorted(problems, key=_section_rank))
     return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source, warnings=warnings)
@@ -90,11 +96,11 @@ def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None
     return [Problem("model.path" if p.option == "model" else f"model.{p.option}", p.message) for p in found]
 
 
-def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str],
-                   exclude: Path | None = None, warnings: list[str] | None = None) -> list[Problem]:
+def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str], exclude: Location | None = None,
+                   warnings: list[str] | None = None, storage: StorageOptions | None = None) -> list[Problem]:
     """Problems of the input files and columns; the reader's warnings are added to ``warnings``."""
-    files, problems = discover(inp, base_dir, exclude)
-    reader = InputReader(inp, base_dir, overrides, files=files)
+    files, problems = discover(inp, base_dir, exclude, storage)
+    reader = InputReader(inp, base_dir, overrides, files=files, storage=storage)
     try:
         problems += reader.check()
     except JobError as e:
@@ -104,7 +110,7 @@ def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str],
     return problems
 
 
-_SECTIONS = ["", "model", "input", "sampling", "output", "shard"]
+_SECTIONS = ["", "model", "input", "sampling", "output", "shard", "storage"]
 
 
 def _section_rank(p: Problem) -> int:

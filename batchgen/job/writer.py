@@ -1,8 +1,9 @@
 """Part files: one row per (id, sample_index), written atomically, and read back on start.
 
-A part is written to a hidden temp file in the output dir, fsynced, renamed into place and the
-directory fsynced, so a part either exists whole or not at all (the file layouts of Parquet,
-JSONL and OpenAI batch parts are in ``part_formats.py``). All samples of a request go into
+A part either exists whole or not at all, and is only ever created, never replaced by another
+writer: locally a temp file fsynced and hard-linked into place, on a bucket one create-only PUT
+(``batchgen.storage``; the file layouts of Parquet, JSONL and OpenAI batch parts are in
+``part_formats.py``). All samples of a request go into
 the same part, which makes "the id is in a part with all its samples" the definition of done:
 a run killed at any moment redoes exactly the rows that are in no part.
 
@@ -17,7 +18,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..outputs import RequestOutput
+from ..storage import FileInfo, Location, location
 from .errors import JobError
 from .part_formats import ParquetParts, PartFormat, format_of
 from .reader import Row
@@ -39,23 +41,24 @@ META_HASH = "batchgen.config_hash"
 
 @dataclass(frozen=True)
 class PartName:
-    path: Path
+    path: Location
     shard: Shard
     seq: int
+    info: FileInfo
 
 
 def part_name(shard: Shard, seq: int, suffix: str = ".parquet") -> str:
     return f"part-{shard.tag}-{seq:06d}{suffix}"
 
 
-def list_parts(out_dir: Path) -> list[PartName]:
-    if not out_dir.is_dir():
-        return []
+def list_parts(out_dir: Location | Path, files: dict[Location, FileInfo] | None = None) -> list[PartName]:
+    """The parts in an output dir (from one listing of it: ``files``, when the caller has it)."""
+    out_dir = location(out_dir)
     parts = []
-    for p in out_dir.iterdir():
+    for p, info in (out_dir.list_files() if files is None else files).items():
         m = PART_RE.match(p.name)
         if m:
-            parts.append(PartName(p, Shard(int(m.group(1)), int(m.group(2))), int(m.group(3))))
+            parts.append(PartName(p, Shard(int(m.group(1)), int(m.group(2))), int(m.group(3)), info))
     return sorted(parts, key=lambda x: (x.shard.count, x.shard.index, x.seq))
 
 
@@ -131,8 +134,9 @@ class Recovered:
     retried: int = 0  # error rows removed so that their rows are generated again
 
 
-def read_part(path: Path) -> tuple[pa.Table, int]:
+def read_part(path: Location | Path) -> tuple[pa.Table, int]:
     """(ids with all their samples in this part, number of error rows)."""
+    path = location(path)
     t = format_of(path).keys(path)
     errors = t.num_rows - t.column("error").null_count
     return pa.table({"id": complete_ids(t)}), errors
@@ -144,11 +148,12 @@ def complete_ids(keys: pa.Table) -> pa.Array:
     return g.filter(pc.equal(g.column("id_count"), g.column("num_samples_max"))).column("id").combine_chunks()
 
 
-def part_metadata(path: Path) -> dict[str, str]:
+def part_metadata(path: Location | Path) -> dict[str, str]:
+    path = location(path)
     return format_of(path).metadata(path)
 
 
-def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
+def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: bool = False,
             retry_errors: bool = False) -> Recovered:
     """What this shard already did: complete ids and the next part number.
 
@@ -158,13 +163,17 @@ def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
     shard's error rows are removed from its parts first, so those rows are generated again;
     error rows in parts of another shard count stay (another shard may be reading them).
     """
-    for p in out_dir.glob(f".part-{shard.tag}-*.tmp"):
-        p.unlink(missing_ok=True)
-    for p in out_dir.glob(f".part-{shard.tag}-*.meta"):  # a sidecar whose part was never renamed in
-        if not (out_dir / p.name[1:].removesuffix(".meta")).exists():
-            p.unlink(missing_ok=True)
+    out_dir = location(out_dir)
+    files = out_dir.list_files()
+    names = {p.name for p in files}
+    for p in files:
+        stale_tmp = p.name.startswith(f".part-{shard.tag}-") and p.name.endswith(".tmp")
+        orphan_meta = p.name.startswith(f".part-{shard.tag}-") and p.name.endswith(".meta") \
+            and p.name[1:].removesuffix(".meta") not in names  # a sidecar whose part was never published
+        if stale_tmp or orphan_meta:
+            p.remove()
     rec = Recovered()
-    for part in list_parts(out_dir):
+    for part in list_parts(out_dir, files):
         same_count = part.shard.count == shard.count
         if same_count and part.shard.index != shard.index:
             continue
@@ -187,8 +196,9 @@ def recover(out_dir: Path, shard: Shard, config_hash: str, force: bool = False,
     return rec
 
 
-def drop_error_rows(path: Path) -> int:
+def drop_error_rows(path: Location | Path) -> int:
     """Rewrite a part without its error rows (atomically; deleted if nothing is left); how many."""
+    path = location(path)
     return format_of(path).drop_errors(path)
 
 
@@ -198,9 +208,13 @@ def drop_error_rows(path: Path) -> int:
 class PartWriter:
     """Buffers finished requests and writes a part every ``rows_per_part`` of them."""
 
-    def __init__(self, out_dir: Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
-                 next_seq: int, metadata: dict[str, str], part_format: PartFormat | None = None):
-        self.out_dir = out_dir
+    def __init__(self, out_dir: Location | Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
+                 next_seq: int, metadata: dict[str, str], part_format: PartFormat | None = None,
+                 guard: Callable[[], None] | None = None):
+        """``guard`` is called before each part is written and raises if this run may no longer
+        write (its shard lock was lost)."""
+        self.out_dir = location(out_dir)
+        self.guard = guard
         self.shard = shard
         self.schema = schema
         self.rows_per_part = rows_per_part
@@ -215,13 +229,13 @@ class PartWriter:
     def pending(self) -> int:
         return self._requests
 
-    def add(self, rows: list[dict[str, Any]]) -> Path | None:
+    def add(self, rows: list[dict[str, Any]]) -> Location | None:
         """Add all rows (samples) of one finished request; flushes when the part is full."""
         self._buffer.extend(rows)
         self._requests += 1
         return self.flush() if self._requests >= self.rows_per_part else None
 
-    def flush(self) -> Path | None:
+    def flush(self) -> Location | None:
         """Write the buffered rows as the next part. Signals are held off meanwhile, so an abort
         (third Ctrl-C) cannot land between the rename and the bookkeeping and write rows twice."""
         if not self._buffer:
@@ -229,7 +243,9 @@ class PartWriter:
         with _signals_deferred():
             return self._write_part()
 
-    def _write_part(self) -> Path:
+    def _write_part(self) -> Location:
+        if self.guard is not None:
+            self.guard()
         meta = {**self.metadata, "batchgen.created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         final = self.out_dir / part_name(self.shard, self.seq, self.format.suffix)
         self.format.write(self._buffer, final, self.schema, meta)

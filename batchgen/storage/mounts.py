@@ -1,10 +1,13 @@
 """Whether an output dir looks shared between machines, for runs whose workers are on several
 nodes (``batchgen ray``): parts written to a node-local disk are invisible to the other nodes and
-to a retry on another node, so rows would be redone or lost from the merged view."""
+to a retry on another node, so rows would be redone or lost from the merged view. A bucket is
+shared by nature."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .location import Location
 
 # Filesystem types (as /proc/mounts names them) that several machines mount at once.
 SHARED_FILESYSTEMS = frozenset({
@@ -35,7 +38,11 @@ def filesystem_of(path: Path, mounts: str = "/proc/mounts") -> tuple[str, str] |
     return best
 
 
-def node_local_warning(out_dir: Path, mounts: str = "/proc/mounts") -> str | None:
+def node_local_warning(out_dir: Location | Path, mounts: str = "/proc/mounts") -> str | None:
+    if isinstance(out_dir, Location):
+        if not out_dir.is_local:
+            return None
+        out_dir = out_dir.local
     found = filesystem_of(out_dir, mounts)
     if found is None or found[1] in SHARED_FILESYSTEMS:
         return None
