@@ -34,9 +34,11 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def start(self) -> S3Server:
+    def start(self, auth: bool = False) -> S3Server:
+        """With ``auth``, the server checks every request's credentials (and knows none)."""
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else None
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
