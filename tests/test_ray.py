@@ -61,6 +61,39 @@ def test_a_killed_worker_is_retried_and_resumes(tmp_path):
     assert outputs_by_key(out) == outputs_by_key(tmp_path / "ref" / "out")  # asserts each (id, sample) once
 
 
+def test_a_worker_killed_with_a_bucket_output_is_retried_and_resumes_from_the_bucket(tmp_path, bucket):
+    """No shared filesystem: parts and leases in S3; the retried attempt waits out the killed
+    attempt's lease, then resumes from the bucket's parts."""
+    from bucketkit import bucket_outputs, upload
+
+    from batchgen.storage import location
+
+    ref = setup_job(tmp_path / "ref", rows=300, **KNOBS)
+    assert run(ref).exit_code == 0
+    root = tmp_path / "ray"
+    setup_job(root, rows=300, **KNOBS)
+    upload(f"{bucket}/in.jsonl", root / "in.jsonl")
+    job = setup_job(root, rows=300, **{**KNOBS, "input": {"paths": [f"{bucket}/in.jsonl"]},
+                                       "output": {**KNOBS["output"], "dir": f"{bucket}/out"},
+                                       "storage": {"lease_seconds": 2}})
+    out = location(f"{bucket}/out")
+    driver = subprocess.Popen(ray_cmd(job, "--address", "local"), env=subprocess_env(FAKE_LLM_STEP_SLEEP="0.01"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while sum(p.name.startswith("part-00000-of-00002-") for p in out.list_files()) < 2:
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "shard 0 wrote no parts"
+        time.sleep(0.05)
+    lease = [p for p in (out / ".locks").list_files() if p.name.startswith("shard-00000-of-00002.lock.lease.")][-1]
+    pid = int(re.search(r"pid (\d+)", lease.read_text())[1])
+    os.kill(pid, signal.SIGKILL)
+    stdout, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 0, stderr
+    assert "shard 0/2: attempt 2" in stdout and "1 retry" in stdout
+    assert "looks local to this machine" not in stderr  # a bucket is shared by every node
+    assert bucket_outputs(str(out)) == outputs_by_key(tmp_path / "ref" / "out")
+
+
 def test_ray_missing_is_one_line_with_the_install_command(tmp_path, monkeypatch):
     job = setup_job(tmp_path, rows=2)
     monkeypatch.setitem(sys.modules, "ray", None)

@@ -9,6 +9,7 @@ lease was taken over stops before its next part, so it never writes next to the 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 from ..storage import Location, location
@@ -30,15 +31,22 @@ class ShardLock:
         self.shard = shard
         self.lock: Lock = lock_for(lock_path(out_dir, shard), lease_seconds)
 
-    def acquire(self) -> ShardLock:
-        try:
-            self.lock.acquire()
-        except LockHeld as e:
-            raise LockedError(f"another batchgen run is already working on shard {self.shard} of "
-                              f"{self.out_dir} ({e}); not starting a second one") from None
-        except OSError as e:
-            raise JobError(f"cannot lock shard {self.shard} of {self.out_dir}: {e}") from None
-        return self
+    def acquire(self, wait: float = 0.0) -> ShardLock:
+        """Take the lock, waiting up to ``wait`` seconds for another holder to go (a retried Ray
+        task waits so for the lease of the attempt that was killed)."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self.lock.acquire()
+                return self
+            except LockHeld as e:
+                if time.monotonic() < deadline:
+                    time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+                    continue
+                raise LockedError(f"another batchgen run is already working on shard {self.shard} of "
+                                  f"{self.out_dir} ({e}); not starting a second one") from None
+            except OSError as e:
+                raise JobError(f"cannot lock shard {self.shard} of {self.out_dir}: {e}") from None
 
     @property
     def warning(self) -> str | None:

@@ -86,7 +86,8 @@ class RunResult:
 class Runner:
     def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
                  retry_errors: bool = False, grace: float = 60.0, reporter: Reporter | None = None,
-                 stop: StopFlag | None = None):
+                 stop: StopFlag | None = None, lock_wait: float = 0.0):
+        """``lock_wait``: seconds to wait for the shard's lock when another run holds it."""
         self.job = job
         self.shard = shard
         self.engine_factory = engine_factory
@@ -95,6 +96,7 @@ class Runner:
         self.grace = grace
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
+        self.lock_wait = lock_wait
         self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
 
     def run(self) -> RunResult:
@@ -114,52 +116,59 @@ class Runner:
             out_dir.prepare_dir()
         except OSError as e:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
-        with ShardLock(out_dir, shard, job.spec.storage.lease) as lock:
-            if lock.warning:
-                self.reporter.message(f"warning: {lock.warning}")
-            saved.check_saved(out_dir, job, self.force)
-            rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
-            saved.save(out_dir, job)
-            total, exact = reader.total_rows()
-            if total is not None and shard.count > 1:
-                total, exact = round(total / shard.count), False
-            plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact)
-            if rec.retried:
-                self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
-                                      "their rows are generated again")
-            rows = reader.rows(shard, rec.done)
-            first = next(rows, None)
-            if first is None:  # cron's common case: done before loading any model
-                self.reporter.start(plan)
-                self.reporter.idle()
-                self._merge()
-                return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
-            llm = build_engine(self.engine_factory, job)
-            self._check_engine(llm)
-            if job.spec.output.format == "openai_batch":
-                self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
-                                              job.spec.sampling.logprobs)
-            writer = PartWriter(
-                out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
-                job.spec.output.rows_per_part, rec.next_seq,
-                {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
-                 "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
-                 "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check)
-            status = "failed"
-            snap = Snapshot()
+        lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait)
+        try:
+            return self._run_locked(reader, lock)
+        finally:
+            lock.release()
+
+    def _run_locked(self, reader: InputReader, lock: ShardLock) -> RunResult:
+        job, shard, out_dir = self.job, self.shard, self.job.output_dir
+        if lock.warning:
+            self.reporter.message(f"warning: {lock.warning}")
+        saved.check_saved(out_dir, job, self.force)
+        rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
+        saved.save(out_dir, job)
+        total, exact = reader.total_rows()
+        if total is not None and shard.count > 1:
+            total, exact = round(total / shard.count), False
+        plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact)
+        if rec.retried:
+            self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
+                                  "their rows are generated again")
+        rows = reader.rows(shard, rec.done)
+        first = next(rows, None)
+        if first is None:  # cron's common case: done before loading any model
             self.reporter.start(plan)
-            try:
-                interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
-                status = "interrupted" if interrupted else "complete"
-            finally:
-                self.reporter.finish(snap, status)
-            ignored = ignored_summary(reader.ignored_fields)
-            warnings = reader.warnings + ([ignored] if ignored else [])
-            for w in warnings:
-                self.reporter.message(f"warning: {w}")
-            if status == "complete":
-                self._merge()
-            return RunResult(status, plan, snap, self.stop.signal_name, warnings)
+            self.reporter.idle()
+            self._merge()
+            return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
+        llm = build_engine(self.engine_factory, job)
+        self._check_engine(llm)
+        if job.spec.output.format == "openai_batch":
+            self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
+                                          job.spec.sampling.logprobs)
+        writer = PartWriter(
+            out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
+            job.spec.output.rows_per_part, rec.next_seq,
+            {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
+             "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
+             "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check)
+        status = "failed"
+        snap = Snapshot()
+        self.reporter.start(plan)
+        try:
+            interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
+            status = "interrupted" if interrupted else "complete"
+        finally:
+            self.reporter.finish(snap, status)
+        ignored = ignored_summary(reader.ignored_fields)
+        warnings = reader.warnings + ([ignored] if ignored else [])
+        for w in warnings:
+            self.reporter.message(f"warning: {w}")
+        if status == "complete":
+            self._merge()
+        return RunResult(status, plan, snap, self.stop.signal_name, warnings)
 
     def _merge(self) -> None:
         """``output.merge_to``: once no row of any shard is missing, the parts as one file."""

@@ -116,8 +116,12 @@ def run_shard(job_form: dict[str, Any], index: int, count: int, board: Any, opti
     job = parse_job(job_form["text"], Path(job_form["base_dir"]),
                      Path(job_form["source"]) if job_form["source"] else None)
     reporter = BoardReporter(board, index)
+    # A retried attempt waits out the lease of the attempt it replaces (killed with its node: a
+    # bucket lease outlives it by up to the lease time; a local flock is free at once).
+    lock_wait = job.spec.storage.lease + 10.0
     result = Runner(job, Shard(index, count), load_factory(options.get("engine")), force=options["force"],
-                    retry_errors=options["retry_errors"], grace=options["grace"], reporter=reporter).run()
+                    retry_errors=options["retry_errors"], grace=options["grace"], reporter=reporter,
+                    lock_wait=lock_wait).run()
     return {"status": result.status, "exit_code": result.exit_code, "node": socket.gethostname()}
 
 
