@@ -293,3 +293,36 @@ def test_rows_helper_reads_back_what_was_written(tmp_path, bucket):
     assert run(job).exit_code == 0
     assert len(bucket_rows(f"{bucket}/out")) == 14
     assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_large_bucket_input_is_streamed_not_downloaded(tmp_path, bucket, fmt):
+    """A ~64 MB object is read as a stream: the first rows come before the rest is fetched."""
+    import psutil
+
+    from batchgen.job.reader import InputReader
+    from batchgen.job.spec import InputSpec
+
+    rows, pad = 25_000, "x" * 2_500
+    table = pa.table({"id": [f"r{i}" for i in range(rows)], "prompt": [f"{i} {pad}" for i in range(rows)]})
+    local = tmp_path / f"big.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(table, local, row_group_size=2_000, compression="none")
+    else:
+        with open(local, "w") as f:
+            for r in table.to_pylist():
+                f.write(json.dumps(r) + "\n")
+    size = local.stat().st_size
+    assert size > 60e6
+    upload(f"{bucket}/big.{fmt}", local)
+    local.unlink()
+    del table
+    reader = InputReader(InputSpec(paths=[f"{bucket}/big.{fmt}"], id_column="id", prompt_column="prompt"), tmp_path)
+    proc = psutil.Process()
+    base = proc.memory_info().rss
+    rows_read = reader.rows()
+    first = [next(rows_read) for _ in range(100)]
+    grown = proc.memory_info().rss - base
+    assert grown < size / 4, f"the first 100 rows cost {grown / 1e6:.0f} MB of a {size / 1e6:.0f} MB object"
+    assert first[0].id == "r0" and first[0].prompt.startswith("0 x")
+    assert 100 + sum(1 for _ in rows_read) == rows

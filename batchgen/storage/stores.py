@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import glob as globlib
+import io
 import os
 import tempfile
 from abc import ABC, abstractmethod
@@ -25,6 +26,7 @@ from .options import StorageOptions
 # The pip extra that brings each protocol's library.
 EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 READ_BLOCK = 8 << 20  # bytes fetched per request when streaming an object
+LINE_BUFFER = 1 << 20
 
 
 class StorageError(OSError):
@@ -264,7 +266,10 @@ class FsspecStore(Store):
 
     @_mapped
     def open_read(self, path: str) -> IO[bytes]:
-        return self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
+        # fsspec's own readline reads a whole block per line; a BufferedReader finds lines in its
+        # buffer and asks the object for the next megabyte only when it runs dry.
+        raw = self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
+        return io.BufferedReader(raw, buffer_size=LINE_BUFFER)  # type: ignore[arg-type]
 
     @_mapped
     def publish(self, path: str, write: Writer, create_only: bool = False) -> bool:
