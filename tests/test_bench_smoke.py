@@ -89,3 +89,19 @@ def test_vllm_side_by_side_script_loads_without_vllm():
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--workloads" in result.stdout
+
+
+def test_bucket_bench_quick_pass(tmp_path, tiny_model_dirs):
+    """scripts/bench_buckets.py end to end on a tiny model: both runs, equal outputs, a ratio."""
+    import subprocess
+
+    script = BENCH.parent / "bench_buckets.py"
+    out = tmp_path / "buckets.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--model", str(tiny_model_dirs["llama"]),
+                           "--dtype", "fp32", "--kv-cache-memory", "64MiB", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["where"] for r in result["runs"]] == ["local", "bucket"]
+    assert all(r["rows"] == 16 and r["output_tokens"] > 0 for r in result["runs"])
+    assert result["bucket_over_local"] > 0 and "bucket / local:" in proc.stdout
