@@ -52,8 +52,10 @@ def job_text(model: str, dtype: str, kv: str, inp: str, out: str, rows_per_part:
         "model": {"path": model, "dtype": dtype, "kv_cache_memory": kv, "max_num_seqs": 256,
                   "max_num_batched_tokens": 2048},
         "input": {"paths": [inp], "id_column": "id", "prompt_column": "prompt"},
-        "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": 16, "overrides": {"max_tokens": "max_tokens"}},
-        "output": {"dir": out, "rows_per_part": rows_per_part, "fields": ["token_ids", "finish_reason", "token_counts"]},
+        "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": 16,
+                     "overrides": {"max_tokens": "max_tokens"}},
+        "output": {"dir": out, "rows_per_part": rows_per_part,
+                   "fields": ["token_ids", "finish_reason", "token_counts"]},
         "progress_interval": 3600,
     })
 
@@ -107,7 +109,8 @@ def main() -> None:
                 for where in order:
                     inp, out = ((str(root / "prompts.parquet"), str(root / f"out-{r}")) if where == "local"
                                 else ("s3://bench/prompts.parquet", f"s3://bench/out-{r}"))
-                    res = run_once(job_text(args.model, dtype, args.kv_cache_memory, inp, out, args.rows_per_part), root)
+                    text = job_text(args.model, dtype, args.kv_cache_memory, inp, out, args.rows_per_part)
+                    res = run_once(text, root)
                     res.update(where=where, round=r, out=out)
                     results.append(res)
                     print(f"round {r} {where:6s}: {res['rows']} rows, {res['output_tokens']} output tokens in "
