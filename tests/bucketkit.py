@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from jobkit import keyed
 
 from batchgen.job.writer import list_parts
 from batchgen.storage import location
@@ -40,8 +40,4 @@ def bucket_rows(out_url: str) -> list[dict[str, Any]]:
 
 def bucket_outputs(out_url: str) -> dict[tuple[str, int], Any]:
     """(id, sample_index) -> (text, error), asserting each key appears exactly once."""
-    rows = bucket_rows(out_url)
-    counts = Counter((r["id"], r["sample_index"]) for r in rows)
-    dups = [k for k, c in counts.items() if c > 1]
-    assert not dups, f"duplicated (id, sample): {dups[:5]}"
-    return {(r["id"], r["sample_index"]): (r.get("text"), r["error"]) for r in rows}
+    return keyed(bucket_rows(out_url))

@@ -95,7 +95,11 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
 
 def outputs_by_key(out_dir: Path) -> dict[tuple[str, int], Any]:
     """(id, sample_index) -> (text, error); asserts every key appears exactly once."""
-    rows = read_rows(out_dir)
+    return keyed(read_rows(out_dir))
+
+
+def keyed(rows: list[dict[str, Any]]) -> dict[tuple[str, int], Any]:
+    """Output rows as (id, sample_index) -> (text, error), asserting every key appears once."""
     counts = Counter((r["id"], r["sample_index"]) for r in rows)
     dups = [k for k, c in counts.items() if c > 1]
     assert not dups, f"duplicated (id, sample): {dups[:5]}"
