@@ -6,7 +6,9 @@ parent block's key and its own token ids; a lookup verifies the stored token ids
 so a hash collision can never hand out wrong K/V. A cached block whose last holder lets go stays
 findable ("evictable") until its slot is needed: fresh allocations take never-cached free blocks
 first, then evict the least recently freed cached block. Sequences free their blocks last block
-first, so a prefix outlives its tails.
+first, so a prefix outlives its tails. Never-cached blocks are handed out last freed first, lowest
+id first among those never used: the host KV cache takes memory as its pages are first written,
+so reusing written blocks keeps RSS at the blocks a run has needed rather than the whole pool.
 
 The manager only decides; it returns (src, dst) block pairs for the model runner to copy or
 swap. All operations cost O(blocks touched), never O(pool).
@@ -14,7 +16,7 @@ swap. All operations cost O(blocks touched), never O(pool).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from batchgen.engine.sequence import Sequence
@@ -90,7 +92,7 @@ class BlockManager:
         self.num_device_blocks = num_device_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._device = [Block() for _ in range(num_device_blocks)]
-        self._never_cached: deque[int] = deque(range(num_device_blocks))
+        self._never_cached: list[int] = list(reversed(range(num_device_blocks)))  # a stack: pop() is next
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._by_hash: dict[int, int] = {}
         self._cpu = _Pool([Block() for _ in range(num_cpu_blocks)])
@@ -138,7 +140,7 @@ class BlockManager:
 
     def _allocate(self) -> int:
         if self._never_cached:
-            block_id = self._never_cached.popleft()
+            block_id = self._never_cached.pop()
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._device[block_id].hash]
@@ -348,7 +350,7 @@ class BlockManager:
         """All free block ids (O(pool): for tests and debugging)."""
         if on_cpu:
             return list(self._cpu.free)
-        return list(self._never_cached) + list(self._evictable)
+        return self._never_cached[::-1] + list(self._evictable)
 
     def stats(self) -> BlockStats:
         used = self.num_used_device_blocks
