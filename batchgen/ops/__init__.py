@@ -254,9 +254,10 @@ def allocate_kv_cache(
     """A (key_cache, value_cache) pair of shape `[num_blocks, num_kv_heads, block_size, head_dim]` that
     reads as zeros wherever it was never written.
 
-    An unpinned host cache is a fresh anonymous mapping: it costs no time and no memory until its
+    An unpinned host cache is (on Unix) a fresh anonymous mapping: it costs no time and no memory until its
     pages are first touched, and the OS hands out each page zeroed then, so a 4 GiB cache of which
-    a run uses 100 MiB takes ~100 MiB (zero-filling 4 GiB took ~19 s at start on a 2-core VM).
+    a run uses 100 MiB takes ~100 MiB (zero-filling 4 GiB at start took 1.4-13 s on a 2-core VM:
+    scripts/PERF.md, "Start-up: lazy KV cache").
     `prefault` writes every page now instead: its page faults then happen here and not during the
     first steps that reach them, and a cache too large for the machine fails at once.
     `pin_memory` pins host caches for fast swaps with a GPU; without a CUDA device it is ignored.
