@@ -31,20 +31,20 @@ class ModelRunner:
         self.model, self.shape, self.device = model, shape, device
         self.block_size = shape.block_size
         pin = device.type == "cuda"
+        # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
+        # their blocks are first written: start-up does not wait for gigabytes of zeros, and RSS
+        # follows the blocks a run has used, not the budget (ops.allocate_kv_cache).
         self.device_caches = [self._allocate(num_device_blocks, device) for _ in range(shape.num_layers)]
-        # Swap space takes host memory as blocks are swapped out (most runs never do), pinned excepted.
         self.cpu_caches = (
-            [self._allocate(num_cpu_blocks, torch.device("cpu"), pin, prefault=False) for _ in range(shape.num_layers)]
+            [self._allocate(num_cpu_blocks, torch.device("cpu"), pin) for _ in range(shape.num_layers)]
             if num_cpu_blocks else []
         )
         for layer, (key_cache, value_cache) in zip(model.attention_layers(), self.device_caches, strict=True):
             layer.key_cache, layer.value_cache = key_cache, value_cache
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin: bool = False,
-                  prefault: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
-        return ops.allocate_kv_cache(num_blocks, s.num_kv_heads, s.block_size, s.head_dim, s.dtype, device, pin,
-                                     prefault=prefault)
+        return ops.allocate_kv_cache(num_blocks, s.num_kv_heads, s.block_size, s.head_dim, s.dtype, device, pin)
 
     def _move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                      copies: list[tuple[int, int]]) -> None:

@@ -249,15 +249,20 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     pin_memory: bool = False,
-    prefault: bool = True,
+    prefault: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zeroed (key_cache, value_cache) pair of shape `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    """A (key_cache, value_cache) pair of shape `[num_blocks, num_kv_heads, block_size, head_dim]` that
+    reads as zeros wherever it was never written.
 
+    An unpinned host cache is (on Unix) a fresh anonymous mapping: it costs no time and no memory until its
+    pages are first touched, and the OS hands out each page zeroed then, so a 4 GiB cache of which
+    a run uses 100 MiB takes ~100 MiB (zero-filling 4 GiB at start took 1.4-13 s on a 2-core VM:
+    scripts/PERF.md, "Start-up: lazy KV cache").
+    `prefault` writes every page now instead: its page faults then happen here and not during the
+    first steps that reach them, and a cache too large for the machine fails at once.
     `pin_memory` pins host caches for fast swaps with a GPU; without a CUDA device it is ignored.
-    `prefault` touches every page of a host cache now, so that its page faults happen here and not in
-    the middle of a run, and a cache too large for the machine fails at once. Without it an unpinned
-    host cache takes memory only as its blocks are first written: for swap space, which most runs
-    never touch (4 GiB by default)."""
+    Pinned memory is locked page by page as it is allocated, so it cannot be lazy: it is allocated
+    and zeroed now, whatever `prefault` says. Device (CUDA) caches are zeroed on the device."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -311,15 +316,17 @@ def _aligned_host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
 
 def _host_bytes(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    """nbytes of zeroed host memory as a uint8 tensor. Unpinned, it is a private anonymous mapping
-    advised for transparent huge pages (Linux; elsewhere, or where the kernel refuses, plain pages):
+    """nbytes of zeroed host memory as a uint8 tensor. Unpinned on Unix, it is a fresh private anonymous
+    mapping, which takes memory only as its pages are first touched, each then zeroed by the OS; on
+    Linux advised for transparent huge pages (where the kernel refuses, plain pages):
     decode reads a sequence's K/V in scattered 2-6 KiB tiles across a cache of ~1.5 GB, and with 4 KiB
     pages nearly every tile costs a TLB miss. On SmolLM2's "mixed" run (2 cores) 2 MiB pages made the
     whole run ~3% faster (interleaved pairs), the GEMMs' weight streams included. With THP set to
     "madvise" (the common default) torch's own allocations never get them."""
-    if pin_memory or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if pin_memory or not hasattr(mmap, "MAP_ANONYMOUS"):  # pinned, or not Unix: written with zeros now
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
