@@ -222,6 +222,8 @@ def test_the_store_itself_refuses_a_second_create_of_a_part(s3_server, bucket):
     part = location(f"{bucket}/out/part-00000-of-00001-000000.parquet")
     assert part.publish_bytes(b"third", create_only=True) is False
     assert part.read_bytes() == b"first"
+    # A create-only PUT retried after its response was lost finds its own bytes there: created.
+    assert part.publish_bytes(b"first", create_only=True) is True
 
 
 def test_a_part_name_taken_by_another_writer_stops_the_run(tmp_path, bucket):
@@ -326,3 +328,18 @@ def test_a_large_bucket_input_is_streamed_not_downloaded(tmp_path, bucket, fmt):
     assert grown < size / 4, f"the first 100 rows cost {grown / 1e6:.0f} MB of a {size / 1e6:.0f} MB object"
     assert first[0].id == "r0" and first[0].prompt.startswith("0 x")
     assert 100 + sum(1 for _ in rows_read) == rows
+
+
+def test_a_throttling_store_is_retried_and_nothing_is_lost(tmp_path, bucket, s3_server):
+    """Every fourth request answered 503 SlowDown: the run retries with backoff and completes,
+    each (id, sample) once, the same text as a local run."""
+    from s3_server import FlakyProxy
+
+    expected = local_reference(tmp_path, 30)
+    job = bucket_job(tmp_path / "b", bucket, rows=30, storage={"lease_seconds": 20})  # > retries' backoff
+    with FlakyProxy(s3_server.endpoint, every=4) as proxy:
+        env = subprocess_env(AWS_ENDPOINT_URL=proxy.endpoint)
+        r = subprocess.run(batchgen_cmd("run", job), env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert proxy.throttled >= 5, proxy.count  # the store did push back, repeatedly
+    assert bucket_outputs(f"{bucket}/out") == expected

@@ -189,6 +189,7 @@ class LeaseLock(Lock):
         self.gen = 0
         self.expires = 0.0
         self.lost: str | None = None
+        self.token = uuid.uuid4().hex  # makes every lease object's bytes this holder's own
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mutex = threading.Lock()
@@ -199,7 +200,7 @@ class LeaseLock(Lock):
     def _create(self, gen: int, released: bool = False) -> bool:
         expires = time.time() + (0 if released else self.lease)
         body = json.dumps({"holder": holder_text(), "expires": expires, "released": released,
-                           "lease_seconds": self.lease}).encode()
+                           "lease_seconds": self.lease, "token": self.token}).encode()
         if not self._object(gen).publish_bytes(body, create_only=True):
             return False
         self.gen, self.expires = gen, expires

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import glob as globlib
+import hashlib
 import io
 import os
 import tempfile
@@ -281,11 +282,25 @@ class FsspecStore(Store):
             try:
                 self.fs.put_file(str(tmp), path, mode="create" if create_only else "overwrite")
             except FileExistsError:
-                return False
+                return self._is_ours(path, tmp)
             self._fresh(path)
             return True
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _is_ours(self, path: str, tmp: Path) -> bool:
+        """Whether the object a create-only PUT was refused for holds exactly our bytes: a retried
+        PUT (after a lost response or a throttled reply) is refused by the object its own first
+        attempt created. A single PUT's ETag is the MD5 of its content."""
+        self._fresh(path)
+        info = self.info(path)
+        if info.size != tmp.stat().st_size or not info.etag:
+            return False
+        digest = hashlib.md5(usedforsecurity=False)
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return info.etag == digest.hexdigest()
 
     @_mapped
     def remove(self, path: str, missing_ok: bool = True) -> None:
