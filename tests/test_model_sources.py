@@ -236,6 +236,9 @@ def test_hub_download_progress_is_plain_lines():
 def test_bucket_model_copied_once_then_used(bucket, s3_server, model_cache_dir, tmp_path):
     files = {**fake_model(), "tokenizer/vocab.txt": b"a\nb\n"}
     url = upload(s3_server, f"{bucket}/models/fake", files)
+    bucket_name = bucket.removeprefix("s3://")
+    for marker in ("models/fake/", "models/fake/tokenizer/"):  # folder markers, as the S3 console makes them
+        s3_server.client().put_object(Bucket=bucket_name, Key=marker, Body=b"")
     log: list[str] = []
     path = resolve_model(model_source(url), log=log.append)
     assert path.is_relative_to(model_cache_dir / "models") and path.name == "fake"

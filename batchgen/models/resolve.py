@@ -214,7 +214,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None, log: Log = stderr_lo
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-    log(f"model {repo_id}: getting it from the Hugging Face Hub into {hub_cache_dir()}")
+    log(f"model {repo_id}: looking it up on the Hugging Face Hub (cache: {hub_cache_dir()})")
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(), allow_patterns=HUB_FILES,
                                  ignore_patterns=HUB_SKIP, tqdm_class=None if sys.stderr.isatty() else _log_bar(

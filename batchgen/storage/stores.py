@@ -283,7 +283,8 @@ class FsspecStore(Store):
     def walk_files(self, path: str) -> dict[str, FileInfo]:
         self._fresh(path)
         found = self.fs.find(path.rstrip("/"), detail=True)
-        return {p: _file_info(e) for p, e in sorted(found.items()) if e.get("type") == "file"}
+        # A key ending in "/" is a folder marker (the S3 console's "Create folder"), not a file.
+        return {p: _file_info(e) for p, e in sorted(found.items()) if e.get("type") == "file" and not p.endswith("/")}
 
     @_mapped
     def open_read(self, path: str) -> IO[bytes]:
