@@ -136,11 +136,15 @@ def run_batch(
         "--input", "-i", help="OpenAI batch request file (JSONL): a path or an s3:// / gs:// URL.")],
     output_file: Annotated[str, typer.Option(
         "--output", "-o", help="Where to write the OpenAI batch output: a path or a URL.")],
-    model: Annotated[str, typer.Option("--model", help="Model directory (Hugging Face layout).")],
+    model: Annotated[str, typer.Option(
+        "--model", help="Model directory (Hugging Face layout), Hugging Face Hub id, or bucket URL (s3://...).")],
     output_dir: Annotated[str | None, typer.Option(
         "--output-dir", help="Where the resumable parts go (default: OUTPUT.parts next to the output).")] = None,
+    revision: Annotated[str | None, typer.Option(
+        "--revision", help="Hub ids: the branch, tag or commit to use (default: main).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
-        "--served-model-name", help="The model name written in responses (default: the model dir's name).")] = None,
+        "--served-model-name", help="The model name written in responses (default: the model dir's name, "
+                                    "or the Hub id).")] = None,
     check_model: Annotated[bool, typer.Option(
         "--check-model", help="A request whose body.model is not the served name becomes an error line.")] = False,
     max_tokens: Annotated[int | None, typer.Option(
@@ -174,14 +178,17 @@ def run_batch(
     from .job.runner import Runner
     from .job.shard import Shard
     from .job.validate import validate_job_text
+    from .models.resolve import model_source
 
     with _user_errors():
         requests, out = location(input_file), location(output_file)
         if not requests.is_file():
             raise JobError(f"--input: no such request file: {requests}")
         factory = load_factory(engine)
+        source = model_source(model)  # the job file lives elsewhere: a local path is made absolute, an id is kept
         model_options = {
-            "path": str(Path(model).expanduser().absolute()), "name": served_model_name, "dtype": dtype,
+            "path": str(Path(source.ref).expanduser().absolute()) if source.kind == "local" else source.ref,
+            "revision": revision, "name": served_model_name, "dtype": dtype,
             "device": device, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
             "kv_cache_memory": kv_cache_memory, "swap_space": swap_space,

@@ -60,6 +60,7 @@ class EngineConfig:
     num_threads: int | None = None
     skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
     model_impl: str = "auto"  # native | transformers | auto: native where batchgen has one
+    served_model_name: str | None = None  # the model's name in outputs (default: `model` as given)
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
+from typing import Any
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.llm_engine import LLMEngine, Prompt
 from batchgen.engine.preflight import plan_model
+from batchgen.models.resolve import ModelNotFound, fetch_note, locate_model, model_source, resolve_model
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
+from batchgen.storage import StorageOptions
 
 
 class LLM:
     """An offline generator: `LLM(model=PATH).generate(prompts, SamplingParams(...))`.
+
+    `model` is a local model directory (or .gguf file), a Hugging Face Hub id such as
+    "HuggingFaceTB/SmolLM2-135M-Instruct" (found in the Hub cache, downloaded unless HF_HUB_OFFLINE is
+    set; `revision` picks a branch, tag or commit), or a bucket URL such as "s3://bucket/models/NAME"
+    (copied once per node into $BATCHGEN_CACHE/models; `storage` takes the job file's storage options
+    as a `batchgen.storage.StorageOptions` or a dict). A local path that exists wins over an id.
 
     Engine options (vLLM's names): dtype, device, block_size, kv_cache_memory (CPU), gpu_memory_utilization
     (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
@@ -21,16 +31,28 @@ class LLM:
     batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention).
     """
 
-    def __init__(self, model: str, **options):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+    def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,
+                 storage: StorageOptions | dict[str, Any] | None = None, **options):
+        source = model_source(model, revision=revision)
+        local = resolve_model(source, storage)
+        if source.kind != "local":
+            options.setdefault("served_model_name", source.ref)
+        self.engine = LLMEngine(EngineConfig(model=str(local), **options))
         self._ids = itertools.count()
 
     @staticmethod
-    def check_config(model: str, **options) -> list[ConfigProblem]:
+    def check_config(model: str | os.PathLike[str], *, revision: str | None = None,
+                     storage: StorageOptions | dict[str, Any] | None = None, **options) -> list[ConfigProblem]:
         """The problems `LLM(model, **options)` would refuse to start with, found without loading
-        the weights (an empty list: none). A missing model path raises FileNotFoundError."""
+        the weights (an empty list: none) and without fetching the model: a model that is not
+        here (a missing path, a Hub id not in the cache, a bucket not copied yet) raises
+        FileNotFoundError."""
+        source = model_source(model, revision=revision)
+        local = locate_model(source, storage)
+        if local is None:
+            raise ModelNotFound(fetch_note(source))
         try:
-            plan_model(EngineConfig(model=str(model), **options))
+            plan_model(EngineConfig(model=str(local), **options))
         except ConfigError as e:
             return e.problems
         return []

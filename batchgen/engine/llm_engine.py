@@ -55,7 +55,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         plan = plan_model(config)  # every option checked against the model before anything heavy
-        self.model_name = str(config.model)
+        self.model_name = config.served_model_name or str(config.model)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(plan.model_dir)
         self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
         if self.device.type == "cpu":

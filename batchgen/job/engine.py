@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..models.resolve import resolve_model
 from .errors import JobError
 from .spec import Job
 
@@ -60,8 +61,17 @@ def load_factory(spec: str | None = None) -> EngineFactory:
 
 
 def build_engine(factory: EngineFactory, job: Job) -> Any:
-    """Call the factory; a bad model path or option is a user error, reported in one line."""
-    kwargs = job.spec.model.engine_kwargs(job.model_path)
+    """Call the factory with the model's local directory (a Hub id is found in the Hub cache or
+    downloaded, a bucket's model copied into the node's cache, with the job's storage options);
+    a bad model path or option is a user error, reported in one line."""
+    source = job.model_source
+    try:
+        local = resolve_model(source, job.spec.storage)
+    except (OSError, ValueError) as e:  # ModelNotFound, StorageError
+        raise JobError(f"model.path: {e}") from None
+    kwargs = job.spec.model.engine_kwargs(local)
+    if source.kind != "local":  # outputs name the model by its id or URL, not by the cache's path
+        kwargs["served_model_name"] = source.ref
     try:
         return factory(**kwargs)
     except (OSError, ValueError) as e:

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from ..engine.config import samples_problem
+from ..models.resolve import ModelSource, model_source
 from ..sampling_params import BeamSearchParams, SamplingParams
 from ..storage import Location, StorageOptions, location
 from .errors import JobError, JobInvalid, Problem
@@ -73,7 +74,8 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    path: str = Field(min_length=1)
+    path: str = Field(min_length=1)  # a local dir, a Hugging Face Hub id, or a bucket URL (s3://, gs://)
+    revision: str | None = None  # Hub ids: a branch, tag or commit (default: main)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = "auto"
     block_size: PositiveInt = 16
@@ -94,8 +96,8 @@ class ModelSpec(_Section):
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
         """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory)."""
         kw = self.model_dump()
-        kw.pop("path")
-        kw.pop("name")
+        for where in ("path", "name", "revision"):  # the model is resolved to a local dir by then
+            kw.pop(where)
         for optional in ("gpu_memory_utilization", "num_threads"):
             if kw[optional] is None:
                 del kw[optional]
@@ -299,13 +301,20 @@ class Job:
         """A path or URL of the job file (relative to its directory) on its store."""
         return location(p, self.base_dir, self.spec.storage)
 
+    @cached_property
+    def model_source(self) -> ModelSource:
+        """Where the model comes from: a local dir (relative to the job file), a Hub id or a URL."""
+        return model_source(self.spec.model.path, self.base_dir, self.spec.model.revision)
+
     @property
-    def model_path(self) -> Path:
-        return self.resolve(self.spec.model.path)
+    def model_path(self) -> Path | str:
+        """The model's local directory as written in the job file, or its Hub id or URL."""
+        source = self.model_source
+        return Path(source.ref) if source.kind == "local" else source.ref
 
     @property
     def model_name(self) -> str:
-        return self.spec.model.name or self.model_path.name
+        return self.spec.model.name or self.model_source.name
 
     @property
     def output_dir(self) -> Location:
@@ -325,7 +334,7 @@ class Job:
         """
         s = self.spec
         data = {
-            "model": {"path": str(self.model_path.resolve()), "dtype": s.model.dtype,
+            "model": {"path": self.model_source.identity, "revision": s.model.revision, "dtype": s.model.dtype,
                       "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl},
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
@@ -352,7 +361,8 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("input", "check_model"): False, ("output", "format"): "parquet",
+_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("input", "check_model"): False,
+                   ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
 

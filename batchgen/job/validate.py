@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..models.resolve import fetch_note, locate_model, model_source
 from ..storage import Location, StorageOptions, location
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
@@ -24,7 +25,6 @@ from .spec import (
     model_part,
     parse_yaml,
     read_job_text,
-    resolve_path,
     spec_problems,
 )
 from .structured import resolve_schema_file
@@ -44,15 +44,15 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     """``validate_job_file`` for a job given as YAML text (``batchgen run-batch`` builds one)."""
     raw = parse_yaml(text)
     problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
+    storage = _part(StorageOptions, raw.get("storage") or {})
+    warnings: list[str] = []
     model = model_part(raw)
     if model is not None:
-        problems += model_problems(model, base_dir, factory)
+        problems += model_problems(model, base_dir, factory, storage, warnings)
     inp = _part(InputSpec, raw.get("input"))
-    warnings: list[str] = []
     if inp is not None:
         sampling = _part(SamplingSpec, raw.get("sampling") or {})
         output = _part(OutputSpec, raw.get("output"))
-        storage = _part(StorageOptions, raw.get("storage") or {})
         try:
             exclude = None if output is None else location(output.dir, base_dir, storage)
         except OSError as e:
@@ -65,12 +65,30 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source, warnings=warnings)
 
 
-def model_problems(model: ModelSpec, base_dir: Path, factory: EngineFactory | None = None) -> list[Problem]:
-    p = resolve_path(base_dir, model.path)
-    if p.is_dir():
-        return engine_option_problems(model.engine_kwargs(p), factory)
-    why = f"no model directory at {p}" if not p.exists() else f"{p} is not a directory (need a Hugging Face model dir)"
-    return [Problem("model.path", why), *engine_option_problems(model.engine_kwargs(p))]
+def model_problems(model: ModelSpec, base_dir: Path, factory: EngineFactory | None = None,
+                   storage: StorageOptions | None = None, warnings: list[str] | None = None) -> list[Problem]:
+    """The model's problems, fetching nothing: a local dir must be there; a Hub id must be in the
+    Hub cache (offline) or on the Hub; a bucket URL must list files. A model found here is checked
+    with the engine options; one that the run will fetch first gets a warning instead."""
+    source = model_source(model.path, base_dir, model.revision)
+    if why := source.revision_problem():
+        return [Problem("model.revision", why), *engine_option_problems(model.engine_kwargs(Path(source.ref)))]
+    if source.kind == "local":
+        p = Path(source.ref)
+        if p.is_dir():
+            return engine_option_problems(model.engine_kwargs(p), factory)
+        why = f"no model directory at {p}" if not p.exists() else \
+            f"{p} is not a directory (need a Hugging Face model dir)"
+        return [Problem("model.path", why), *engine_option_problems(model.engine_kwargs(p))]
+    try:
+        found = locate_model(source, storage)
+    except OSError as e:  # ModelNotFound, StorageError: one line each
+        return [Problem("model.path", str(e)), *engine_option_problems(model.engine_kwargs(Path(source.ref)))]
+    if found is None:
+        if warnings is not None:
+            warnings.append(f"model.path: {fetch_note(source)}")
+        return engine_option_problems(model.engine_kwargs(Path(source.ref)))
+    return engine_option_problems(model.engine_kwargs(found), factory)
 
 
 def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None = None) -> list[Problem]:

@@ -129,6 +129,11 @@ class Location:
         """The files directly in this directory, with their size and time."""
         return {Location(self.store, p): info for p, info in self.store.list_files(self.path).items()}
 
+    def walk_files(self) -> dict[Location, FileInfo]:
+        """Every file under this directory (or key prefix) at any depth, with its size, time and
+        ETag; a file gives itself. Nothing there: an empty dict."""
+        return {Location(self.store, p): info for p, info in self.store.walk_files(self.path).items()}
+
     def expand(self) -> list[Location]:
         """The files this location names as a glob pattern (``**`` crosses directories), sorted."""
         return [Location(self.store, p) for p in self.store.glob(self.path)]

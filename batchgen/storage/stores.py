@@ -74,6 +74,13 @@ class Store(ABC):
     def glob(self, pattern: str) -> list[str]:
         """Files matching a glob (``**`` crosses directories), sorted."""
 
+    def walk_files(self, path: str) -> dict[str, FileInfo]:
+        """Every file under a directory (key prefix), at any depth: path -> info; a file: itself.
+        Stores override this with one listing; this fallback asks for each file's info."""
+        if self.is_file(path):
+            return {path: self.info(path)}
+        return {p: self.info(p) for p in self.glob(path.rstrip("/") + "/**")}
+
     @abstractmethod
     def open_read(self, path: str) -> IO[bytes]:
         """A seekable binary stream that fetches as it reads, never the whole object first."""
@@ -122,6 +129,16 @@ class LocalStore(Store):
 
     def glob(self, pattern: str) -> list[str]:
         return sorted(p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p))
+
+    def walk_files(self, path: str) -> dict[str, FileInfo]:
+        if os.path.isfile(path):
+            return {path: self.info(path)}
+        out = {}
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                full = os.path.join(root, name)
+                out[full] = self.info(full)
+        return out
 
     def open_read(self, path: str) -> IO[bytes]:
         return open(path, "rb")  # noqa: SIM115
@@ -264,6 +281,13 @@ class FsspecStore(Store):
         self._fresh(pattern.split("*", 1)[0])
         found = self.fs.glob(pattern, detail=True)
         return sorted(p for p, e in found.items() if e.get("type") == "file")
+
+    @_mapped
+    def walk_files(self, path: str) -> dict[str, FileInfo]:
+        self._fresh(path)
+        found = self.fs.find(path.rstrip("/"), detail=True)
+        # A key ending in "/" is a folder marker (the S3 console's "Create folder"), not a file.
+        return {p: _file_info(e) for p, e in sorted(found.items()) if e.get("type") == "file" and not p.endswith("/")}
 
     @_mapped
     def open_read(self, path: str) -> IO[bytes]:
