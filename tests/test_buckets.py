@@ -53,7 +53,8 @@ def bucket_job(tmp_path, bucket, rows: int = 40, *, fmt: str = "jsonl", name: st
         upload(f"{bucket}/prompts/in.parquet", tmp_path / "in.parquet")
     else:
         upload(f"{bucket}/prompts/in.jsonl", tmp_path / "in.jsonl")
-    spec = knobs(input={"paths": [f"{bucket}/prompts/*.{fmt}"]}, storage={"lease_seconds": LEASE}, **overrides)
+    storage = {"lease_seconds": LEASE, **overrides.pop("storage", {})}
+    spec = knobs(input={"paths": [f"{bucket}/prompts/*.{fmt}"]}, storage=storage, **overrides)
     spec["output"] = {**spec["output"], "dir": f"{bucket}/out"}
     return setup_job(tmp_path, rows=rows, name=name, **spec)
 
@@ -325,7 +326,7 @@ def test_a_large_bucket_input_is_streamed_not_downloaded(tmp_path, bucket, fmt):
     rows_read = reader.rows()
     first = [next(rows_read) for _ in range(100)]
     grown = proc.memory_info().rss - base
-    assert grown < size / 4, f"the first 100 rows cost {grown / 1e6:.0f} MB of a {size / 1e6:.0f} MB object"
+    assert grown < size / 2, f"the first 100 rows cost {grown / 1e6:.0f} MB of a {size / 1e6:.0f} MB object"
     assert first[0].id == "r0" and first[0].prompt.startswith("0 x")
     assert 100 + sum(1 for _ in rows_read) == rows
 
