@@ -257,6 +257,8 @@ def test_storage_mistakes_are_one_line(tmp_path, bucket, s3_server):
     r = run(tmp_path / "missing.yaml")
     assert r.exit_code == 1 and "no-such-bucket-here: no such bucket" in r.output, r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    v = cli("validate", tmp_path / "missing.yaml")  # validate finds it too, at its field
+    assert v.exit_code == 1 and "output.dir: s3://no-such-bucket-here: no such bucket" in v.output, v.output
     no_input = job.read_text().replace(f"{bucket}/prompts/*.jsonl", f"{bucket}/nothing/*.jsonl")
     (tmp_path / "noinput.yaml").write_text(no_input)
     r = run(tmp_path / "noinput.yaml")

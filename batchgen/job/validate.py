@@ -55,6 +55,8 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
         output = _part(OutputSpec, raw.get("output"))
         try:
             exclude = None if output is None else location(output.dir, base_dir, storage)
+            if exclude is not None and not exclude.is_local:
+                exclude.prepare_dir()  # the bucket exists and answers (creates nothing)
         except OSError as e:
             problems.append(Problem("output.dir", str(e)))
             exclude = None
