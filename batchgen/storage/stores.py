@@ -9,6 +9,7 @@ conditional write (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) where a
 
 from __future__ import annotations
 
+import base64
 import errno
 import glob as globlib
 import hashlib
@@ -315,7 +316,8 @@ class FsspecStore(Store):
     def _is_ours(self, path: str, tmp: Path) -> bool:
         """Whether the object a create-only PUT was refused for holds exactly our bytes: a retried
         PUT (after a lost response or a throttled reply) is refused by the object its own first
-        attempt created. A single PUT's ETag is the MD5 of its content."""
+        attempt created. A single PUT's ETag is the MD5 of its content (hex on S3, base64 in GCS's
+        md5Hash)."""
         self._fresh(path)
         info = self.info(path)
         if info.size != tmp.stat().st_size or not info.etag:
@@ -324,7 +326,7 @@ class FsspecStore(Store):
         with open(tmp, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
-        return info.etag == digest.hexdigest()
+        return info.etag in (digest.hexdigest(), base64.b64encode(digest.digest()).decode())
 
     @_mapped
     def remove(self, path: str, missing_ok: bool = True) -> None:
