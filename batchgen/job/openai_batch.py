@@ -24,7 +24,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .reader import Row
+    from .inputs.reader import Row
 
 CHAT = "chat"
 COMPLETION = "completion"

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ..storage import Location, StorageOptions, location
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
-from .reader import InputReader, discover
+from .inputs import InputReader, discover
 from .spec import (
     InputSpec,
     Job,

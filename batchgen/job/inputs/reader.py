@@ -25,11 +25,11 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..storage import Location, StorageOptions, location
-from . import openai_batch
-from .errors import JobError, JobInvalid, Problem
-from .shard import Shard
-from .spec import InputSpec, Job
+from ...storage import Location, StorageOptions, location
+from .. import openai_batch
+from ..errors import JobError, JobInvalid, Problem
+from ..shard import Shard
+from ..spec import InputSpec, Job
 
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet",
                ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
