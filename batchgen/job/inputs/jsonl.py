@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import JobError
 from .kinds import kind_of
 from .rows import InputFile, Record
 from .streams import open_decompressed
@@ -29,15 +30,29 @@ class JsonlSource:
         self.warnings = warnings
 
     def column_names(self) -> set[str] | None:
-        """Every key of the first objects (None: no object yet)."""
+        """Every key of the first objects (None: no line yet). A file none of whose first lines
+        is a JSON object is surely not JSONL (a CSV file, say): ``JobError``, rather than as
+        many error rows as it has lines."""
         names: set[str] | None = None
-        for obj in self.objects(INFER_LINES):
-            names = (names or set()) | set(obj)
-        return names
+        first_error: str | None = None
+        seen = 0
+        for seen, record in enumerate(self.records(), 1):
+            if record.values is not None:
+                names = (names or set()) | set(record.values)
+            elif first_error is None:
+                first_error = f"line {record.index + 1}: {record.error}"
+            if seen >= INFER_LINES:
+                break
+        if names is not None or not seen:
+            return names
+        raise JobError(f"{self.file.name} is not JSONL: none of its first {seen:,} lines is a JSON object "
+                       f"({first_error})")
 
     def count(self) -> tuple[int | None, bool]:
-        """The newline count (blank lines and a last line without newline blur it)."""
-        if self.file.path.suffix == ".gz":
+        """The newline count (blank lines and a last line without newline blur it) of a local
+        file that is not gzipped: nothing is read twice from a bucket, nor unzipped twice, for a
+        progress bar."""
+        if not self.file.path.is_local or self.file.path.suffix == ".gz":
             return None, False
         with open_decompressed(self.file) as fh:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b"")), False
