@@ -1,21 +1,39 @@
-"""Input formats: JSONL refused when it is not JSONL."""
+"""Input formats: CSV and TSV (plain, gzipped, from a bucket) and JSONL refused when it is not
+JSONL; with ids, prompts, messages, carried columns, error rows, and resume and shards exactly
+once on the fake engine."""
 
 from __future__ import annotations
 
 import csv
 import gzip
 import io
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
 from jobkit import (
     FAKE,
     cli,
     job_dict,
     make_model,
+    outputs_by_key,
     prompts,
+    read_rows,
+    run,
+    setup_job,
     write_job,
 )
+
+from batchgen.job.errors import EXIT_ENGINE
+from batchgen.job.inputs import InputReader
+from batchgen.job.inputs import csv as csv_input
+from batchgen.job.spec import InputSpec
+from batchgen.storage import Location
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]] | list[list[Any]], delimiter: str = ",",
@@ -35,7 +53,117 @@ def write_csv(path: Path, rows: list[dict[str, Any]] | list[list[Any]], delimite
     return path
 
 
-# ----------------------------------------------------------------------------------------- JSONL
+def reader(root: Path, overrides: dict[str, str] | None = None, **spec: Any) -> InputReader:
+    spec.setdefault("paths", ["in.csv"])
+    if "messages_column" not in spec:
+        spec.setdefault("prompt_column", "prompt")
+    return InputReader(InputSpec(**spec), root, overrides)
+
+
+def rows_by_id(r: InputReader) -> dict[str, Any]:
+    return {row.id: row for row in r.rows()}
+
+
+# ------------------------------------------------------------------------------------------ CSV
+
+
+def test_csv_ids_prompts_carry_and_bad_rows(tmp_path):
+    (tmp_path / "in.csv").write_bytes(
+        b"id,prompt,score,ratio,flag,note,mt\n"
+        b"007,hello,1,0.5,true,plain,4\n"
+        b'008,"two\nlines, and a comma",2,1,false,"",\n'  # an empty override cell: the job's value
+        b"009,,3,1.5,true,x,5\n"  # empty prompt
+        b"010,caf\xe9,4,2.5,false,x,5\n"  # not UTF-8
+        b"011,fine,5,3.5,true,x,5,extra\n"  # one field too many
+        b"012,fine,NA,,true,x,6\n"  # pyarrow's null markers in typed columns
+        b"013,fine,lots,3.5,true,x,6\n"  # not an int64 like the first rows
+        b"007,again,7,3.5,true,x,6\n"  # duplicate id
+    )
+    r = reader(tmp_path, {"max_tokens": "mt"}, id_column="id", carry_columns=["score", "ratio", "flag", "note", "id"])
+    assert r.check() == []
+    # pyarrow's types of the first block; columns read for another use (the id) stay text
+    assert [(f.name, str(f.type)) for f in r.carry_fields] == [
+        ("score", "string"), ("ratio", "double"), ("flag", "bool"), ("note", "string"), ("id", "string")]
+    rows = rows_by_id(r)
+    assert rows["007"].prompt == "hello" and rows["007"].overrides == {"max_tokens": "4"}
+    assert rows["007"].carry == {"score": "1", "ratio": 0.5, "flag": True, "note": "plain", "id": "007"}
+    assert rows["007"].where == "in.csv row 0"
+    assert rows["008"].prompt == "two\nlines, and a comma" and rows["008"].overrides == {}
+    assert rows["008"].carry["ratio"] == 1.0 and rows["008"].carry["note"] == ""
+    assert rows["009"].error == "in.csv row 2: field 'prompt': empty prompt"
+    assert rows["010"].error == "in.csv row 3: field 'prompt': invalid UTF-8"
+    assert rows["012"].error is None and rows["012"].carry["ratio"] is None and rows["012"].carry["score"] == "NA"
+    assert rows["in.csv:6"].error == ("in.csv row 6: field 'id': duplicate id '007', first at in.csv row 0; "
+                                      "only that row is generated")
+    assert rows["in.csv:malformed-0"].error == (
+        "in.csv malformed-0: malformed CSV line: 8 fields where the header has 7: '011,fine,5,3.5,true,x,5,extra'")
+    assert rows["013"].error is None and rows["013"].carry["score"] == "lots"  # "lots" made score text
+    assert r.total_rows() == (9, False)  # lines but the header; the quoted newline counts
+
+
+def test_csv_carried_types_are_fixed_by_the_first_block(tmp_path):
+    """pyarrow infers types block by block; the first block's hold for the whole input, and a later
+    cell of another type is that row's error, not a failed job or a part of another schema."""
+    n = 40_000  # > 1 MiB: several blocks
+    rows = [{"id": f"r{i:06d}", "prompt": f"prompt number {i} " + "x" * 20, "score": i, "ratio": i / 2}
+            for i in range(n)]
+    rows[n - 5]["score"] = "many"
+    rows[n - 4]["ratio"] = "half"
+    rows[n - 3]["score"] = "2.5"
+    write_csv(tmp_path / "in.csv", rows)
+    assert (tmp_path / "in.csv").stat().st_size > 2 << 20
+    r = reader(tmp_path, id_column="id", carry_columns=["score", "ratio"])
+    assert [(f.name, str(f.type)) for f in r.carry_fields] == [("score", "int64"), ("ratio", "double")]
+    errors = {row.id: row.error for row in r.rows() if row.error}
+    assert errors == {
+        f"r{n - 5:06d}": f"in.csv row {n - 5}: field 'score': expected int64 as in the first rows, got 'many'",
+        f"r{n - 4:06d}": f"in.csv row {n - 4}: field 'ratio': expected float64 as in the first rows, got 'half'",
+        f"r{n - 3:06d}": f"in.csv row {n - 3}: field 'score': expected int64 as in the first rows, got '2.5'",
+    }
+
+
+def test_tsv_gz_messages_column(tmp_path):
+    good = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\tthere"}]
+    write_csv(tmp_path / "chats.tsv.gz", [
+        ["a", json.dumps(good), "x"],
+        ["b", "[{\"role\": \"user\"", "y"],
+        ["c", json.dumps({"role": "user"}), "z"],
+        ["d", "", "w"],
+    ], delimiter="\t", header=["uid", "msgs", "tag"])
+    r = reader(tmp_path, paths=["chats.tsv.gz"], id_column="uid", messages_column="msgs", carry_columns=["tag"])
+    assert r.files[0].format == "tsv" and r.check() == []
+    rows = rows_by_id(r)
+    assert rows["a"].error is None and rows["a"].prompt == good and rows["a"].carry == {"tag": "x"}
+    assert rows["b"].error.startswith("chats.tsv.gz row 1: field 'msgs': malformed JSON: ")
+    assert rows["c"].error == ("chats.tsv.gz row 2: field 'msgs': expected a non-empty list of {role, content} "
+                               "messages, got an object")
+    assert rows["d"].error == "chats.tsv.gz row 3: field 'msgs': missing or null"
+    assert r.total_rows() == (None, False)  # not counted inside a gzip stream
+
+
+def test_csv_format_forced_and_derived_ids(tmp_path):
+    write_csv(tmp_path / "prompts.txt", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])
+    r = reader(tmp_path, paths=["prompts.txt"], format="csv")
+    assert [row.id for row in r.rows()] == ["prompts.txt:0", "prompts.txt:1", "prompts.txt:2"]
+    assert [k.id for k in r.ids()] == ["prompts.txt:0", "prompts.txt:1", "prompts.txt:2"]
+    (tmp_path / "empty.csv").write_bytes(b"")
+    (tmp_path / "header.csv").write_bytes(b"prompt\n")
+    r = reader(tmp_path, paths=["empty.csv", "header.csv"])
+    assert r.check() == [] and list(r.rows()) == []
+
+
+def test_csv_missing_column_is_refused_by_validate(tmp_path):
+    make_model(tmp_path / "model")
+    write_csv(tmp_path / "in.csv", [{"id": "a", "prompt": "x"}])
+    job = write_job(tmp_path / "job.yaml", job_dict(input={"paths": ["in.csv"], "prompt_column": "question"},
+                                                    sampling={"overrides": {"max_tokens": "mt"}}))
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert sorted(r.stderr.splitlines()[:-1]) == [  # a header names every column: none is optional
+        "input.carry_columns[0]: column 'topic' not found in in.csv (columns: id, prompt)",
+        "input.prompt_column: column 'question' not found in in.csv (columns: id, prompt)",
+        "sampling.overrides.max_tokens: column 'mt' not found in in.csv (columns: id, prompt)",
+    ]
 
 
 def test_jsonl_format_on_a_csv_file_is_refused_by_validate(tmp_path):
@@ -52,3 +180,103 @@ def test_jsonl_format_on_a_csv_file_is_refused_by_validate(tmp_path):
     (tmp_path / "in.jsonl").write_text('not json\n{"id": "a", "prompt": "x", "topic": 1}\n')
     write_job(job, job_dict())
     assert cli("validate", job, "--engine", FAKE).exit_code == 0
+
+
+def csv_job(root: Path, n: int = 40, name: str = "in.csv", **input_spec: Any) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_csv(root / name, prompts(n), delimiter="\t" if ".tsv" in name else ",")
+    return setup_job(root, rows=0, input={"paths": [name], **input_spec})
+
+
+def resume_and_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_job: Callable[[Path], Path],
+                      n: int) -> dict[tuple[str, int], Any]:
+    """A reference run; then shard 0/2 failing midway and rerun, shard 1/2, and a rerun with
+    nothing to do: every (id, sample) once, the same outputs as the reference."""
+    ref = make_job(tmp_path / "ref")
+    r = run(ref)
+    assert r.exit_code == 0, r.output
+    expected = outputs_by_key(ref.parent / "out")
+    assert len(expected) == 2 * n
+    job = make_job(tmp_path / "sharded")
+    spec = yaml.safe_load(job.read_text())
+    spec["max_in_flight"], spec["output"]["rows_per_part"] = 4, 4  # a failure leaves some parts, not all
+    write_job(job, spec)
+    with monkeypatch.context() as m:
+        m.setenv("FAKE_LLM_FAIL_AFTER", "12")
+        r = run(job, "--shard", "0/2")
+    assert r.exit_code == EXIT_ENGINE, r.output
+    assert 0 < len(outputs_by_key(job.parent / "out")) < 2 * n
+    for shard in ("0/2", "1/2"):
+        r = run(job, "--shard", shard)
+        assert r.exit_code == 0 and f"shard {shard} complete" in r.stdout, r.output
+    assert outputs_by_key(job.parent / "out") == expected
+    r = run(job, "--shard", "1/2")
+    assert r.exit_code == 0 and "nothing to do" in r.stdout
+    return expected
+
+
+@pytest.mark.parametrize("name", ["in.csv", "in.tsv.gz"])
+def test_csv_run_resume_and_shards_exactly_once(tmp_path, monkeypatch, name):
+    out = resume_and_shards(tmp_path, monkeypatch, lambda root: csv_job(root, 40, name), 40)
+    assert {i for i, _ in out} == {f"q{i:04d}" for i in range(40)}
+    rows = read_rows(tmp_path / "ref" / "out")
+    assert {row["topic"] for row in rows} == {0, 1, 2}  # int64, inferred by pyarrow
+    assert pq.read_schema(sorted((tmp_path / "ref" / "out").glob("part-*"))[0]).field("topic").type == pa.int64()
+
+
+def test_csv_run_bad_rows_become_error_rows_once(tmp_path):
+    make_model(tmp_path / "model")
+    (tmp_path / "in.csv").write_bytes(b'id,prompt,topic\na,fine,1\nb,,2\nc,"ok",3,4\nd,fine,x\n')
+    job = setup_job(tmp_path, rows=0, input={"paths": ["in.csv"]})
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert "4 this run (2 errors)" in r.stdout
+    rows = read_rows(tmp_path / "out")
+    errors = {row["id"]: row["error"] for row in rows if row["error"]}
+    assert errors == {"b": "in.csv row 1: field 'prompt': empty prompt",
+                      "in.csv:malformed-0": "in.csv malformed-0: malformed CSV line: 4 fields where the header "
+                                            "has 3: 'c,\"ok\",3,4'"}
+    assert sorted({row["topic"] for row in rows if row["id"] in "ad"}) == ["1", "x"]  # "x" made it text
+    assert "nothing to do" in run(job).stdout
+
+
+def test_csv_from_a_bucket_is_streamed(tmp_path, s3_server, bucket, monkeypatch):
+    name = bucket.removeprefix("s3://")
+    client = s3_server.client()
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as gz:
+        gz.write(b"id,prompt,topic\n" + b"".join(f"q{i:04d},question number {i},{i % 3}\n".encode()
+                                                 for i in range(30)))
+    client.put_object(Bucket=name, Key="prompts/part-a.csv.gz", Body=buf.getvalue())
+    ref = setup_job(tmp_path / "ref", rows=30)
+    assert run(ref).exit_code == 0
+    job = setup_job(tmp_path / "s3", rows=0, input={"paths": [f"{bucket}/prompts/*.csv.gz"]})
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert outputs_by_key(tmp_path / "s3" / "out") == outputs_by_key(tmp_path / "ref" / "out")
+    # a large object: the first row comes after a block or two, not after the whole object
+    big = b"id,prompt\n" + b"".join(f"b{i:07d},{'word ' * 30}{i}\n".encode() for i in range(100_000))
+    client.put_object(Bucket=name, Key="big.csv", Body=big)
+    read: list[int] = []
+    open_read = Location.open_read
+
+    def counted(self: Location):
+        f = open_read(self)
+        read.append(0)
+        slot = len(read) - 1
+        raw_read = f.read
+
+        def read_counted(n: int = -1) -> bytes:
+            data = raw_read(n)
+            read[slot] += len(data)
+            return data
+
+        f.read = read_counted
+        return f
+
+    monkeypatch.setattr(Location, "open_read", counted)
+    monkeypatch.setattr(csv_input, "BLOCK_BYTES", 1 << 16)  # pyarrow reads ~32 blocks ahead: 2 MiB, not 32
+    r = reader(tmp_path, paths=[f"{bucket}/big.csv"], id_column="id")
+    first = next(r.rows())
+    assert first.id == "b0000000" and first.error is None
+    assert read and max(read) < len(big) // 4, (read, len(big))

@@ -104,7 +104,7 @@ class ModelSpec(_Section):
 
 class InputSpec(_Section):
     paths: list[str] = Field(min_length=1)
-    format: Literal["parquet", "jsonl", "openai_batch"] | None = None
+    format: Literal["parquet", "jsonl", "csv", "tsv", "openai_batch"] | None = None
     id_column: str | None = None
     prompt_column: str | None = None
     messages_column: str | None = None

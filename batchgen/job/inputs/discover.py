@@ -13,7 +13,7 @@ from ..spec import InputSpec
 from .rows import InputFile
 
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet",
-              ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+              ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 
 
 def file_format(path: Path | Location, given: str | None) -> str | None:
@@ -54,8 +54,9 @@ def discover(spec: InputSpec, base_dir: Path | Location, exclude: Location | Non
                                         f"cannot tell the format of {p.name!r}; set input.format"))
                 continue
             files.append(InputFile(p, fmt, _display_name(p, base)))
-    if len({f.format for f in files}) > 1:
-        problems.append(Problem("input.paths", "all input files must have one format (parquet, jsonl or openai_batch)"))
+    formats = sorted({f.format for f in files})
+    if len(formats) > 1:
+        problems.append(Problem("input.paths", f"all input files must have one format; found {', '.join(formats)}"))
     return files, problems
 
 

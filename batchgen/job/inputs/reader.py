@@ -23,6 +23,7 @@ from ..errors import JobError, JobInvalid, Problem
 from ..shard import Shard
 from ..spec import InputSpec, Job
 from . import openai_batch
+from .csv import DELIMITERS, CsvColumns, CsvSource
 from .discover import discover
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
@@ -84,7 +85,20 @@ class InputReader:
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
             return ParquetSource(f, self._carry_types)
+        if f.format in DELIMITERS:
+            return CsvSource(f, self._csv_columns())
         return JsonlSource(f, self.warnings)
+
+    def _csv_columns(self) -> CsvColumns:
+        s = self.spec
+        return CsvColumns(json=frozenset([s.messages_column] if s.messages_column else []),
+                          optional=frozenset(self.overrides.values()),
+                          kinds={c: k for c, k in self._carry_kinds.items() if c not in self._read_otherwise()})
+
+    def _read_otherwise(self) -> set[str]:
+        """Columns read for the id, the prompt or an override: carried as read for that."""
+        s = self.spec
+        return {c for c in (s.id_key, s.prompt_column, s.messages_column, *self.overrides.values()) if c}
 
     # ----------------------------------------------------------------------------- checks, schema
 
@@ -128,16 +142,18 @@ class InputReader:
                     continue
                 if not source.strict and col not in required:
                     self.warnings.append(f"{where}: column {col!r} is in none of the first {INFER_LINES} "
-                                         f"lines of {f.name}; rows without it take null there")
+                                         f"lines of {f.shown}; rows without it take null there")
                     continue
                 have = ", ".join(sorted(names)[:20]) or "none"
-                problems.append(Problem(where, f"column {col!r} not found in {f.name} (columns: {have})"))
+                problems.append(Problem(where, f"column {col!r} not found in {f.shown} (columns: {have})"))
         return problems
 
     @property
     def carry_fields(self) -> list[pa.Field]:
-        """Arrow fields of the carried columns: the first Parquet file's types, or for JSONL the
-        kind of the first non-null value (strings, ints, floats, bools; anything else as JSON)."""
+        """Arrow fields of the carried columns: the first Parquet file's types; for CSV the
+        types pyarrow infers from the first block of the first file (int64, float64, bool, else
+        text); for JSONL the kind of the first non-null value (strings, ints, floats, bools;
+        anything else as JSON)."""
         cols = self.spec.carry_columns
         if not cols or not self.files:
             return [pa.field(c, pa.string()) for c in cols]
@@ -147,7 +163,14 @@ class InputReader:
             self._carry_types.update({c: schema.field(c).type for c in cols})
             return [schema.field(c) for c in cols]
         if not self._carry_kinds:
-            self._carry_kinds.update(infer_kinds([JsonlSource(f, self.warnings) for f in self.files], cols))
+            if isinstance(first, CsvSource):
+                other = self._read_otherwise()
+                inferred = first.infer_kinds([c for c in cols if c not in other])
+                json_col = self.spec.messages_column
+                kinds = {c: inferred.get(c, "json" if c == json_col else "string") for c in cols}
+            else:
+                kinds = infer_kinds([JsonlSource(f, self.warnings) for f in self.files], cols)
+            self._carry_kinds.update(kinds)
         return [pa.field(c, KIND_TYPES[self._carry_kinds[c]]) for c in cols]
 
     def total_rows(self) -> tuple[int | None, bool]:
@@ -180,15 +203,14 @@ class InputReader:
         columns = self._columns()
         for file_no, f in enumerate(self.files):
             for record in self._source(f).records(columns):
-                index = record.index
                 row_id, id_error = self._row_id(f, record)
                 if shard is not None and not shard.owns(row_id):
                     continue
-                if seen is not None and id_error is None:
-                    row_id, id_error = seen.check(row_id, file_no, index, self.spec.id_key or "")
+                if seen is not None and id_error is None and record.values is not None:
+                    row_id, id_error = seen.check(row_id, file_no, record.index, self.spec.id_key or "")
                 if row_id in skip:
                     continue
-                where = f.where(index)
+                where = f.place(record)[1]
                 row = Row(id=row_id, where=where)
                 row.error = record.error or id_error or self._fill(row, record.values or {})
                 if row.error:
@@ -203,14 +225,14 @@ class InputReader:
         for file_no, f in enumerate(self.files):
             for record in self._source(f).records([id_key] if id_key else [], parse=id_key is not None):
                 row_id, id_error = self._row_id(f, record)
-                if seen is None or id_error is not None:
+                if seen is None or id_error is not None or record.values is None:
                     yield InputId(row_id)
                     continue
                 out_id, dup_error = seen.check(row_id, file_no, record.index, id_key or "")
                 yield InputId(out_id, row_id, dup_error and f"{f.where(record.index)}: {dup_error}")
 
     def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
-        fallback = f"{f.name}:{record.index}"
+        fallback = f.place(record)[0]
         col = self.spec.id_key
         if col is None or record.values is None:
             return fallback, None

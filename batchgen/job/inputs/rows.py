@@ -36,9 +36,20 @@ class InputFile:
     format: str
     name: str  # as shown in messages and used in derived ids
 
+    @property
+    def shown(self) -> str:
+        """The file in messages."""
+        return self.name
+
     def where(self, index: int) -> str:
         """A row's place in messages: JSONL lines count from 1, rows of other formats from 0."""
-        return f"{self.name} line {index + 1}" if self.format in TEXT_LINES else f"{self.name} row {index}"
+        return f"{self.shown} line {index + 1}" if self.format in TEXT_LINES else f"{self.shown} row {index}"
+
+    def place(self, record: Record) -> tuple[str, str]:
+        """(derived id, place in messages) of a record."""
+        if record.unnumbered is not None:
+            return f"{self.name}:{record.unnumbered}", f"{self.shown} {record.unnumbered}"
+        return f"{self.name}:{record.index}", self.where(record.index)
 
 
 TEXT_LINES = frozenset({"jsonl", "openai_batch"})  # formats whose rows are numbered by physical line
@@ -46,11 +57,14 @@ TEXT_LINES = frozenset({"jsonl", "openai_batch"})  # formats whose rows are numb
 
 class Record(NamedTuple):
     """One row as a format reads it: its number in the file, its values by column (None when the
-    row could not be read at all, or was not parsed) and why it could not be read."""
+    row could not be read at all, or was not parsed) and why it could not be read. A row the
+    format cannot place among the numbered rows (a malformed CSV line) has a name instead,
+    ``unnumbered``, which its id and messages use in place of the number."""
 
     index: int
     values: dict[str, Any] | None
     error: str | None = None
+    unnumbered: str | None = None
 
 
 class Source(Protocol):
