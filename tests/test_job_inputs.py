@@ -1,6 +1,7 @@
-"""Input formats: CSV and TSV (plain, gzipped, from a bucket) and JSONL refused when it is not
-JSONL; with ids, prompts, messages, carried columns, error rows, and resume and shards exactly
-once on the fake engine."""
+"""Input formats: CSV and TSV (plain, gzipped, from a bucket), JSONL refused when it is not
+JSONL, and Hugging Face datasets (a save_to_disk directory, a local data-file directory, the Hub
+cache offline); each with ids, prompts, messages, carried columns, error rows, and resume and
+shards exactly once on the fake engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import csv
 import gzip
 import io
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ import pytest
 import yaml
 from jobkit import (
     FAKE,
+    batchgen_cmd,
     cli,
     job_dict,
     make_model,
@@ -26,14 +31,23 @@ from jobkit import (
     read_rows,
     run,
     setup_job,
+    subprocess_env,
     write_job,
 )
 
 from batchgen.job.errors import EXIT_ENGINE
 from batchgen.job.inputs import InputReader
 from batchgen.job.inputs import csv as csv_input
-from batchgen.job.spec import InputSpec
+from batchgen.job.inputs.hf_dataset import open_split
+from batchgen.job.shard import Shard
+from batchgen.job.spec import InputSpec, load_job
 from batchgen.storage import Location
+
+try:
+    import datasets
+except ImportError:  # the optional extra batchgen[datasets]
+    datasets = None
+needs_datasets = pytest.mark.skipif(datasets is None, reason="needs the datasets library")
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]] | list[list[Any]], delimiter: str = ",",
@@ -280,3 +294,203 @@ def test_csv_from_a_bucket_is_streamed(tmp_path, s3_server, bucket, monkeypatch)
     first = next(r.rows())
     assert first.id == "b0000000" and first.error is None
     assert read and max(read) < len(big) // 4, (read, len(big))
+
+
+# ------------------------------------------------------------------------------------- datasets
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    """An empty Hugging Face home, offline, as ``datasets`` sees it in this process."""
+    import huggingface_hub.constants
+
+    home = tmp_path / "hf"
+    env = {"HF_HOME": home, "HF_DATASETS_CACHE": home / "datasets", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    open_split.cache_clear()
+    yield home
+    open_split.cache_clear()
+
+
+def prompt_table(n: int, start: int = 0) -> dict[str, list[Any]]:
+    rows = prompts(n, start)
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
+def cache_hub_dataset(home: Path, repo_id: str, splits: dict[str, dict[str, list[Any]]],
+                      config: str = "default", sha: str = "5e1f" * 10) -> Path:
+    """What ``load_dataset(repo_id)`` leaves in ``HF_DATASETS_CACHE`` once run online: the
+    prepared Arrow files under ``<namespace>___<name>/<config>/<version>/<commit>/``, which is
+    all that ``load_dataset`` reads offline. Built here by the same Parquet builder from local
+    files (the Hub itself cannot be reached)."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    namespace, name = repo_id.split("/")
+    src = home / "src" / config
+    src.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, table in splits.items():
+        pq.write_table(pa.table(table), src / f"{split}.parquet")
+        files[split] = [str(src / f"{split}.parquet")]
+    build = home / "build"
+    builder = Parquet(cache_dir=str(build), dataset_name=name, hash=sha, config_name=config, config_id=config,
+                      data_files=files)
+    builder.download_and_prepare()
+    dest = home / "datasets" / f"{namespace}___{os.path.relpath(builder.cache_dir, build)}"
+    shutil.copytree(builder.cache_dir, dest)
+    shutil.rmtree(build)
+    return dest
+
+
+def dataset_job(root: Path, dataset: dict[str, Any], **input_spec: Any) -> Path:
+    return setup_job(root, rows=0, input={"paths": None, "dataset": dataset, **input_spec})
+
+
+@needs_datasets
+def test_dataset_saved_to_disk_resume_and_shards(tmp_path, monkeypatch, hf_home):
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(prompt_table(5)),
+                          "test": datasets.Dataset.from_dict(prompt_table(36, 100))}).save_to_disk(saved)
+
+    def make(root: Path) -> Path:
+        return dataset_job(root, {"path": "../saved", "split": "test"}, id_column=None)
+
+    out = resume_and_shards(tmp_path, monkeypatch, make, 36)
+    assert {i for i, _ in out} == {f"test:{i}" for i in range(36)}  # ids default to <split>:<row>
+    rows = read_rows(tmp_path / "ref" / "out")
+    assert {row["topic"] for row in rows} == {0, 1, 2}
+    job = load_job(tmp_path / "ref" / "job.yaml")
+    r = InputReader.for_job(job)
+    assert r.total_rows() == (36, True)
+    assert r.files[0].where(7) == "dataset ../saved split test row 7"
+    # a saved single Dataset: its split must be the one asked for, when it records one
+    datasets.Dataset.from_dict(prompt_table(3)).save_to_disk(tmp_path / "one")
+    r = InputReader(InputSpec(dataset={"path": "one"}, id_column="id", prompt_column="prompt"), tmp_path)
+    assert [row.id for row in r.rows()] == ["q0000", "q0001", "q0002"]
+
+
+@needs_datasets
+def test_dataset_from_the_hub_cache_offline_resume_and_shards(tmp_path, monkeypatch, hf_home):
+    cache_hub_dataset(hf_home, "tester/prompts", {"train": prompt_table(34), "test": prompt_table(4, 50)})
+
+    def make(root: Path) -> Path:
+        return dataset_job(root, {"path": "tester/prompts", "split": "train"})
+
+    out = resume_and_shards(tmp_path, monkeypatch, make, 34)
+    assert {i for i, _ in out} == {f"q{i:04d}" for i in range(34)}
+    job = load_job(tmp_path / "ref" / "job.yaml")
+    assert InputReader.for_job(job).total_rows() == (34, True)
+
+
+@needs_datasets
+def test_dataset_hub_cache_in_a_subprocess_reads_the_environment(tmp_path):
+    """The standard variables alone (HF_HOME, HF_HUB_OFFLINE) lead `batchgen run` to the cache."""
+    home = tmp_path / "hf"
+    cache_hub_dataset(home, "tester/chats", {"train": {
+        "uid": ["a", "b"], "msgs": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]}})
+    job = dataset_job(tmp_path, {"path": "tester/chats"}, id_column="uid", prompt_column=None,
+                      messages_column="msgs", carry_columns=[])
+    env = subprocess_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")
+    env.pop("HF_DATASETS_CACHE", None)
+    p = subprocess.run(batchgen_cmd("run", job), env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert {i for i, _ in outputs_by_key(tmp_path / "out")} == {"a", "b"}
+
+
+@needs_datasets
+def test_dataset_local_data_dir_configs_and_problems(tmp_path, hf_home):
+    repo = tmp_path / "repo"  # a dataset repository checked out locally: data files only
+    (repo / "data").mkdir(parents=True)
+    pq.write_table(pa.table(prompt_table(6)), repo / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table(prompt_table(2, 10)), repo / "data" / "test-00000-of-00001.parquet")
+    r = InputReader(InputSpec(dataset={"path": "repo", "split": "test"}, id_column="id", prompt_column="prompt",
+                              carry_columns=["topic"]), tmp_path)
+    assert r.check() == []
+    assert [row.id for row in r.rows()] == ["q0010", "q0011"]
+    assert [(f.name, str(f.type)) for f in r.carry_fields] == [("topic", "int64")]
+    cache_hub_dataset(hf_home, "tester/multi", {"train": prompt_table(2)}, config="small")
+    cache_hub_dataset(hf_home, "tester/multi", {"train": prompt_table(3)}, config="large")
+    r = InputReader(InputSpec(dataset={"path": "tester/multi", "name": "large"}, id_column="id",
+                              prompt_column="prompt"), tmp_path)
+    assert len(list(r.rows())) == 3
+
+    make_model(tmp_path / "model")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(prompt_table(2))}).save_to_disk(tmp_path / "saved")
+    cases = {
+        "missing dir": ({"path": "./nowhere"}, "input.dataset.path: no dataset directory at "),
+        "unknown id": ({"path": "tester/unknown"}, "input.dataset.path: cannot load dataset 'tester/unknown': "),
+        "unknown config": ({"path": "tester/multi", "name": "huge"},
+                           "input.dataset.name: cannot load dataset 'tester/multi': "),
+        "no config chosen": ({"path": "tester/multi"}, "input.dataset.name: cannot load dataset 'tester/multi': "),
+        "unknown split": ({"path": "repo", "split": "dev"},
+                          "input.dataset.split: no split 'dev' in dataset "),
+        "unknown saved split": ({"path": "saved", "split": "dev"},
+                                "input.dataset.split: no split 'dev' in "),
+        "config of a saved dir": ({"path": "saved", "name": "x"}, "input.dataset.name: "),
+        "missing column": ({"path": "saved"}, "input.prompt_column: column 'question' not found in dataset saved"),
+    }
+    for case, (dataset, expected) in cases.items():
+        spec = {"prompt_column": "question"} if case == "missing column" else {}
+        job = write_job(tmp_path / "job.yaml", job_dict(input={"paths": None, "dataset": dataset, **spec}))
+        r = cli("validate", job, "--engine", FAKE)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 1 and "Traceback" not in r.output, (case, r.output)
+        assert len(lines) == 2 and lines[0].startswith(expected), (case, lines)
+    for given, expected in (({"paths": ["in.jsonl"], "dataset": {"path": "saved"}}, "input: set one of paths"),
+                            ({"paths": None}, "input: set one of paths"),
+                            ({"paths": None, "dataset": {"path": "saved"}, "format": "csv"}, "input: format applies")):
+        r = cli("validate", write_job(tmp_path / "job.yaml", job_dict(input=given)), "--engine", FAKE)
+        assert r.exit_code == 1 and expected in r.stderr, (given, r.stderr)
+
+
+def test_missing_datasets_library_is_one_line(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ImportError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    open_split.cache_clear()
+    make_model(tmp_path / "model")
+    job = write_job(tmp_path / "job.yaml", job_dict(input={"paths": None, "dataset": {"path": "tester/x"}}))
+    r = run(job)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr.strip() == ("batchgen: error: input.dataset: needs the datasets library: "
+                                "pip install 'batchgen[datasets]'")
+
+
+def test_config_hash_holds_the_dataset_identity(tmp_path):
+    def hash_of(**dataset: Any) -> str:
+        job = write_job(tmp_path / "job.yaml", job_dict(input={"paths": None, "dataset": dataset}, model=PINNED_MODEL))
+        return load_job(job).config_hash
+
+    base = hash_of(path="org/name")
+    assert hash_of(path="org/name", split="train") == base  # the default, written out
+    for change in ({"path": "org/other"}, {"name": "cfg"}, {"split": "test"}, {"revision": "v2"}):
+        assert hash_of(**{"path": "org/name", **change}) != base, change
+    # a job reading files keeps the hash it had before input.dataset existed
+    assert load_job(write_job(tmp_path / "f.yaml", job_dict(model=PINNED_MODEL))).config_hash == PINNED_FILES_HASH
+    # derived dataset ids hold no path, so the job file's place is not in the hash
+    (tmp_path / "elsewhere").mkdir()
+    job = job_dict(input={"paths": None, "dataset": {"path": "org/name"}, "id_column": None}, model=PINNED_MODEL)
+    assert (load_job(write_job(tmp_path / "a.yaml", job)).config_hash
+            == load_job(write_job(tmp_path / "elsewhere" / "a.yaml", job)).config_hash)
+
+
+PINNED_MODEL = {"path": "/pinned/model"}
+PINNED_FILES_HASH = "cbcc5fbd31e58cc0"  # what the job's hash was before input.dataset and CSV existed
+
+
+def test_shards_partition_dataset_ids():
+    ids = [f"train:{i}" for i in range(300)]
+    owners = [sum(Shard(k, 3).owns(i) for k in range(3)) for i in ids]
+    assert owners == [1] * 300

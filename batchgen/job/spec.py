@@ -102,8 +102,18 @@ class ModelSpec(_Section):
         return {"model": str(model_path), **kw}
 
 
+class DatasetSpec(_Section):
+    """``input.dataset``: a Hugging Face dataset, from the local cache or a ``save_to_disk`` dir."""
+
+    path: str = Field(min_length=1)  # a Hub id (org/name), or a directory relative to the job file
+    name: str | None = None  # the config
+    split: str = "train"
+    revision: str | None = None
+
+
 class InputSpec(_Section):
-    paths: list[str] = Field(min_length=1)
+    paths: list[str] | None = Field(default=None, min_length=1)
+    dataset: DatasetSpec | None = None
     format: Literal["parquet", "jsonl", "csv", "tsv", "openai_batch"] | None = None
     id_column: str | None = None
     prompt_column: str | None = None
@@ -118,6 +128,10 @@ class InputSpec(_Section):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSpec:
+        if (self.paths is None) == (self.dataset is None):
+            raise ValueError("set one of paths (input files) or dataset (a Hugging Face dataset)")
+        if self.dataset is not None and self.format is not None:
+            raise ValueError("format applies to input.paths; a dataset has its own")
         if self.format == "openai_batch":
             given = [k for k in ("id_column", "prompt_column", "messages_column") if getattr(self, k)]
             if given:
@@ -320,7 +334,8 @@ class Job:
         """Hash of everything that changes what a row's output is.
 
         Left out on purpose: input paths (so files can be added), shard, engine capacity knobs,
-        rows_per_part, max_in_flight, progress. A run refuses an output dir whose parts have
+        rows_per_part, max_in_flight, progress. A dataset is in, as its job file names it
+        (path, config, split, revision). A run refuses an output dir whose parts have
         another hash unless forced.
         """
         s = self.spec
@@ -332,7 +347,7 @@ class Job:
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
         }
         _drop_later_defaults(data)
-        if s.input.id_key is None:  # derived ids contain paths relative to the job file
+        if s.input.id_key is None and s.input.dataset is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -352,7 +367,8 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("input", "check_model"): False, ("output", "format"): "parquet",
+_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("input", "check_model"): False, ("input", "dataset"): None,
+                   ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ...storage import Location, StorageOptions, location
 from ..errors import Problem
 from ..spec import InputSpec
+from . import hf_dataset
 from .rows import InputFile
 
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet",
@@ -28,12 +29,19 @@ def file_format(path: Path | Location, given: str | None) -> str | None:
 def discover(spec: InputSpec, base_dir: Path | Location, exclude: Location | None = None,
              storage: StorageOptions | None = None) -> tuple[list[InputFile], list[Problem]]:
     """Expand the input paths/globs, local or in a bucket (directories mean every known input
-    file inside, sorted). Files under ``exclude`` (the job's output dir) are never input."""
+    file inside, sorted). Files under ``exclude`` (the job's output dir) are never input.
+    ``input.dataset`` instead: its split, as one input file."""
+    if spec.dataset is not None:
+        local_base = base_dir.local if isinstance(base_dir, Location) else Path(base_dir)
+        try:
+            return [hf_dataset.find(spec.dataset, local_base)], []
+        except hf_dataset.DatasetProblem as e:
+            return [], [Problem(e.field, e.message)]
     files: list[InputFile] = []
     problems: list[Problem] = []
     seen: set[Location] = set()
     base = location(base_dir)
-    for i, pattern in enumerate(spec.paths):
+    for i, pattern in enumerate(spec.paths or []):
         try:
             matches = _matches(location(pattern, base, storage))
         except OSError as e:

@@ -25,6 +25,7 @@ from ..spec import InputSpec, Job
 from . import openai_batch
 from .csv import DELIMITERS, CsvColumns, CsvSource
 from .discover import discover
+from .hf_dataset import DatasetSource
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
@@ -32,7 +33,7 @@ from .rows import CHAT, COMPLETION, BadValue, InputFile, InputId, Record, Row, S
 from .values import check_carried, check_messages, check_prompt, clean_messages, decode, encodable, type_name
 
 _COUNT_BYTES_LIMIT = 1 << 30  # count the rows of files without a row count only below this many bytes
-_COUNTED = frozenset({"parquet"})  # formats that know their row count without a scan
+_COUNTED = frozenset({"parquet", "dataset"})  # formats that know their row count without a scan
 
 
 class _FirstSeen:
@@ -85,6 +86,8 @@ class InputReader:
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
             return ParquetSource(f, self._carry_types)
+        if f.format == "dataset":
+            return DatasetSource(f, self._carry_types)
         if f.format in DELIMITERS:
             return CsvSource(f, self._csv_columns())
         return JsonlSource(f, self.warnings)
@@ -150,15 +153,15 @@ class InputReader:
 
     @property
     def carry_fields(self) -> list[pa.Field]:
-        """Arrow fields of the carried columns: the first Parquet file's types; for CSV the
-        types pyarrow infers from the first block of the first file (int64, float64, bool, else
-        text); for JSONL the kind of the first non-null value (strings, ints, floats, bools;
-        anything else as JSON)."""
+        """Arrow fields of the carried columns: the first Parquet file's types, or the dataset's;
+        for CSV the types pyarrow infers from the first block of the first file (int64, float64,
+        bool, else text); for JSONL the kind of the first non-null value (strings, ints, floats,
+        bools; anything else as JSON)."""
         cols = self.spec.carry_columns
         if not cols or not self.files:
             return [pa.field(c, pa.string()) for c in cols]
         first = self._source(self.files[0])
-        if isinstance(first, ParquetSource):
+        if isinstance(first, (ParquetSource, DatasetSource)):
             schema = first.schema
             self._carry_types.update({c: schema.field(c).type for c in cols})
             return [schema.field(c) for c in cols]

@@ -31,15 +31,30 @@ BAD_UTF8 = BadValue("invalid UTF-8")
 
 
 @dataclass(frozen=True)
+class DatasetRef:
+    """A Hugging Face dataset split, as ``input.dataset`` names it once resolved."""
+
+    path: str  # a local directory (absolute) or a Hub id
+    name: str | None  # the config
+    split: str
+    revision: str | None
+    saved: bool  # a save_to_disk directory (no configs, no revisions)
+
+
+@dataclass(frozen=True)
 class InputFile:
-    path: Location
+    """A file of rows, or a dataset split (``path`` None, ``dataset`` set)."""
+
+    path: Location | None
     format: str
-    name: str  # as shown in messages and used in derived ids
+    name: str  # used in derived ids (``<name>:<row>``) and, unless ``label`` is set, in messages
+    label: str = ""
+    dataset: DatasetRef | None = None
 
     @property
     def shown(self) -> str:
-        """The file in messages."""
-        return self.name
+        """The file (or dataset split) in messages."""
+        return self.label or self.name
 
     def where(self, index: int) -> str:
         """A row's place in messages: JSONL lines count from 1, rows of other formats from 0."""
