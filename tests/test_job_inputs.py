@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from jobkit import (
     FAKE,
+    REPO,
     batchgen_cmd,
     cli,
     job_dict,
@@ -40,7 +42,7 @@ from batchgen.job.inputs import InputReader
 from batchgen.job.inputs import csv as csv_input
 from batchgen.job.inputs.hf_dataset import open_split
 from batchgen.job.shard import Shard
-from batchgen.job.spec import InputSpec, load_job
+from batchgen.job.spec import InputSpec, load_job, parse_job
 from batchgen.storage import Location
 
 try:
@@ -240,17 +242,24 @@ def test_csv_run_resume_and_shards_exactly_once(tmp_path, monkeypatch, name):
 
 def test_csv_run_bad_rows_become_error_rows_once(tmp_path):
     make_model(tmp_path / "model")
-    (tmp_path / "in.csv").write_bytes(b'id,prompt,topic\na,fine,1\nb,,2\nc,"ok",3,4\nd,fine,x\n')
-    job = setup_job(tmp_path, rows=0, input={"paths": ["in.csv"]})
+    (tmp_path / "in.csv").write_bytes(b'id,prompt,topic,mt,temp\na,fine,1,1,0.5\nb,,2,,\nc,"ok",3,4\n'
+                                      b'd,fine,x,,\ne,fine,5,lots,\n')
+    job = setup_job(tmp_path, rows=0, input={"paths": ["in.csv"]},
+                    sampling={"overrides": {"max_tokens": "mt", "temperature": "temp"}})
     r = run(job)
     assert r.exit_code == 0, r.output
-    assert "4 this run (2 errors)" in r.stdout
+    assert "5 this run (3 errors)" in r.stdout
     rows = read_rows(tmp_path / "out")
     errors = {row["id"]: row["error"] for row in rows if row["error"]}
     assert errors == {"b": "in.csv row 1: field 'prompt': empty prompt",
                       "in.csv:malformed-0": "in.csv malformed-0: malformed CSV line: 4 fields where the header "
-                                            "has 3: 'c,\"ok\",3,4'"}
+                                            "has 5: 'c,\"ok\",3,4'",
+                      "e": "in.csv row 3: field 'mt' (sampling.max_tokens override): Input should be a valid "
+                           "integer, unable to parse string as an integer (got 'lots')"}
     assert sorted({row["topic"] for row in rows if row["id"] in "ad"}) == ["1", "x"]  # "x" made it text
+    # override cells are text made values by the sampling field; an empty cell is the job's value
+    assert [row["num_output_tokens"] for row in rows if row["id"] == "a"] == [1, 1]
+    assert max(row["num_output_tokens"] for row in rows if row["id"] == "d") > 1
     assert "nothing to do" in run(job).stdout
 
 
@@ -442,6 +451,8 @@ def test_dataset_local_data_dir_configs_and_problems(tmp_path, hf_home):
         assert r.exit_code == 1 and "Traceback" not in r.output, (case, r.output)
         assert len(lines) == 2 and lines[0].startswith(expected), (case, lines)
     for given, expected in (({"paths": ["in.jsonl"], "dataset": {"path": "saved"}}, "input: set one of paths"),
+                            ({"paths": None, "dataset": {"path": "saved", "split": "train[:1]"}},
+                             "input.dataset.split: a split's name such as train or test, not 'train[:1]'"),
                             ({"paths": None}, "input: set one of paths"),
                             ({"paths": None, "dataset": {"path": "saved"}, "format": "csv"}, "input: format applies")):
         r = cli("validate", write_job(tmp_path / "job.yaml", job_dict(input=given)), "--engine", FAKE)
@@ -494,3 +505,13 @@ def test_shards_partition_dataset_ids():
     ids = [f"train:{i}" for i in range(300)]
     owners = [sum(Shard(k, 3).owns(i) for k in range(3)) for i in ids]
     assert owners == [1] * 300
+
+
+def test_docs_job_files_are_complete():
+    """Every job file in docs/input-formats.md passes the job file's schema as it is."""
+    text = (REPO / "docs" / "input-formats.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) >= 6
+    for block in blocks:
+        job = parse_job(block, REPO)
+        assert job.spec.output.dir and (job.spec.input.paths or job.spec.input.dataset)

@@ -110,6 +110,14 @@ class DatasetSpec(_Section):
     split: str = "train"
     revision: str | None = None
 
+    @field_validator("split")
+    @classmethod
+    def _split_name(cls, v: str) -> str:
+        if not re.fullmatch(r"\w[\w.-]*", v):
+            raise ValueError(f"a split's name such as train or test, not {v!r}: ids are <split>:<row>, so "
+                             "split expressions (train[:100]) are not taken; shards divide a split")
+        return v
+
 
 class InputSpec(_Section):
     paths: list[str] | None = Field(default=None, min_length=1)

@@ -98,7 +98,7 @@ def open_split(ref: DatasetRef) -> Any:
         except Exception as e:  # datasets' builders raise anything
             raise DatasetProblem("input.dataset.path", f"cannot prepare dataset {ref.path!r}: {_one_line(e)}") from None
         splits = list(builder.info.splits or {})
-        if splits and _split_name(ref.split) not in splits:
+        if splits and ref.split not in splits:
             raise DatasetProblem("input.dataset.split", f"no split {ref.split!r} in dataset {ref.path!r} "
                                                         f"(splits: {', '.join(splits)})")
         try:
@@ -141,11 +141,6 @@ def _saved_split(datasets: Any, ref: DatasetRef) -> Any:
         raise DatasetProblem("input.dataset.split", f"{ref.path} holds split {str(saved.split)!r}, "
                                                     f"not {ref.split!r}")
     return saved
-
-
-def _split_name(split: str) -> str:
-    """``train`` of a split expression such as ``train[:10%]``."""
-    return re.split(r"[\[+]", split, maxsplit=1)[0].strip()
 
 
 class DatasetSource:
