@@ -101,7 +101,7 @@ class CsvSource:
             except StopIteration:
                 pass
             except (OSError, pa.ArrowException) as e:
-                raise JobError(f"cannot read input file {self.file.name}: {e}") from None
+                raise JobError(f"cannot read input file {self.file.name}: {_one_line(e)}") from None
             return {c: _INFERRED.get(reader.schema.field(c).type, "string") for c in columns}
 
     def records(self, columns: list[str], parse: bool = True) -> Iterator[Record]:
@@ -122,7 +122,8 @@ class CsvSource:
                 except StopIteration:
                     break
                 except (OSError, pa.ArrowException) as e:
-                    raise JobError(f"cannot read input file {self.file.name} near row {index}: {e}") from None
+                    why = _one_line(e)
+                    raise JobError(f"cannot read input file {self.file.name} near row {index}: {why}") from None
                 values = {c: self._values(c, batch.column(c)) for c in columns} if parse else {}
                 for j in range(batch.num_rows):
                     yield Record(index, {c: values[c][j] for c in columns} if parse else None)
