@@ -257,7 +257,7 @@ def test_storage_mistakes_are_one_line(tmp_path, bucket, s3_server):
     r = run(tmp_path / "missing.yaml")
     assert r.exit_code == 1 and "no-such-bucket-here: no such bucket" in r.output, r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
-    v = cli("validate", tmp_path / "missing.yaml")  # validate finds it too, at its field
+    v = cli("validate", tmp_path / "missing.yaml", "--engine", "fake_llm:FakeLLM")  # validate finds it too
     assert v.exit_code == 1 and "output.dir: s3://no-such-bucket-here: no such bucket" in v.output, v.output
     no_input = job.read_text().replace(f"{bucket}/prompts/*.jsonl", f"{bucket}/nothing/*.jsonl")
     (tmp_path / "noinput.yaml").write_text(no_input)
@@ -305,7 +305,7 @@ def test_a_large_bucket_input_is_streamed_not_downloaded(tmp_path, bucket, fmt):
     """A ~64 MB object is read as a stream: the first rows come before the rest is fetched."""
     import psutil
 
-    from batchgen.job.reader import InputReader
+    from batchgen.job.inputs import InputReader
     from batchgen.job.spec import InputSpec
 
     rows, pad = 25_000, "x" * 2_500

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jobkit import write_jsonl, write_parquet
 
-from batchgen.job.reader import InputReader
+from batchgen.job.inputs import InputReader
 from batchgen.job.shard import Shard
 from batchgen.job.spec import InputSpec
 

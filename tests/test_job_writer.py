@@ -8,7 +8,7 @@ import pytest
 
 from batchgen import __version__
 from batchgen.job.errors import JobError
-from batchgen.job.reader import Row
+from batchgen.job.inputs import Row
 from batchgen.job.shard import Shard
 from batchgen.job.writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
 from batchgen.outputs import CompletionOutput, RequestOutput

@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 from ..storage import Location, location
 from .errors import JobError
 from .files import write_whole
+from .inputs import InputReader
 from .part_formats import format_of
-from .reader import InputReader
 from .saved import load_saved_job
 from .writer import complete_ids, list_parts
 

@@ -25,13 +25,13 @@ from ..outputs import RequestOutput
 from . import saved
 from .engine import EngineFactory, build_engine
 from .errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
+from .inputs import InputReader, Row, ignored_summary
 from .lock import ShardLock
 from .merge import merge
-from .openai_batch import ResponseLines, ignored_summary
+from .openai_batch import ResponseLines
 from .params import ParamsBuilder, RowParamsError
 from .part_formats import part_format
 from .progress import Plan, Reporter, Snapshot, make_reporter
-from .reader import InputReader, Row
 from .shard import Shard
 from .spec import Job
 from .writer import PartWriter, SampleRows, list_parts, output_schema, recover

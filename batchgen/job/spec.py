@@ -104,9 +104,27 @@ class ModelSpec(_Section):
         return {"model": str(model_path), **kw}
 
 
+class DatasetSpec(_Section):
+    """``input.dataset``: a Hugging Face dataset, from the local cache or a ``save_to_disk`` dir."""
+
+    path: str = Field(min_length=1)  # a Hub id (org/name), or a directory relative to the job file
+    name: str | None = None  # the config
+    split: str = "train"
+    revision: str | None = None
+
+    @field_validator("split")
+    @classmethod
+    def _split_name(cls, v: str) -> str:
+        if not re.fullmatch(r"\w[\w.-]*", v):
+            raise ValueError(f"a split's name such as train or test, not {v!r}: ids are <split>:<row>, so "
+                             "split expressions (train[:100]) are not taken; shards divide a split")
+        return v
+
+
 class InputSpec(_Section):
-    paths: list[str] = Field(min_length=1)
-    format: Literal["parquet", "jsonl", "openai_batch"] | None = None
+    paths: list[str] | None = Field(default=None, min_length=1)
+    dataset: DatasetSpec | None = None
+    format: Literal["parquet", "jsonl", "csv", "tsv", "openai_batch"] | None = None
     id_column: str | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
@@ -120,6 +138,10 @@ class InputSpec(_Section):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSpec:
+        if (self.paths is None) == (self.dataset is None):
+            raise ValueError("set one of paths (input files) or dataset (a Hugging Face dataset)")
+        if self.dataset is not None and self.format is not None:
+            raise ValueError("format applies to input.paths; a dataset has its own")
         if self.format == "openai_batch":
             given = [k for k in ("id_column", "prompt_column", "messages_column") if getattr(self, k)]
             if given:
@@ -329,7 +351,8 @@ class Job:
         """Hash of everything that changes what a row's output is.
 
         Left out on purpose: input paths (so files can be added), shard, engine capacity knobs,
-        rows_per_part, max_in_flight, progress. A run refuses an output dir whose parts have
+        rows_per_part, max_in_flight, progress. A dataset is in, as its job file names it
+        (path, config, split, revision). A run refuses an output dir whose parts have
         another hash unless forced.
         """
         s = self.spec
@@ -341,7 +364,7 @@ class Job:
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
         }
         _drop_later_defaults(data)
-        if s.input.id_key is None:  # derived ids contain paths relative to the job file
+        if s.input.id_key is None and s.input.dataset is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -362,6 +385,7 @@ class Job:
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
 _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("input", "check_model"): False,
+                   ("input", "dataset"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}

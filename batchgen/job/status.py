@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..storage import Location, location
 from ..storage.locks import lock_states
+from .inputs import InputReader
 from .lock import LOCK_DIR, LOCK_RE
-from .reader import InputReader
 from .saved import load_saved_job, read_saved
 from .shard import Shard, shard_of
 from .writer import list_parts, read_part

@@ -14,7 +14,7 @@ from ..models.resolve import fetch_note, locate_model, model_source
 from ..storage import Location, StorageOptions, location
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
-from .reader import InputReader, discover
+from .inputs import InputReader, discover
 from .spec import (
     InputSpec,
     Job,
@@ -55,13 +55,16 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
         output = _part(OutputSpec, raw.get("output"))
         try:
             exclude = None if output is None else location(output.dir, base_dir, storage)
-            if exclude is not None and not exclude.is_local:
-                exclude.prepare_dir()  # the bucket exists and answers (creates nothing)
         except OSError as e:
             problems.append(Problem("output.dir", str(e)))
             exclude = None
         overrides = sampling.overrides if sampling is not None else {}
         problems += input_problems(inp, base_dir, overrides, exclude, warnings, storage)
+        if exclude is not None and not exclude.is_local and not problems:  # one line for one cause
+            try:
+                exclude.prepare_dir()  # the bucket exists and answers (creates nothing)
+            except OSError as e:
+                problems.append(Problem("output.dir", str(e)))
     if problems:
         raise JobInvalid(sorted(problems, key=_section_rank))
     return Job(spec=JobSpec.model_validate(raw), base_dir=base_dir, text=text, source=source, warnings=warnings)

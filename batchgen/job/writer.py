@@ -30,8 +30,8 @@ import pyarrow.compute as pc
 from ..outputs import RequestOutput
 from ..storage import FileInfo, Location, location
 from .errors import JobError
+from .inputs import Row
 from .part_formats import ParquetParts, PartFormat, format_of
-from .reader import Row
 from .shard import Shard
 from .structured import parsed_json
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
+from ..job.inputs import InputReader
 from ..job.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
-from ..job.reader import InputReader
 from ..job.shard import Shard
 from ..job.spec import Job
 

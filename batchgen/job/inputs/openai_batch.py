@@ -1,0 +1,146 @@
+"""OpenAI Batch request files (``input.format: openai_batch``): JSONL lines of
+``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
+(``body.messages``) or ``/v1/completions`` (``body.prompt``).
+
+The body's sampling fields become the row's overrides of the job's ``sampling``; SamplingParams
+field names are accepted too (``top_k``, ``min_tokens``, ... as vLLM's server does). Fields that
+change nothing here (``stream``, ``user``, ``logit_bias``, ...) are ignored and counted.
+The response lines are the output side's (``job/openai_batch.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...sampling_params import SamplingParams
+from .rows import CHAT, COMPLETION
+
+ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+# Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
+# penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
+_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs"}
+
+
+class RequestError(ValueError):
+    """A request line that cannot be served; its message names the field."""
+
+
+@dataclass
+class BatchRequest:
+    endpoint: str  # CHAT | COMPLETION
+    prompt: Any  # body.messages or body.prompt, as written (the reader checks its shape)
+    overrides: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
+    sources: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> the body field it came from
+    model: str | None = None
+    ignored: list[str] = field(default_factory=list)  # body fields that change nothing here
+
+    @property
+    def prompt_field(self) -> str:
+        return "body.messages" if self.endpoint == CHAT else "body.prompt"
+
+
+def parse_request(obj: dict[str, Any]) -> BatchRequest:
+    """The request of one line (``custom_id`` is read by the reader, as any id column)."""
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise RequestError(f"field 'method': must be POST, got {method!r}")
+    url = obj.get("url")
+    if url not in ENDPOINTS:
+        raise RequestError(f"field 'url': must be one of {', '.join(ENDPOINTS)}, got {url!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError(f"field 'body': expected an object, got {type(body).__name__}")
+    endpoint = ENDPOINTS[url]
+    prompt_key = "messages" if endpoint == CHAT else "prompt"
+    req = BatchRequest(endpoint, _prompt(endpoint, body.get(prompt_key)))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"field 'body.model': expected a string, got {type(model).__name__}")
+    req.model = model
+    for key, value in body.items():
+        if key in (prompt_key, "model") or value is None:
+            continue
+        if key in _NATIVE:
+            req.overrides[key] = value
+            req.sources[key] = f"body.{key}"
+        elif key == "max_completion_tokens" and endpoint == CHAT:
+            req.overrides["max_tokens"] = value
+            req.sources["max_tokens"] = "body.max_completion_tokens"
+        elif key in ("logprobs", "top_logprobs"):
+            continue  # below
+        elif key == "response_format":
+            constraint = _response_format(value)
+            if constraint is not None:
+                req.overrides["structured_outputs"] = constraint
+                req.sources["structured_outputs"] = "body.response_format"
+        else:
+            req.ignored.append(key)
+    _logprobs(endpoint, body, req)
+    return req
+
+
+def _prompt(endpoint: str, value: Any) -> Any:
+    """Chat content given as a list of text parts becomes one string (parts joined by newlines)."""
+    if endpoint == COMPLETION:
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            raise RequestError("field 'body.prompt': one prompt per line (a list of strings is a batch)")
+        return value
+    if not isinstance(value, list):
+        return value
+    out = []
+    for i, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"field 'body.messages': message [{i}].content: only text parts are "
+                                       f"supported, got {kind or type(part).__name__!r}")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """``response_format`` as a structured-outputs constraint (None: plain text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("field 'body.response_format.json_schema.schema': expected a JSON schema object")
+        return {"json": schema}
+    raise RequestError(f"field 'body.response_format': type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _logprobs(endpoint: str, body: dict[str, Any], req: BatchRequest) -> None:
+    """Chat: ``logprobs: true`` and ``top_logprobs: k``; completions: ``logprobs: k``."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if endpoint == COMPLETION:
+        if top is not None:
+            req.ignored.append("top_logprobs")
+        if asked is not None:
+            req.overrides["logprobs"], req.sources["logprobs"] = asked, "body.logprobs"
+        return
+    if asked is not None and not isinstance(asked, bool):
+        raise RequestError(f"field 'body.logprobs': expected true or false, got {asked!r}")
+    if top is not None and not asked:
+        raise RequestError("field 'body.top_logprobs': needs \"logprobs\": true")
+    if asked:
+        req.overrides["logprobs"] = 0 if top is None else top
+        req.sources["logprobs"] = "body.top_logprobs" if top is not None else "body.logprobs"
+
+
+def ignored_summary(counts: Counter[str]) -> str | None:
+    if not counts:
+        return None
+    listed = ", ".join(f"{k} ({n:,} rows)" for k, n in counts.most_common())
+    return f"openai_batch: body fields ignored (they change nothing here): {listed}"

@@ -1,0 +1,56 @@
+"""Parquet input: the footer first, then only the needed columns, one batch at a time (a bucket
+object is fetched in ranges as pyarrow asks for them). Rows are numbered from 0 in each file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import JobError
+from .arrow import BATCH_ROWS, batch_records
+from .rows import InputFile, Record
+
+
+class ParquetSource:
+    strict = True
+
+    def __init__(self, f: InputFile, types: Mapping[str, pa.DataType] | None = None):
+        """``types``: the Arrow types carried columns must have (the first file's)."""
+        self.file = f
+        self.types = types or {}
+
+    @cached_property
+    def parquet(self) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(self.file.path.arrow_source())
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read input file {self.file.name}: {e}") from None
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.parquet.schema_arrow
+
+    def column_names(self) -> set[str]:
+        return set(self.schema.names)
+
+    def count(self) -> tuple[int, bool]:
+        return self.parquet.metadata.num_rows, True
+
+    def records(self, columns: list[str], parse: bool = True) -> Iterator[Record]:
+        if not parse:
+            yield from (Record(i, None) for i in range(self.parquet.metadata.num_rows))
+            return
+        missing = [c for c in columns if c not in self.schema.names]
+        if missing:
+            raise JobError(f"input file {self.file.name} has no column {missing[0]!r}")
+        index = 0
+        try:
+            batches = self.parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            for record in batch_records(batches, columns, self.types, self.file.name):
+                index = record.index
+                yield record
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read input file {self.file.name} near row {index}: {e}") from None

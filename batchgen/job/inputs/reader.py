@@ -1,0 +1,292 @@
+"""Streaming input: the rows of a job's input files, sharded, skipping rows already done.
+
+Each format (``parquet.py``, ``jsonl.py``, ...) reads its files as streams and hands over
+records; this module makes rows of them: ids, duplicates, the prompt, overrides and carried
+values. Bad rows are yielded with ``Row.error`` naming the file, the row and the field. Missing
+files or columns are job-level problems (``check``), found before anything runs.
+
+Row ids: the ``id_column`` value, or ``<file>:<row>`` (file relative to the job file, row as its
+format numbers it: from 0; for JSONL the physical line, so ids stay put when lines are appended).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Container, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ...storage import Location, StorageOptions
+from ..errors import JobError, JobInvalid, Problem
+from ..shard import Shard
+from ..spec import InputSpec, Job
+from . import openai_batch
+from .csv import DELIMITERS, CsvColumns, CsvSource
+from .discover import discover
+from .hf_dataset import DatasetSource
+from .jsonl import INFER_LINES, JsonlSource, infer_kinds
+from .kinds import KIND_TYPES, coerce
+from .parquet import ParquetSource
+from .rows import CHAT, COMPLETION, BadValue, InputFile, InputId, Record, Row, Source
+from .values import check_carried, check_messages, check_prompt, clean_messages, decode, encodable, type_name
+
+_COUNT_BYTES_LIMIT = 1 << 30  # count the rows of files without a row count only below this many bytes
+_COUNTED = frozenset({"parquet", "dataset"})  # formats that know their row count without a scan
+
+
+class _FirstSeen:
+    """Where each id was first read. Ids are compared as read, in file then row order, so the
+    first row of an id is the same in every run, whatever was done before."""
+
+    def __init__(self, files: list[InputFile]):
+        self._files = files
+        self._first: dict[str, int] = {}
+
+    def check(self, row_id: str, file_no: int, index: int, column: str) -> tuple[str, str | None]:
+        """(row_id, None) for an id's first row; for a later one its own ``<file>:<row>`` id and
+        the error naming the first row."""
+        key = file_no << 40 | index
+        first = self._first.setdefault(row_id, key)
+        if first == key:
+            return row_id, None
+        f = self._files[file_no]
+        where = self._files[first >> 40].where(first & ((1 << 40) - 1))
+        return f"{f.name}:{index}", (f"field {column!r}: duplicate id {row_id!r}, first at {where}; "
+                                     "only that row is generated")
+
+
+class InputReader:
+    """Rows of all input files of a job, in file order then row order."""
+
+    def __init__(self, spec: InputSpec, base_dir: Path | Location, overrides: Mapping[str, str] | None = None,
+                 files: list[InputFile] | None = None, exclude: Location | None = None,
+                 model_name: str | None = None, storage: StorageOptions | None = None):
+        """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given.
+        ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows."""
+        self.spec = spec
+        self.overrides = dict(overrides or {})
+        self.model_name = model_name
+        self.ignored_fields: Counter[str] = Counter()  # OpenAI batch body fields that change nothing
+        if files is None:
+            files, problems = discover(spec, base_dir, exclude, storage)
+            if problems:
+                raise JobInvalid(problems)
+        self.files = files
+        self.warnings: list[str] = []
+        self._carry_kinds: dict[str, str] = {}  # formats without a schema: each carried column's kind
+        self._carry_types: dict[str, pa.DataType] = {}  # formats with one: the first file's Arrow types
+
+    @classmethod
+    def for_job(cls, job: Job) -> InputReader:
+        return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
+                   model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage)
+
+    def _source(self, f: InputFile) -> Source:
+        if f.format == "parquet":
+            return ParquetSource(f, self._carry_types)
+        if f.format == "dataset":
+            return DatasetSource(f, self._carry_types)
+        if f.format in DELIMITERS:
+            return CsvSource(f, self._csv_columns())
+        return JsonlSource(f, self.warnings)
+
+    def _csv_columns(self) -> CsvColumns:
+        s = self.spec
+        return CsvColumns(json=frozenset([s.messages_column] if s.messages_column else []),
+                          optional=frozenset(self.overrides.values()),
+                          kinds={c: k for c, k in self._carry_kinds.items() if c not in self._read_otherwise()})
+
+    def _read_otherwise(self) -> set[str]:
+        """Columns read for the id, the prompt or an override: carried as read for that."""
+        s = self.spec
+        return {c for c in (s.id_key, s.prompt_column, s.messages_column, *self.overrides.values()) if c}
+
+    # ----------------------------------------------------------------------------- checks, schema
+
+    def needed_columns(self) -> list[tuple[str, str]]:
+        """(job file path, column) for every column the job reads."""
+        s = self.spec
+        if s.format == "openai_batch":
+            cols = [("input.format", "custom_id"), ("input.format", "url"), ("input.format", "body")]
+        else:
+            cols = [("input.id_column", s.id_column)] if s.id_column else []
+            cols.append(("input.prompt_column" if s.prompt_column else "input.messages_column", s.source_column))
+        cols += [(f"sampling.overrides.{k}", v) for k, v in self.overrides.items()]
+        cols += [(f"input.carry_columns[{i}]", c) for i, c in enumerate(s.carry_columns)]
+        return cols
+
+    def _columns(self) -> list[str]:
+        return list(dict.fromkeys(c for _, c in self.needed_columns()))
+
+    def check(self) -> list[Problem]:
+        """Missing columns and unreadable files, as problems naming the job-file field.
+
+        A file with a schema or header (Parquet) must have every column the job reads. A JSONL
+        line may lack any column, which then is null in its row (an override's null means the
+        job's value), so a JSONL file is refused only when none of its first lines has the id
+        or prompt column (surely a misspelt name); an optional column found in none of them is
+        a warning.
+        """
+        problems: list[Problem] = []
+        required = {self.spec.id_key, self.spec.source_column}
+        for f in self.files:
+            source = self._source(f)
+            try:
+                names = source.column_names()
+            except JobError as e:
+                problems.append(Problem("input.paths", str(e)))
+                continue
+            if names is None:  # an empty file: nothing to check yet
+                continue
+            for where, col in self.needed_columns():
+                if col in names:
+                    continue
+                if not source.strict and col not in required:
+                    self.warnings.append(f"{where}: column {col!r} is in none of the first {INFER_LINES} "
+                                         f"lines of {f.shown}; rows without it take null there")
+                    continue
+                have = ", ".join(sorted(names)[:20]) or "none"
+                problems.append(Problem(where, f"column {col!r} not found in {f.shown} (columns: {have})"))
+        return problems
+
+    @property
+    def carry_fields(self) -> list[pa.Field]:
+        """Arrow fields of the carried columns: the first Parquet file's types, or the dataset's;
+        for CSV the types pyarrow infers from the first block of the first file (int64, float64,
+        bool, else text); for JSONL the kind of the first non-null value (strings, ints, floats,
+        bools; anything else as JSON)."""
+        cols = self.spec.carry_columns
+        if not cols or not self.files:
+            return [pa.field(c, pa.string()) for c in cols]
+        first = self._source(self.files[0])
+        if isinstance(first, (ParquetSource, DatasetSource)):
+            schema = first.schema
+            self._carry_types.update({c: schema.field(c).type for c in cols})
+            return [schema.field(c) for c in cols]
+        if not self._carry_kinds:
+            if isinstance(first, CsvSource):
+                other = self._read_otherwise()
+                inferred = first.infer_kinds([c for c in cols if c not in other])
+                json_col = self.spec.messages_column
+                kinds = {c: inferred.get(c, "json" if c == json_col else "string") for c in cols}
+            else:
+                kinds = infer_kinds([JsonlSource(f, self.warnings) for f in self.files], cols)
+            self._carry_kinds.update(kinds)
+        return [pa.field(c, KIND_TYPES[self._carry_kinds[c]]) for c in cols]
+
+    def total_rows(self) -> tuple[int | None, bool]:
+        """(rows in all files, exact?) cheaply: Parquet footers, or a newline count for small JSONL."""
+        total = 0
+        exact = True
+        sources = [self._source(f) for f in self.files]
+        scanned = sum(s.file.path.info().size for s in sources if s.file.format not in _COUNTED)
+        if scanned > _COUNT_BYTES_LIMIT:
+            return None, False
+        for s in sources:
+            n, n_exact = s.count()
+            if n is None:
+                return None, False
+            total += n
+            exact = exact and n_exact
+        return total, exact
+
+    # ------------------------------------------------------------------------------------- rows
+
+    def rows(self, shard: Shard | None = None, skip: Container[str] = ()) -> Iterator[Row]:
+        """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set.
+
+        A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
+        id, so each id is generated once, from its first row, and a rerun skips both.
+        """
+        if self.spec.carry_columns:
+            _ = self.carry_fields  # fixes the carried types before the first row
+        seen = _FirstSeen(self.files) if self.spec.id_key else None
+        columns = self._columns()
+        for file_no, f in enumerate(self.files):
+            for record in self._source(f).records(columns):
+                row_id, id_error = self._row_id(f, record)
+                if shard is not None and not shard.owns(row_id):
+                    continue
+                if seen is not None and id_error is None and record.values is not None:
+                    row_id, id_error = seen.check(row_id, file_no, record.index, self.spec.id_key or "")
+                if row_id in skip:
+                    continue
+                where = f.place(record)[1]
+                row = Row(id=row_id, where=where)
+                row.error = record.error or id_error or self._fill(row, record.values or {})
+                if row.error:
+                    row.error = f"{where}: {row.error}"
+                    row.prompt, row.overrides, row.carry = None, {}, {}
+                yield row
+
+    def ids(self) -> Iterator[InputId]:
+        """Every row's ids (bad rows included), reading as little as possible; for ``status``."""
+        id_key = self.spec.id_key
+        seen = _FirstSeen(self.files) if id_key else None
+        for file_no, f in enumerate(self.files):
+            for record in self._source(f).records([id_key] if id_key else [], parse=id_key is not None):
+                row_id, id_error = self._row_id(f, record)
+                if seen is None or id_error is not None or record.values is None:
+                    yield InputId(row_id)
+                    continue
+                out_id, dup_error = seen.check(row_id, file_no, record.index, id_key or "")
+                yield InputId(out_id, row_id, dup_error and f"{f.where(record.index)}: {dup_error}")
+
+    def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
+        fallback = f.place(record)[0]
+        col = self.spec.id_key
+        if col is None or record.values is None:
+            return fallback, None
+        v = decode(record.values.get(col))
+        if v is None:
+            return fallback, f"field {col!r}: missing id"
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            return fallback, f"field {col!r}: id must be a string or an integer, got {type_name(v)}"
+        v = str(v)
+        if not v or not encodable(v):
+            return fallback, f"field {col!r}: id is empty or not valid Unicode"
+        return v, None
+
+    def _fill(self, row: Row, record: Mapping[str, Any]) -> str | None:
+        """Set prompt, overrides and carried values from a record; return an error or None.
+
+        An OpenAI batch request line brings its prompt in its body and the body's sampling
+        fields as overrides; a column override still wins (the job chose that column)."""
+        s = self.spec
+        request = None
+        if s.format == "openai_batch":
+            try:
+                request = openai_batch.parse_request(dict(record))
+            except openai_batch.RequestError as e:
+                return str(e)
+            value, row.prompt_field, row.endpoint = request.prompt, request.prompt_field, request.endpoint
+            row.overrides, row.sources = request.overrides, request.sources
+        else:
+            value, row.prompt_field = decode(record.get(s.source_column)), s.source_column
+            row.endpoint = CHAT if s.messages_column else COMPLETION
+        chat = row.endpoint == CHAT
+        error = check_messages(value) if chat else check_prompt(value)
+        if error:
+            return f"field {row.prompt_field!r}: {error}"
+        if request is not None:
+            if self.model_name is not None and request.model not in (None, self.model_name):
+                return f"field 'body.model': {request.model!r} is not this job's model {self.model_name!r}"
+            self.ignored_fields.update(request.ignored)
+        row.prompt = clean_messages(value) if chat else value
+        for key, col in self.overrides.items():
+            v = decode(record.get(col))
+            if isinstance(v, BadValue):
+                return f"field {col!r}: {v.why}"
+            if v is not None:
+                row.overrides[key] = v
+                row.sources.pop(key, None)
+        for col in s.carry_columns:
+            v = record.get(col)
+            if col in self._carry_kinds:
+                v = coerce(v, self._carry_kinds[col])
+            if error := check_carried(v):
+                return f"field {col!r}: {error}"
+            row.carry[col] = v
+        return None

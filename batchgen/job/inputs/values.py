@@ -1,0 +1,82 @@
+"""Checks of a row's values, the same for every format: the prompt, chat messages, text.
+
+Each check returns why a value is refused (the reader prefixes the file, row and field) or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import BAD_UTF8, BadValue
+
+
+def decode(v: Any) -> Any:
+    """Bytes as text (``BAD_UTF8`` when they are not UTF-8); anything else as it is."""
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            return BAD_UTF8
+    return v
+
+
+def encodable(s: str) -> bool:
+    """False for text with lone surrogates (JSON can carry them; no output file can)."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def type_name(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def check_prompt(v: Any) -> str | None:
+    if v is None:
+        return "missing or null"
+    if isinstance(v, BadValue):
+        return v.why
+    if isinstance(v, str):
+        if not v.strip():
+            return "empty prompt"
+        return None if encodable(v) else "not valid Unicode (lone surrogate)"
+    if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
+        return None
+    return f"expected a string or a non-empty list of token ids, got {type_name(v)}"
+
+
+def check_messages(v: Any) -> str | None:
+    if v is None:
+        return "missing or null"
+    if isinstance(v, BadValue):
+        return v.why
+    if not isinstance(v, list) or not v:
+        return f"expected a non-empty list of {{role, content}} messages, got {type_name(v)}"
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            return f"message [{i}]: expected an object with role and content, got {type_name(m)}"
+        for key in ("role", "content"):
+            x = decode(m.get(key))
+            if isinstance(x, BadValue):
+                return f"message [{i}].{key}: {x.why}"
+            if not isinstance(x, str) or (key == "role" and not x):
+                return f"message [{i}].{key}: expected a string, got {type_name(x)}"
+            if not encodable(x):
+                return f"message [{i}].{key}: not valid Unicode"
+    return None
+
+
+def clean_messages(v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop null keys (Parquet structs have every field) and decode bytes."""
+    return [{k: decode(x) for k, x in m.items() if x is not None} for m in v]
+
+
+def check_carried(v: Any) -> str | None:
+    if isinstance(v, BadValue):
+        return v.why
+    if isinstance(v, str) and not encodable(v):
+        return "not valid Unicode (lone surrogate)"
+    return None
