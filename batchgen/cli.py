@@ -82,7 +82,7 @@ def run(
 ) -> None:
     """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
     from .job.engine import load_factory
-    from .job.runner import Runner
+    from .job.run.runner import Runner
     from .job.shard import resolve_shard
     from .job.validate import validate_job_file
 
@@ -175,7 +175,7 @@ def run_batch(
     import yaml
 
     from .job.engine import load_factory
-    from .job.runner import Runner
+    from .job.run.runner import Runner
     from .job.shard import Shard
     from .job.validate import validate_job_text
     from .models.resolve import model_source
@@ -216,7 +216,7 @@ def merge(
         "--partial", help="Write the rows done so far even if some input rows are not done yet.")] = False,
 ) -> None:
     """Join a JSONL or OpenAI batch output dir into one file, in input order, each row once."""
-    from .job.merge import merge as merge_parts
+    from .job.outputs.merge import merge as merge_parts
 
     with _user_errors():
         merged = merge_parts(_output_dir(output_dir), location(out), partial)
@@ -265,7 +265,7 @@ def status(
         "--no-input", help="Do not read the input to count missing rows.")] = False,
 ) -> None:
     """Show rows done, errors and rows still missing, per shard."""
-    from .job.status import collect, render
+    from .job.run.status import collect, render
 
     with _user_errors():
         print(render(collect(_output_dir(output_dir), with_input=not no_input)))
@@ -286,7 +286,7 @@ def slurm(
         "--out", "-o", help="Where to write the script (default: the job file with .sbatch).")] = None,
 ) -> None:
     """Write an sbatch script running the job as a Slurm array, one shard per task."""
-    from .job.slurm import SlurmOptions, write_script
+    from .job.run.slurm import SlurmOptions, write_script
     from .job.validate import validate_job_file
 
     with _user_errors():

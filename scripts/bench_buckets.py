@@ -31,11 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from s3_server import S3Server, apply_env  # noqa: E402
 
 from batchgen.job.engine import default_factory  # noqa: E402
-from batchgen.job.progress import make_reporter  # noqa: E402
-from batchgen.job.runner import Runner  # noqa: E402
+from batchgen.job.outputs.writer import list_parts  # noqa: E402
+from batchgen.job.run.progress import make_reporter  # noqa: E402
+from batchgen.job.run.runner import Runner  # noqa: E402
 from batchgen.job.shard import Shard  # noqa: E402
 from batchgen.job.spec import parse_job  # noqa: E402
-from batchgen.job.writer import list_parts  # noqa: E402
 from batchgen.storage import location  # noqa: E402
 
 

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from batchgen.job.engine import default_factory, load_factory  # noqa: E402
-from batchgen.job.progress import Plan, Snapshot  # noqa: E402
-from batchgen.job.runner import Runner  # noqa: E402
+from batchgen.job.run.progress import Plan, Snapshot  # noqa: E402
+from batchgen.job.run.runner import Runner  # noqa: E402
 from batchgen.job.shard import Shard  # noqa: E402
 from batchgen.job.validate import validate_job_file  # noqa: E402
 

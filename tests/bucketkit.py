@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from jobkit import keyed
 
-from batchgen.job.writer import list_parts
+from batchgen.job.outputs.writer import list_parts
 from batchgen.storage import location
 
 

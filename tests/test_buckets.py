@@ -144,9 +144,10 @@ def test_sigkill_at_random_moments_then_resume_on_a_bucket(tmp_path, bucket):
 
 
 def test_one_run_per_shard_and_a_killed_runs_lease_is_taken_over_after_it_expires(tmp_path, bucket):
-    rows = 600
+    rows = 1500  # ~20 s at this pace: still running when the second run starts
     expected = local_reference(tmp_path, rows)
-    job = bucket_job(tmp_path / "b", bucket, rows=rows)
+    lease = 8.0  # long enough that the run started right after the kill starts within it, even on a busy machine
+    job = bucket_job(tmp_path / "b", bucket, rows=rows, storage={"lease_seconds": lease})
     out = location(f"{bucket}/out")
     first = subprocess.Popen(batchgen_cmd("run", job), env=subprocess_env(FAKE_LLM_STEP_SLEEP="0.02"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -155,7 +156,7 @@ def test_one_run_per_shard_and_a_killed_runs_lease_is_taken_over_after_it_expire
         while not any(p.name.startswith("part-") for p in out.list_files()):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.05)
-        time.sleep(2 * LEASE)  # the first run has renewed its lease meanwhile
+        time.sleep(lease * 0.6)  # the first run has renewed its lease meanwhile (every third)
         second = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
         assert second.returncode == EXIT_LOCKED, second.stderr
         assert "another batchgen run is already working on shard 0/1" in second.stderr
@@ -165,10 +166,10 @@ def test_one_run_per_shard_and_a_killed_runs_lease_is_taken_over_after_it_expire
     finally:
         if first.poll() is None:
             first.kill()
+    killed_at = time.monotonic()
     soon = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
-    killed_at = time.time()
     assert soon.returncode == EXIT_LOCKED and "lease expires in" in soon.stderr  # not yet expired
-    time.sleep(max(0.0, LEASE + 0.3 - (time.time() - killed_at)))
+    time.sleep(max(0.0, lease + 0.3 - (time.monotonic() - killed_at)))
     final = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     assert bucket_outputs(str(out)) == expected

@@ -7,7 +7,7 @@ import time
 
 from rich.console import Console
 
-from batchgen.job.progress import LiveReporter, PlainReporter, Plan, Snapshot, make_reporter, summary
+from batchgen.job.run.progress import LiveReporter, PlainReporter, Plan, Snapshot, make_reporter, summary
 from batchgen.job.shard import Shard
 
 SNAP = Snapshot(rows=50, samples=100, errors=2, prompt_tokens=1000, output_tokens=400, in_flight=8,

@@ -25,7 +25,7 @@ from jobkit import (
 )
 
 from batchgen.job.errors import EXIT_ENGINE, EXIT_LOCKED
-from batchgen.job.lock import ShardLock
+from batchgen.job.run.lock import ShardLock
 from batchgen.job.shard import Shard
 from batchgen.storage.locks import FileLock
 

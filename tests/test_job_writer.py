@@ -9,8 +9,8 @@ import pytest
 from batchgen import __version__
 from batchgen.job.errors import JobError
 from batchgen.job.inputs import Row
+from batchgen.job.outputs.writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
 from batchgen.job.shard import Shard
-from batchgen.job.writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
 from batchgen.outputs import CompletionOutput, RequestOutput
 
 META = {"batchgen.config_hash": "abc", "batchgen.model": "m", "batchgen.version": __version__,

@@ -23,7 +23,7 @@ import pytest
 from jobkit import REPO, cli, outputs_by_key, read_rows
 
 from batchgen.job import errors
-from batchgen.job.lock import ShardLock
+from batchgen.job.run.lock import ShardLock
 from batchgen.job.shard import Shard
 from batchgen.job.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, parse_yaml, spec_problems
 

@@ -4,7 +4,7 @@ Only the engine's public API is used (``add_request``/``step``/``stats``), throu
 """
 
 from .errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OK, JobError, JobInvalid
-from .runner import Runner, RunResult, StopFlag
+from .run.runner import Runner, RunResult, StopFlag
 from .shard import Shard
 from .spec import Job, JobSpec, load_job
 from .validate import validate_job_file

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
 from ..job.inputs import InputReader
-from ..job.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
+from ..job.run.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
 from ..job.shard import Shard
 from ..job.spec import Job
 
@@ -110,7 +110,7 @@ class BoardReporter:
 def run_shard(job_form: dict[str, Any], index: int, count: int, board: Any, options: dict[str, Any]) -> dict:
     """The body of one Ray task: the job's shard ``index``/``count`` through ``Runner``."""
     from ..job.engine import load_factory
-    from ..job.runner import Runner
+    from ..job.run.runner import Runner
     from ..job.spec import parse_job
 
     job = parse_job(job_form["text"], Path(job_form["base_dir"]),

@@ -5,7 +5,7 @@
 The body's sampling fields become the row's overrides of the job's ``sampling``; SamplingParams
 field names are accepted too (``top_k``, ``min_tokens``, ... as vLLM's server does). Fields that
 change nothing here (``stream``, ``user``, ``logit_bias``, ...) are ignored and counted.
-The response lines are the output side's (``job/openai_batch.py``).
+The response lines are the output side's (``job/outputs/openai_batch.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ sidecar ``.<part name>.meta`` written before the part, so a part that exists alw
 - ``parquet``: one row per (id, sample), typed columns.
 - ``jsonl``: the same rows and columns, one JSON object per line.
 - ``openai_batch``: one line per input row in the OpenAI Batch output shape
-  (``batchgen.job.openai_batch``); its ``custom_id`` is the row id and it holds every sample.
+  (``batchgen.job.outputs.openai_batch``); its ``custom_id`` is the row id and it holds every sample.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..storage import Location
-from .errors import JobError
+from ...storage import Location
+from ..errors import JobError
 from .files import remove_file, write_whole
 
 META_FORMAT = "batchgen.format"

@@ -12,10 +12,10 @@ import re
 import time
 from pathlib import Path
 
-from ..storage import Location, location
-from ..storage.locks import Lock, LockHeld, LockLost, lock_for
-from .errors import JobError, LockedError
-from .shard import Shard
+from ...storage import Location, location
+from ...storage.locks import Lock, LockHeld, LockLost, lock_for
+from ..errors import JobError, LockedError
+from ..shard import Shard
 
 LOCK_DIR = ".locks"
 LOCK_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.lock$")

@@ -10,13 +10,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..storage import Location, location
-from ..storage.locks import lock_states
-from .inputs import InputReader
+from ...storage import Location, location
+from ...storage.locks import lock_states
+from ..inputs import InputReader
+from ..outputs.saved import load_saved_job, read_saved
+from ..outputs.writer import list_parts, read_part
+from ..shard import Shard, shard_of
 from .lock import LOCK_DIR, LOCK_RE
-from .saved import load_saved_job, read_saved
-from .shard import Shard, shard_of
-from .writer import list_parts, read_part
 
 _SHOWN_DUPLICATES = 5
 

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import EXIT_INTERRUPTED, JobError
-from .spec import Job
+from ..errors import EXIT_INTERRUPTED, JobError
+from ..spec import Job
 
 _TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 

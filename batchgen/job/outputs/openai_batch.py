@@ -12,8 +12,8 @@ import hashlib
 import time
 from typing import Any
 
-from ..outputs import RequestOutput
-from .inputs.rows import CHAT, Row
+from ...outputs import RequestOutput
+from ..inputs.rows import CHAT, Row
 
 _UNKNOWN_LOGPROB = -9999.0  # what OpenAI writes for a token outside the computed top logprobs
 

@@ -3,9 +3,9 @@ A failure is a ``JobError`` naming the file."""
 
 from __future__ import annotations
 
-from ..storage import Location
-from ..storage.stores import Writer
-from .errors import JobError
+from ...storage import Location
+from ...storage.stores import Writer
+from ..errors import JobError
 
 
 def write_whole(final: Location, write: Writer, create_only: bool = False) -> bool:

@@ -3,7 +3,7 @@
 A part either exists whole or not at all, and is only ever created, never replaced by another
 writer: locally a temp file fsynced and hard-linked into place, on a bucket one create-only PUT
 (``batchgen.storage``; the file layouts of Parquet, JSONL and OpenAI batch parts are in
-``part_formats.py``). All samples of a request go into
+``formats.py``). All samples of a request go into
 the same part, which makes "the id is in a part with all its samples" the definition of done:
 a run killed at any moment redoes exactly the rows that are in no part.
 
@@ -27,13 +27,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..outputs import RequestOutput
-from ..storage import FileInfo, Location, location
-from .errors import JobError
-from .inputs import Row
-from .part_formats import ParquetParts, PartFormat, format_of
-from .shard import Shard
-from .structured import parsed_json
+from ...outputs import RequestOutput
+from ...storage import FileInfo, Location, location
+from ..errors import JobError
+from ..inputs import Row
+from ..shard import Shard
+from ..structured import parsed_json
+from .formats import ParquetParts, PartFormat, format_of
 
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
 META_HASH = "batchgen.config_hash"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..storage import Location
-from .errors import JobError
+from ...storage import Location
+from ..errors import JobError
+from ..spec import Job
 from .files import write_whole
-from .spec import Job
 
 SAVED_JSON = "_job.json"
 SAVED_YAML = "_job.yaml"

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from .shard import Shard
+from ..shard import Shard
 
 
 @dataclass

@@ -16,11 +16,11 @@ from typing import IO
 
 import pyarrow.compute as pc
 
-from ..storage import Location, location
-from .errors import JobError
+from ...storage import Location, location
+from ..errors import JobError
+from ..inputs import InputReader
 from .files import write_whole
-from .inputs import InputReader
-from .part_formats import format_of
+from .formats import format_of
 from .saved import load_saved_job
 from .writer import complete_ids, list_parts
 

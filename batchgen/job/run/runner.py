@@ -20,21 +20,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import __version__
-from ..outputs import RequestOutput
-from . import saved
-from .engine import EngineFactory, build_engine
-from .errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
-from .inputs import InputReader, Row, ignored_summary
+from ... import __version__
+from ...outputs import RequestOutput
+from ..engine import EngineFactory, build_engine
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
+from ..inputs import InputReader, Row, ignored_summary
+from ..outputs import saved
+from ..outputs.formats import part_format
+from ..outputs.merge import merge
+from ..outputs.openai_batch import ResponseLines
+from ..outputs.writer import PartWriter, SampleRows, list_parts, output_schema, recover
+from ..params import ParamsBuilder, RowParamsError
+from ..shard import Shard
+from ..spec import Job
 from .lock import ShardLock
-from .merge import merge
-from .openai_batch import ResponseLines
-from .params import ParamsBuilder, RowParamsError
-from .part_formats import part_format
 from .progress import Plan, Reporter, Snapshot, make_reporter
-from .shard import Shard
-from .spec import Job
-from .writer import PartWriter, SampleRows, list_parts, output_schema, recover
 
 GRACE_FLUSH_SECONDS = 5.0  # while draining after a stop request, save finished rows this often
 STATS_SECONDS = 0.2
