@@ -347,3 +347,41 @@ def test_a_throttling_store_is_retried_and_nothing_is_lost(tmp_path, bucket, s3_
         assert r.returncode == 0, r.stderr
         assert proxy.throttled >= 5, proxy.count  # the store did push back, repeatedly
     assert bucket_outputs(f"{bucket}/out") == expected
+
+
+@pytest.mark.parametrize("out_format", ["parquet", "jsonl"])
+def test_retry_errors_on_a_bucket(tmp_path, bucket, out_format):
+    """--retry-errors rewrites the shard's parts in the bucket without their error rows, then
+    generates those rows again: each (id, sample) still once."""
+    from jobkit import make_model
+
+    make_model(tmp_path / "model", max_model_len=40)
+    lines = [{"id": f"ok{i}", "prompt": "short"} for i in range(5)] + [{"id": "long", "prompt": "x" * 100}]
+    upload(f"{bucket}/prompts/in.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    job = setup_job(tmp_path, rows=0, input={"paths": [f"{bucket}/prompts/in.jsonl"], "carry_columns": []},
+                    output={"dir": f"{bucket}/out", "rows_per_part": 2, "format": out_format})
+    r = run(job)
+    assert r.exit_code == 0 and "6 this run (1 errors)" in r.stdout, r.output
+    make_model(tmp_path / "model", max_model_len=400)  # the fix
+    assert "nothing to do" in run(job).stdout
+    r = run(job, "--retry-errors")
+    assert r.exit_code == 0, r.output
+    assert "removed 1 error rows of shard 0/1" in r.stdout and "1 this run (0 errors)" in r.stdout
+    after = bucket_outputs(f"{bucket}/out")
+    assert len(after) == 12 and all(error is None for _, error in after.values())
+    assert "nothing to do" in run(job).stdout
+
+
+def test_a_missing_cloud_library_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    from batchgen.storage import locations
+
+    fsspec_registry = sys.modules["fsspec.registry"]
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
+    monkeypatch.setattr(fsspec_registry, "_registry", {})  # nor imported by an earlier test
+    monkeypatch.setattr(fsspec_registry, "registry", {})
+    monkeypatch.setattr(locations, "_stores", {})  # no client made before
+    with pytest.raises(OSError) as e:
+        location("s3://some-bucket/x.jsonl").exists()
+    assert str(e.value) == "s3:// paths need s3fs: pip install 'batchgen[s3]'"

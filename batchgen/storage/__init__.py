@@ -4,7 +4,7 @@ What differs per store (atomic publish, create-only writes, locks, listing, retr
 this package alone; the job code calls the same methods for a local dir and for ``s3://``.
 """
 
-from .location import Location, is_url, location, store_for
+from .locations import Location, is_url, location, store_for
 from .options import StorageOptions
 from .stores import FileInfo, StorageError
 

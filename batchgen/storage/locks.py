@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .location import Location
+from .locations import Location
 from .stores import StorageError
 
 _LEASE = re.compile(r"^(?P<name>.+)\.lease\.(?P<gen>\d{10})$")

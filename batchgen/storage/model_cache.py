@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
-from .location import Location
+from .locations import Location
 from .locks import holder_text
 from .stores import FileInfo, StorageError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .location import Location
+from .locations import Location
 
 # Filesystem types (as /proc/mounts names them) that several machines mount at once.
 SHARED_FILESYSTEMS = frozenset({
