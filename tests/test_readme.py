@@ -1,8 +1,11 @@
-"""The README's commands, run as written in a fresh directory.
+"""The README's and the docs/ guides' commands, run as written in a fresh directory.
 
-Blocks marked `<!-- readme-test: KIND [ARG] -->` are taken from README.md as they are: the first
-job's files and commands, the job-file reference, the recipes (cron, a Slurm array run here task
-by task, a resume after SIGTERM, pandas) and the Python API. HOME is a temp dir whose
+Blocks marked `<!-- readme-test: KIND [ARG] -->` are taken from README.md and docs/*.md as they
+are: the first job's files and commands, the job-file reference, the recipes (cron, a Slurm array
+run here task by task, a resume after SIGTERM, pandas), the Python API, OpenAI batch files,
+structured outputs, beam search and buckets. Every fenced block of every page carries a marker: one
+of the kinds a test here runs, `job-example` (a job file checked by tests/test_docs.py), or
+`skip REASON`, so no example goes unchecked by accident. HOME is a temp dir whose
 `~/.cache/batchgen/models/SmolLM2-135M-Instruct` is a tiny random Llama with a chat template, so
 the README's own model path works offline; `batchgen` is this venv's command.
 """
@@ -28,13 +31,16 @@ from batchgen.job.shard import Shard
 from batchgen.job.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, parse_yaml, spec_problems
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+PAGES = {path.relative_to(REPO).as_posix(): path.read_text(encoding="utf-8")
+         for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+ALL = "\n".join(PAGES.values())
 BLOCK = re.compile(r"<!-- readme-test: (?P<kind>[\w-]+)(?: (?P<arg>\S+))? -->\n```\w*\n(?P<body>.*?)```", re.S)
 FIRST_IDS = {"q1", "q2", "q3", "q4"}
 
 
 def blocks(kind: str, arg: str | None = None) -> list[str]:
-    found = [m["body"] for m in BLOCK.finditer(README) if m["kind"] == kind and (arg is None or m["arg"] == arg)]
-    assert found, f"README has no block marked readme-test: {kind} {arg or ''}"
+    found = [m["body"] for m in BLOCK.finditer(ALL) if m["kind"] == kind and (arg is None or m["arg"] == arg)]
+    assert found, f"no page has a block marked readme-test: {kind} {arg or ''}"
     return found
 
 
@@ -55,7 +61,7 @@ def make_home(root: Path, model_dir: Path) -> Path:
     model.symlink_to(model_dir, target_is_directory=True)
     job_dir = home / "first-job"
     job_dir.mkdir()
-    for m in BLOCK.finditer(README):
+    for m in BLOCK.finditer(ALL):
         if m["kind"] == "file":
             (job_dir / m["arg"]).write_text(m["body"], encoding="utf-8")
     return home
@@ -117,14 +123,15 @@ def test_job_file_reference_is_complete_and_valid():
 
 
 def test_commands_and_exit_codes_are_all_listed():
+    cli_doc = PAGES["docs/cli.md"]
     for command in ("run", "validate", "status", "slurm", "run-batch", "merge", "ray"):
-        assert f"| `batchgen {command} " in README
+        assert f"| `batchgen {command} " in cli_doc
     for command in ("run", "run-batch", "merge", "ray", "validate"):
         command_help = cli(command, "--help").stdout
         for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", command_help)) - {"--help"}):
-            assert option in README, f"{command} {option}"
+            assert option in ALL, f"{command} {option}"
     codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
-    assert codes == {int(c) for c in re.findall(r"^\| (\d+) \|", README, re.M)}
+    assert codes == {int(c) for c in re.findall(r"^\| (\d+) \|", cli_doc, re.M)}
 
 
 def test_cron_recipe(home, reference):
@@ -246,38 +253,56 @@ def test_beam_search_examples(home):
         assert all(b["error"] is None and b["cumulative_logprob"] < 0 for b in beams)
 
 
-def test_bucket_example(home, s3_server, bucket):
-    """The Buckets section's job and commands against the S3 test server: its bucket stands in for
-    `s3://my-bucket`; the output in the bucket equals the first job's rows for the same prompts."""
+def test_bucket_guide_examples(home, s3_server, bucket):
+    """docs/buckets.md against the S3 test server (its bucket stands in for `s3://my-bucket`): the
+    job runs from and to the bucket, a rerun has nothing to do, status reads the bucket, and the
+    pandas snippet reads the output back."""
     from bucketkit import bucket_outputs, upload
 
     job_dir = home / "first-job"
-    job_file = job_dir / "bucket-job.yaml"
+    job_file = job_dir / "s3-job.yaml"
     job_file.write_text(job_file.read_text().replace("s3://my-bucket", bucket))
     upload(f"{bucket}/prompts/prompts.jsonl", job_dir / "prompts.jsonl")
-    script = block("bucket").replace("s3://my-bucket", bucket)
-    proc = bash(script, home, **s3_server.env())
+    proc = bash(block("bucket").replace("s3://my-bucket", bucket), home, **s3_server.env())
     assert proc.returncode == 0, proc.stderr
+    assert "nothing to do" in proc.stdout
     assert re.search(r"^total\s+1\s+4\s+0\s+0$", proc.stdout, re.M), proc.stdout
-    out = bucket_outputs(f"{bucket}/out/first")
+    out = bucket_outputs(f"{bucket}/runs/first")
     assert {i for i, _ in out} == FIRST_IDS and all(error is None and text for text, error in out.values())
-    again = bash(script, home, **s3_server.env())
-    assert again.returncode == 0 and "nothing to do" in again.stdout
-
-
-def test_docs_bucket_guide_examples(home, s3_server, bucket):
-    """docs/buckets.md: its job file runs against the S3 test server and its pandas snippet reads
-    the output back from the bucket."""
-    from bucketkit import upload
-
-    guide = (REPO / "docs" / "buckets.md").read_text(encoding="utf-8")
-    found = {(m["kind"], m["arg"]): m["body"] for m in BLOCK.finditer(guide)}
-    job_dir = home / "first-job"
-    (job_dir / "s3-job.yaml").write_text(found[("file", "s3-job.yaml")].replace("s3://my-bucket", bucket))
-    upload(f"{bucket}/prompts/prompts.jsonl", job_dir / "prompts.jsonl")
-    proc = bash("batchgen run s3-job.yaml", home, **s3_server.env())
-    assert proc.returncode == 0, proc.stderr
-    snippet = found[("python", "s3-read")].replace("s3://my-bucket", bucket)
+    snippet = block("python", "s3-read").replace("s3://my-bucket", bucket)
     proc = bash(f"{shlex.quote(sys.executable)} - <<'PY'\n{snippet}PY", home, **s3_server.env())
     assert proc.returncode == 0, proc.stderr
     assert all(i in proc.stdout for i in FIRST_IDS), proc.stdout
+
+
+MARKER = re.compile(r"^<!-- readme-test: (?P<kind>[\w-]+)(?: (?P<rest>.*?))? -->$")
+RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab", None), ("slurm", None),
+            ("preempted", None), ("python", "pandas"), ("python", "api"), ("run-batch", None),
+            ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read")}
+
+
+def test_every_fenced_block_is_run_checked_or_excluded_by_name():
+    """A fenced block without a marker, or with one that no test runs, fails here; so does a
+    marker that does not sit right above a fence (a block that would be dropped silently)."""
+    seen = set()
+    for name, text in PAGES.items():
+        lines = text.split("\n")
+        inside = False
+        for i, line in enumerate(lines):
+            marker = MARKER.match(line)
+            if marker and not inside:
+                fence_next = i + 1 < len(lines) and lines[i + 1].startswith("```")
+                assert fence_next, f"{name}:{i + 1}: marker not above a fence"
+            if not line.startswith("```"):
+                continue
+            if not inside:
+                above = MARKER.match(lines[i - 1]) if i else None
+                assert above, f"{name}:{i + 1}: a fenced block without a readme-test marker"
+                kind, rest = above["kind"], above["rest"]
+                if kind == "skip":
+                    assert rest, f"{name}:{i + 1}: skip needs a reason"
+                elif kind not in ("file", "job-example"):
+                    assert (kind, rest) in RUN_HERE, f"{name}:{i + 1}: no test runs readme-test: {kind} {rest or ''}"
+                    seen.add((kind, rest))
+            inside = not inside
+    assert seen == RUN_HERE  # and every kind a test runs is on some page
