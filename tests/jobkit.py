@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,33 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def batchgen_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "batchgen", *map(str, args)]
+
+
+def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], int], rng: Any, rounds: int,
+                           anywhere: float, after_kill: Callable[[], None]) -> int:
+    """Start `batchgen run job` up to `rounds` times and SIGKILL it: with probability `anywhere`
+    after a random delay (start-up included), else once it has written a part (`parts()` counts
+    them) and a little after; `after_kill()` checks the output after each kill. The number of kills;
+    stops early when a run finishes (it must exit 0)."""
+    import subprocess
+    import time
+
+    kills = 0
+    for _ in range(rounds):
+        before = parts()
+        proc = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if rng.random() < anywhere:
+            time.sleep(rng.uniform(0.05, 1.0))
+        else:  # mid-run: once this run has written a part (the machine may be slow to start us)
+            deadline = time.monotonic() + 60
+            while parts() == before and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.25))
+        if proc.poll() is not None:
+            assert proc.returncode == 0, proc.stderr.read().decode()
+            break
+        proc.kill()
+        proc.wait()
+        kills += 1
+        after_kill()
+    return kills

@@ -20,6 +20,7 @@ from bucketkit import bucket_outputs, bucket_rows, download, upload
 from jobkit import (
     batchgen_cmd,
     cli,
+    kill_at_random_moments,
     outputs_by_key,
     prompts,
     run,
@@ -117,26 +118,12 @@ def test_sigkill_at_random_moments_then_resume_on_a_bucket(tmp_path, bucket):
     def parts() -> int:
         return sum(1 for p in out.list_files() if p.name.startswith("part-"))
 
-    kills = 0
-    for _ in range(8):
-        before = parts()
-        proc = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if rng.random() < 0.3:
-            time.sleep(rng.uniform(0.05, 1.5))
-        else:
-            deadline = time.monotonic() + 60
-            while parts() == before and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.3))
-        if proc.poll() is not None:
-            assert proc.returncode == 0, proc.stderr.read().decode()
-            break
-        proc.kill()
-        proc.wait()
-        kills += 1
+    def check() -> None:
         done = bucket_outputs(str(out))  # no (id, sample) twice at any point
         assert all(expected[k] == v for k, v in done.items())
         time.sleep(LEASE + 0.2)  # the killed run's lease expires; then the next run takes over
+
+    kills = kill_at_random_moments(job, env, parts, rng, rounds=8, anywhere=0.3, after_kill=check)
     assert kills >= 4
     final = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
     assert final.returncode == 0, final.stderr

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from jobkit import batchgen_cmd, outputs_by_key, run, setup_job, subprocess_env
+from jobkit import batchgen_cmd, kill_at_random_moments, outputs_by_key, run, setup_job, subprocess_env
 
 from batchgen.job.errors import EXIT_INTERRUPTED, EXIT_LOCKED
 
@@ -38,27 +38,14 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
     out = tmp_path / "run" / "out"
     env = subprocess_env(FAKE_LLM_STEP_SLEEP="0.004")
     rng = random.Random(20240601)
-    kills = 0
-    for _ in range(12):
-        parts_before = len(list(out.glob("part-*.parquet")))
-        proc = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        if rng.random() < 0.3:  # anywhere, start-up included
-            time.sleep(rng.uniform(0.05, 1.0))
-        else:  # mid-run: once this run has written a part (the machine may be slow to start us)
-            deadline = time.monotonic() + 30
-            while (len(list(out.glob("part-*.parquet"))) == parts_before and proc.poll() is None
-                   and time.monotonic() < deadline):
-                time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.25))
-        if proc.poll() is not None:
-            assert proc.returncode == 0, proc.stderr.read().decode()
-            break
-        proc.kill()
-        proc.wait()
-        kills += 1
+    def check() -> None:
         done = outputs_by_key(out)  # asserts no (id, sample) twice, at every point
         assert all(expected[k] == v for k, v in done.items())
+
+    def parts() -> int:
+        return len(list(out.glob("part-*.parquet")))
+
+    kills = kill_at_random_moments(job, env, parts, rng, rounds=12, anywhere=0.3, after_kill=check)
     assert kills >= 5
     final = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
