@@ -49,6 +49,21 @@ def test_a_schema_file_is_read_relative_to_the_job_file(tmp_path):
     assert "sampling.structured_outputs.json:" in r.stderr and "is not valid JSON" in r.stderr
 
 
+def test_a_bad_schema_file_is_one_problem_in_validate_and_run(tmp_path):
+    """Its path is not checked a second time as inline JSON ("not valid JSON: Expecting value")."""
+    setup_job(tmp_path, sampling={"structured_outputs": {"json": "n.json"}})
+    for content, message in ((None, "no schema file at"), ("{oops", "is not valid JSON: Expecting property name")):
+        if content is not None:
+            (tmp_path / "n.json").write_text(content)
+        r = cli("validate", tmp_path / "job.yaml", "--engine", FAKE)
+        assert r.exit_code == 1
+        problem, count = _problems(r)
+        assert problem.startswith("sampling.structured_outputs.json: ") and message in problem, problem
+        assert str(tmp_path / "n.json") in problem and count == f"1 problem in {tmp_path / 'job.yaml'}"
+        r = cli("run", tmp_path / "job.yaml", "--engine", FAKE)
+        assert r.exit_code == 1 and _problems(r) == [f"batchgen: error: {problem}"]
+
+
 def test_row_constraint_gathers_the_constraint_columns():
     assert row_constraint({"max_tokens": 3, "structured_outputs.choice": '["a", "b"]'}) == {
         "max_tokens": 3, "structured_outputs": {"choice": ["a", "b"]}}
