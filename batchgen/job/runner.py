@@ -329,6 +329,7 @@ class Runner:
         except Exception:  # progress must never kill a run
             return
         snap.kv_cache_usage = stats.get("kv_cache_usage")
+        snap.generated_tokens = stats.get("output_tokens")  # as they are made; the engine is this run's
         snap.preemptions = stats.get("num_preemptions")
         snap.prefix_cache_hits = stats.get("prefix_cache_hits")
         snap.prefix_cache_queries = stats.get("prefix_cache_queries")

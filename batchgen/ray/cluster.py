@@ -224,7 +224,7 @@ def _total(states: list[WorkerState], elapsed: float) -> Snapshot:
     total = Snapshot(elapsed=elapsed)
     for name in ("rows", "samples", "errors", "prompt_tokens", "output_tokens", "in_flight", "parts"):
         setattr(total, name, sum(getattr(s.snap, name) for s in states))
-    for name in ("preemptions", "prefix_cache_hits", "prefix_cache_queries"):
+    for name in ("generated_tokens", "preemptions", "prefix_cache_hits", "prefix_cache_queries"):
         known = [getattr(s.snap, name) for s in states if getattr(s.snap, name) is not None]
         setattr(total, name, sum(known) if known else None)
     usage = [s.snap.kv_cache_usage for s in states if s.snap.kv_cache_usage is not None and s.status == "running"]
