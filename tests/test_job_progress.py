@@ -121,3 +121,39 @@ class Recorder(PlainReporter):
 
     def update(self, snap: Snapshot, force: bool = False) -> None:
         self.seen.append(dataclasses.replace(snap))
+
+
+def test_the_engine_start_is_told_step_by_step(tmp_path, tiny_model_dirs):
+    """A slow start shows what it waits for: loading weights, allocating the KV cache, compiling a
+    grammar, each one line in the log before the rows' progress."""
+    from jobkit import cli, setup_job
+
+    job = setup_job(tmp_path, rows=3, model={"path": str(tiny_model_dirs["llama"]), "dtype": "float32",
+                                             "kv_cache_memory": "16MiB", "swap_space": "4MiB"},
+                    sampling={"structured_outputs": {"regex": "[ab]{1,3}"}, "n": 1}, input={"carry_columns": []})
+    r = cli("run", job)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+
+    def first(text: str) -> int:
+        found = [i for i, line in enumerate(lines) if text in line]
+        assert found, (text, r.stdout)
+        return found[0]
+
+    steps = [first(f"] {step}") for step in ("loading weights from", "allocating the KV cache: ", "engine ready in",
+                                               "compiling a grammar for structured outputs (regex)")]
+    assert steps == sorted(steps) and steps[-1] < first("shard 0/1 complete")
+    assert sum("compiling a grammar" in line for line in lines) == 1
+
+
+def test_engine_steps_reach_a_live_display_and_stop_with_the_run():
+    import logging
+
+    from batchgen.job.progress import engine_steps
+
+    buf = io.StringIO()
+    rep = LiveReporter(buf, console=Console(file=buf, force_terminal=True, width=120))
+    with engine_steps(rep):
+        logging.getLogger("batchgen.engine.llm_engine").info("loading weights from %s", "/models/x")
+    logging.getLogger("batchgen.engine.llm_engine").info("after the run")
+    assert "loading weights from /models/x" in buf.getvalue() and "after the run" not in buf.getvalue()

@@ -3,8 +3,11 @@ and a summary at the end."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
@@ -57,6 +60,36 @@ def make_reporter(interval: float, stream: IO[str] | None = None) -> Reporter:
     stream = stream or sys.stdout
     isatty = getattr(stream, "isatty", lambda: False)
     return LiveReporter(stream) if isatty() else PlainReporter(stream, interval)
+
+
+@contextmanager
+def engine_steps(reporter: Reporter) -> Iterator[None]:
+    """While it lasts, what the engine logs at INFO (its start-up steps: loading weights,
+    allocating the KV cache, compiling a grammar) is one line each of ``reporter``, on a terminal
+    and in logs alike, so a slow start shows what it is waiting for."""
+    logger = logging.getLogger("batchgen")
+    handler = _ToReporter(reporter)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _ToReporter(logging.Handler):
+    def __init__(self, reporter: Reporter):
+        super().__init__(logging.INFO)
+        self.reporter = reporter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.reporter.message(record.getMessage())
+        except Exception:  # progress must never kill a run
+            self.handleError(record)
 
 
 # --------------------------------------------------------------------------------- formatting

@@ -30,7 +30,7 @@ from .merge import merge
 from .openai_batch import ResponseLines, ignored_summary
 from .params import ParamsBuilder, RowParamsError
 from .part_formats import part_format
-from .progress import Plan, Reporter, Snapshot, make_reporter
+from .progress import Plan, Reporter, Snapshot, engine_steps, make_reporter
 from .reader import InputReader, Row
 from .shard import Shard
 from .spec import Job
@@ -118,7 +118,8 @@ class Runner:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
         lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait)
         try:
-            return self._run_locked(reader, lock)
+            with engine_steps(self.reporter):
+                return self._run_locked(reader, lock)
         finally:
             lock.release()
 
@@ -143,7 +144,9 @@ class Runner:
             self.reporter.idle()
             self._merge()
             return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
+        started = time.monotonic()
         llm = build_engine(self.engine_factory, job)
+        self.reporter.message(f"engine ready in {time.monotonic() - started:.1f}s")
         self._check_engine(llm)
         if job.spec.output.format == "openai_batch":
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
