@@ -368,3 +368,22 @@ def test_retry_errors_generates_error_rows_again(tmp_path):
     metas = {pq.read_schema(p).metadata[b"batchgen.config_hash"] for p in (tmp_path / "out").glob("part-*")}
     assert len(metas) == 1  # rewritten parts keep their metadata
     assert "nothing to do" in run(job).stdout
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "bucket-object"])
+def test_an_output_dir_that_is_a_file_is_refused_by_validate_and_run(tmp_path, where, request):
+    (tmp_path / "taken").write_text("not a directory\n")
+    out, shown = {"file": ("taken", tmp_path / "taken"), "under-a-file": ("taken/out", tmp_path / "taken")}.get(
+        where, (None, None))
+    if where == "bucket-object":
+        from bucketkit import upload
+
+        bucket = request.getfixturevalue("bucket")
+        out = shown = upload(f"{bucket}/taken", b"not a prefix\n")
+    job = setup_job(tmp_path, rows=3, output={"dir": str(out)})
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 1, r.output
+    problem = r.stderr.splitlines()[0]
+    assert problem.startswith(f"output.dir: {shown} is a file") and "must be a directory" in problem, r.output
+    r = run(job)
+    assert r.exit_code == 1 and r.stderr.splitlines() == [f"batchgen: error: {problem}"], r.output

@@ -49,15 +49,17 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     model = model_part(raw)
     if model is not None:
         problems += model_problems(model, base_dir, factory, storage, warnings)
+    output = _part(OutputSpec, raw.get("output"))
+    try:
+        exclude = None if output is None else location(output.dir, base_dir, storage)
+    except OSError as e:
+        problems.append(Problem("output.dir", str(e)))
+        exclude = None
+    if exclude is not None and (why := output_dir_problem(exclude)):
+        problems.append(Problem("output.dir", why))
     inp = _part(InputSpec, raw.get("input"))
     if inp is not None:
         sampling = _part(SamplingSpec, raw.get("sampling") or {})
-        output = _part(OutputSpec, raw.get("output"))
-        try:
-            exclude = None if output is None else location(output.dir, base_dir, storage)
-        except OSError as e:
-            problems.append(Problem("output.dir", str(e)))
-            exclude = None
         overrides = sampling.overrides if sampling is not None else {}
         problems += input_problems(inp, base_dir, overrides, exclude, warnings, storage)
     if problems:
@@ -112,6 +114,22 @@ def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None
     except (OSError, ValueError) as e:  # e.g. a model dir without config.json
         return [Problem("model.path", str(e))]
     return [Problem("model.path" if p.option == "model" else f"model.{p.option}", p.message) for p in found]
+
+
+def output_dir_problem(out: Location) -> str | None:
+    """Why ``out`` cannot be an output dir: it, or the nearest of its parents that exists, is a
+    file (the run could create no parts there). A bucket that cannot be reached is the run's to
+    report, with the store's own message."""
+    try:
+        if out.is_file():
+            return f"{out} is a file; output.dir must be a directory (it is made if missing)"
+        if out.is_local:
+            parent = next((p for p in out.local.parents if p.exists()), None)
+            if parent is not None and not parent.is_dir():
+                return f"{parent} is a file, so {out} cannot be made; output.dir must be a directory"
+    except OSError:
+        return None
+    return None
 
 
 def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str], exclude: Location | None = None,
