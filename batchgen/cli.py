@@ -59,6 +59,13 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(EXIT_ENGINE) from None
 
 
+def _warn(warnings: list[str]) -> None:
+    """validate's warnings, printed by every command that runs a job too, before it starts (a
+    cron job's log shows them)."""
+    for warning in warnings:
+        _err(f"warning: {warning}")
+
+
 def _exit(code: int, signal_name: str = "") -> None:
     """Ends a run command with its exit code, telling how to resume after an interruption."""
     if code == EXIT_INTERRUPTED:
@@ -89,6 +96,7 @@ def run(
     with _user_errors():
         factory = load_factory(engine)
         spec = validate_job_file(job)
+        _warn(spec.warnings)
         the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
         result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace).run()
     _exit(result.exit_code, result.signal_name)
@@ -120,8 +128,7 @@ def ray_run(
     with _user_errors():
         import_ray()
         spec = validate_job_file(job)
-        for warning in spec.warnings:
-            _err(f"warning: {warning}")
+        _warn(spec.warnings)
         if (address or os.environ.get("RAY_ADDRESS")) and (w := node_local_warning(spec.output_dir)):
             _err(f"warning: {w}")
         result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
@@ -203,6 +210,7 @@ def run_batch(
         }
         text = "# written by batchgen run-batch\n" + yaml.safe_dump(job_dict, sort_keys=False)
         job = validate_job_text(text, out.parent.local if out.is_local else Path.cwd())
+        _warn(job.warnings)
         result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
     _exit(result.exit_code, result.signal_name)
 
@@ -253,8 +261,7 @@ def validate(
         raise typer.Exit(e.exit_code) from None
     if ray and (local := node_local_warning(spec.output_dir)):
         spec.warnings.append(local)
-    for warning in spec.warnings:
-        _err(f"warning: {warning}")
+    _warn(spec.warnings)
     print("ok")
 
 

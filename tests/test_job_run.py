@@ -387,3 +387,47 @@ def test_an_output_dir_that_is_a_file_is_refused_by_validate_and_run(tmp_path, w
     assert problem.startswith(f"output.dir: {shown} is a file") and "must be a directory" in problem, r.output
     r = run(job)
     assert r.exit_code == 1 and r.stderr.splitlines() == [f"batchgen: error: {problem}"], r.output
+
+
+def test_validate_warnings_are_printed_by_run_at_its_start(tmp_path):
+    """A misspelt override column: validate warns, and so does every run, before it starts (a
+    cron job's log shows it, a run with nothing to do too), without repeating it at the end."""
+    job = setup_job(tmp_path, rows=4, sampling={"overrides": {"max_tokens": "max_tokns"}})
+    warning = ("warning: sampling.overrides.max_tokens: column 'max_tokns' is in none of the first 1000 lines "
+               "of in.jsonl; rows without it take null there")
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    for _ in range(2):  # the run, then a rerun with nothing to do
+        r = run(job)
+        assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+        assert "max_tokns" not in r.stdout
+
+
+@pytest.mark.parametrize("model, context, whose", [
+    ({"max_model_len": 48}, None, "model.max_model_len"),
+    ({}, 48, "the model's length"),
+])
+def test_max_tokens_beyond_the_context_is_a_warning_of_validate_and_run(tmp_path, model, context, whose):
+    config = {"max_position_embeddings": context, "max_model_len": context} if context else {}
+    make_model(tmp_path / "model", **config)  # the fake engine's length is its max_model_len
+    job = setup_job(tmp_path, rows=3, model={"path": "model", **model}, sampling={"max_tokens": 100})
+    warning = (f"warning: sampling.max_tokens: 100 does not fit in the context of 48 tokens ({whose}); prompt and "
+               'output share it, so an output ends where it is full (finish_reason "length")')
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    r = run(job)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    assert "max_tokens" not in r.stdout  # the engine's own length agrees: said once
+    fits = setup_job(tmp_path, rows=3, name="fits.yaml", model={"path": "model", **model}, sampling={"max_tokens": 47},
+                     output={"dir": "out2"})
+    assert cli("validate", fits, "--engine", FAKE).stderr == ""
+
+
+def test_max_tokens_beyond_what_the_engine_allows_is_a_run_warning(tmp_path):
+    """A model whose length validate cannot read (here: none in config.json): the run tells, from
+    the engine's own length."""
+    make_model(tmp_path / "model", max_model_len=48)
+    job = setup_job(tmp_path, rows=3, sampling={"max_tokens": 100})
+    r = run(job)
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert "warning: sampling.max_tokens: 100 does not fit in the context of 48 tokens" in r.stdout
