@@ -116,9 +116,12 @@ def test_changed_config_is_refused_unless_forced(tmp_path):
     job = setup_job(tmp_path, rows=10)
     assert run(job).exit_code == 0
     write_jsonl(tmp_path / "in.jsonl", prompts(2, start=10), mode="a")
-    changed = write_job(job, job_dict(sampling={"temperature": 0.3}))
+    changed = write_job(job, job_dict(sampling={"temperature": 0.3, "stop": ["."]}, output={"fields": ["text"]}))
     r = run(changed)
     assert r.exit_code == 1 and "another job configuration" in r.stderr and "--force" in r.stderr
+    assert len(r.stderr.splitlines()) == 1  # what changed, named field by field
+    assert ('(output.fields: ["finish_reason", "text", "token_counts", "token_ids"] -> ["text"]; '
+            'sampling.stop: None -> ["."]; sampling.temperature: 0.8 -> 0.3; config ') in r.stderr, r.stderr
     r = run(changed, "--force")
     assert r.exit_code == 0 and "2 this run" in r.stdout
     assert len(outputs_by_key(tmp_path / "out")) == 12 * 2
