@@ -4,6 +4,7 @@ new rows, config changes, bad input, engine failures, status, slurm."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from jobkit import (
     FAKE,
+    REPO,
     cli,
     job_dict,
     make_model,
@@ -28,6 +30,8 @@ from batchgen.job.errors import EXIT_ENGINE, EXIT_LOCKED
 from batchgen.job.lock import ShardLock
 from batchgen.job.shard import Shard
 from batchgen.storage.locks import FileLock
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
 
 
 def test_run_writes_every_id_and_sample_once(tmp_path):
@@ -241,6 +245,8 @@ def test_status_shows_shards_and_missing_rows(tmp_path):
 
 def test_slurm_script(tmp_path):
     job = setup_job(tmp_path, rows=3)
+    assert run(job).exit_code == 0 and not (tmp_path / "out" / "_logs").exists()  # as the README says:
+    assert re.search(r"`_logs/`\s+\(the array tasks' logs\) once `batchgen slurm` has written", README)
     r = cli("slurm", job, "--array", "8", "--time", "02:00:00", "--gpus", "2", "--partition", "gpu",
             "--max-parallel", "4")
     assert r.exit_code == 0, r.output
