@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 from jobkit import FAKE, REPO, cli, job_dict, read_rows, setup_job, write_job, write_jsonl
 from test_readme import bash, block, make_home
 
@@ -115,14 +116,21 @@ def test_job_with_per_row_schemas_on_the_real_engine(tmp_path, tiny_model_dirs):
     assert sum(row["valid"] is True for row in out.values()) >= 6, "too few outputs ended to check anything"
 
 
-def test_readme_structured_outputs_example(tmp_path, tiny_model_dirs):
-    home = make_home(tmp_path, tiny_model_dirs["llama"])
+@pytest.mark.slow
+def test_readme_structured_outputs_example(tmp_path, smollm2_dir):
+    """On the README's own model (a random tiny one writes JSON that never ends within max_tokens):
+    the records finish, and every finished one is valid and matches the schema."""
+    home = make_home(tmp_path, smollm2_dir)
     proc = bash(block("structured"), home, PYTHONPATH=str(REPO))  # this checkout, whichever one the venv installed
     assert proc.returncode == 0, proc.stderr
     schema = json.loads(block("file", "person.schema.json"))
     rows = read_rows(home / "first-job" / "out" / "people")
     assert len(rows) == 3 * 4 and all(row["error"] is None for row in rows)
+    finished = [row for row in rows if row["finish_reason"] == "stop"]
+    assert len(finished) >= 9, f"only {len(finished)} of 12 records ended within max_tokens"
     for row in rows:
         assert row["valid"] == (row["finish_reason"] == "stop")
-        if row["valid"]:
-            jsonschema.validate(json.loads(row["parsed"]), schema)
+    for row in finished:
+        record = json.loads(row["parsed"])
+        jsonschema.validate(record, schema)
+        assert record == json.loads(row["text"])
