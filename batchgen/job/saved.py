@@ -43,8 +43,9 @@ def changes_since(saved: dict[str, Any], job: Job) -> str:
         changes = job.config_changes(Job.from_saved(saved))
     except (KeyError, TypeError, ValueError):  # written by a version whose saved form this one cannot read
         changes = []
-    return "; ".join(changes) if changes else "no field differs as this version reads them; another batchgen " \
-                                              "version may have written it"
+    if not changes:
+        return "no field differs as this version reads them; another batchgen version may have written it"
+    return "; ".join(changes)
 
 
 def save(out_dir: Location, job: Job) -> None:
