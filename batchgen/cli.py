@@ -8,24 +8,83 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
+from . import __version__
 from .job.errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, JobError, JobInvalid
-from .storage import StorageError, location
+from .job.shard import parse_shard
+from .storage import Location, StorageError, location
+
+# Where each command is told about at length (README sections until the docs/ guides exist); the
+# "\b" of click keeps a link on one line however narrow the terminal.
+GUIDES = {
+    "run": "docs/cli.md", "ray": "docs/ray.md", "run-batch": "docs/openai-batch.md", "merge": "docs/cli.md",
+    "validate": "docs/job-file.md", "status": "docs/cli.md", "slurm": "docs/recipes.md",
+}
 
 app = typer.Typer(
     name="batchgen",
     help="Offline LLM batch generation: a job file in, Parquet parts out; resumable and shardable.",
+    epilog="\b\nGuide: README.md, then docs/ (one guide per topic)\nCommands, options and exit codes: docs/cli.md",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments plainly: ``run [OPTIONS] JOB``, where
+    typer would write ``{JOB}``."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+
+def _command(name: str, short_help: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``app.command`` with a whole line for the command list and the guide below its help."""
+    return app.command(name, cls=_Command, short_help=short_help, epilog=f"\b\nGuide: {GUIDES[name]}")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"batchgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_show_version, help="Print batchgen's version and exit.")] = False,
+) -> None:
+    """Offline LLM batch generation: a job file in, Parquet parts out; resumable and shardable."""
+
+
+def _shard_text(text: str | None) -> str | None:
+    """--shard is checked as the command line is read: a bad one is a usage error (exit 2)."""
+    if text is not None:
+        try:
+            parse_shard(text)
+        except JobError as e:
+            raise typer.BadParameter(str(e)) from None
+    return text
+
+
+JobFile = Annotated[Path, typer.Argument(metavar="JOB", help="The job file (YAML).", show_default=False)]
+Grace = Annotated[float, typer.Option(
+    "--grace", min=0, metavar="SECONDS",
+    help="After SIGTERM/SIGINT: seconds to let the requests in flight finish (a second signal drops them).")]
+Force = Annotated[bool, typer.Option(
+    "--force", help="Continue an output dir written with another job configuration.")]
+RetryErrors = Annotated[bool, typer.Option(
+    "--retry-errors", help="Generate the rows recorded as errors again (after fixing the input or the job).")]
 
 
 def _err(text: str) -> None:
@@ -59,6 +118,13 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(EXIT_ENGINE) from None
 
 
+def _warn(warnings: list[str]) -> None:
+    """validate's warnings, printed by every command that runs a job too, before it starts (a
+    cron job's log shows them)."""
+    for warning in warnings:
+        _err(f"warning: {warning}")
+
+
 def _exit(code: int, signal_name: str = "") -> None:
     """Ends a run command with its exit code, telling how to resume after an interruption."""
     if code == EXIT_INTERRUPTED:
@@ -67,17 +133,16 @@ def _exit(code: int, signal_name: str = "") -> None:
     raise typer.Exit(code)
 
 
-@app.command()
+@_command("run", "Run a job, or one shard of it; a rerun resumes.")
 def run(
-    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    job: JobFile,
     shard: Annotated[str | None, typer.Option(
-        "--shard", help="INDEX/COUNT, e.g. 0/8; default: job file, then SLURM_ARRAY_TASK_ID/COUNT.")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Continue an output dir written with another job configuration.")] = False,
-    retry_errors: Annotated[bool, typer.Option(
-        "--retry-errors", help="Generate the rows recorded as errors again (after fixing the input or job).")] = False,
-    grace: Annotated[float, typer.Option(
-        "--grace", min=0, help="Seconds to let in-flight requests finish after SIGTERM/SIGINT.")] = 60.0,
+        "--shard", metavar="I/N", callback=_shard_text,
+        help="Run shard I of N, e.g. 0/8; default: the job's shard, then SLURM_ARRAY_TASK_ID/COUNT, else 0/1.")
+    ] = None,
+    force: Force = False,
+    retry_errors: RetryErrors = False,
+    grace: Grace = 60.0,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
@@ -89,25 +154,29 @@ def run(
     with _user_errors():
         factory = load_factory(engine)
         spec = validate_job_file(job)
+        _warn(spec.warnings)
         the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
         result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace).run()
     _exit(result.exit_code, result.signal_name)
 
 
-@app.command("ray")
+@_command("ray", "Run a job over a Ray cluster, one shard per worker; a rerun resumes.")
 def ray_run(
-    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Ray tasks, one shard each.")],
+    job: JobFile,
+    workers: Annotated[int, typer.Option(
+        "--workers", min=1, metavar="N", help="Ray tasks: worker i runs shard i/N.")],
     address: Annotated[str | None, typer.Option(
-        "--address", help="A running Ray cluster (e.g. auto, ray://head:10001); default: RAY_ADDRESS, "
-                          "else a local one.")] = None,
-    gpus_per_worker: Annotated[float, typer.Option("--gpus-per-worker", min=0)] = 0.0,
-    cpus_per_worker: Annotated[float, typer.Option("--cpus-per-worker", min=0)] = 1.0,
+        "--address", metavar="ADDRESS", help="A running Ray cluster (e.g. auto, ray://head:10001); default: "
+                                             "RAY_ADDRESS, else a local one.")] = None,
+    gpus_per_worker: Annotated[float, typer.Option(
+        "--gpus-per-worker", min=0, metavar="G", help="GPUs Ray gives each worker (fractions allowed).")] = 0.0,
+    cpus_per_worker: Annotated[float, typer.Option(
+        "--cpus-per-worker", min=0, metavar="C", help="CPUs Ray gives each worker.")] = 1.0,
     max_retries: Annotated[int, typer.Option(
-        "--max-retries", min=0, help="Times Ray reruns a worker lost with its node or process.")] = 3,
-    force: Annotated[bool, typer.Option("--force", help="Continue an output dir of another configuration.")] = False,
-    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Generate the error rows again.")] = False,
-    grace: Annotated[float, typer.Option("--grace", min=0)] = 60.0,
+        "--max-retries", min=0, metavar="R", help="Times Ray reruns a worker lost with its node or process.")] = 3,
+    force: Force = False,
+    retry_errors: RetryErrors = False,
+    grace: Grace = 60.0,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run a job over a Ray cluster: shard i/N of it per worker; a rerun resumes."""
@@ -120,8 +189,7 @@ def ray_run(
     with _user_errors():
         import_ray()
         spec = validate_job_file(job)
-        for warning in spec.warnings:
-            _err(f"warning: {warning}")
+        _warn(spec.warnings)
         if (address or os.environ.get("RAY_ADDRESS")) and (w := node_local_warning(spec.output_dir)):
             _err(f"warning: {w}")
         result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
@@ -130,45 +198,70 @@ def ray_run(
     _exit(result.exit_code)
 
 
-@app.command("run-batch")
+@_command("run-batch", "Run an OpenAI batch request file, as `vllm run-batch` does; resumable.")
 def run_batch(
     input_file: Annotated[str, typer.Option(
-        "--input", "-i", help="OpenAI batch request file (JSONL): a path or an s3:// / gs:// URL.")],
+        "--input", "-i", metavar="REQUESTS",
+        help="OpenAI batch request file (JSONL): a path or an s3:// / gs:// URL.")],
     output_file: Annotated[str, typer.Option(
-        "--output", "-o", help="Where to write the OpenAI batch output: a path or a URL.")],
+        "--output", "-o", metavar="RESULTS", help="Where to write the OpenAI batch output: a path or a URL.")],
     model: Annotated[str, typer.Option(
-        "--model", help="Model directory (Hugging Face layout), Hugging Face Hub id, or bucket URL (s3://...).")],
+        "--model", metavar="MODEL",
+        help="Model directory (Hugging Face layout), Hugging Face Hub id, or bucket URL (s3://...).")],
     output_dir: Annotated[str | None, typer.Option(
-        "--output-dir", help="Where the resumable parts go (default: OUTPUT.parts next to the output).")] = None,
+        "--output-dir", metavar="DIR",
+        help="Where the resumable parts go (default: RESULTS.parts next to the output).")] = None,
     revision: Annotated[str | None, typer.Option(
-        "--revision", help="Hub ids: the branch, tag or commit to use (default: main).")] = None,
+        "--revision", metavar="REV", help="Hub ids: the branch, tag or commit to use (default: main).")] = None,
     served_model_name: Annotated[str | None, typer.Option(
-        "--served-model-name", help="The model name written in responses (default: the model dir's name, "
-                                    "or the Hub id).")] = None,
+        "--served-model-name", metavar="NAME",
+        help="The model name written in responses (default: the model dir's name, or the Hub id).")] = None,
     check_model: Annotated[bool, typer.Option(
         "--check-model", help="A request whose body.model is not the served name becomes an error line.")] = False,
     max_tokens: Annotated[int | None, typer.Option(
-        "--max-tokens", help="Default for requests without max_tokens (default: until the context ends).")] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="Default for requests without one.")] = 1.0,
+        "--max-tokens", metavar="N",
+        help="Default for requests without max_tokens (default: until the context ends).")] = None,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", metavar="T", help="Default for requests without one.")] = 1.0,
     seed: Annotated[int, typer.Option(
-        "--seed", help="Job seed: each request samples reproducibly from it unless its body has a seed.")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype")] = "auto",
-    device: Annotated[str, typer.Option("--device")] = "auto",
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
-    kv_cache_memory: Annotated[str, typer.Option("--kv-cache-memory")] = "4GiB",
-    swap_space: Annotated[str, typer.Option("--swap-space")] = "4GiB",
-    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")] = True,
-    preemption_mode: Annotated[str, typer.Option("--preemption-mode", help="swap or recompute")] = "swap",
-    num_threads: Annotated[int | None, typer.Option("--num-threads")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
-    model_impl: Annotated[str, typer.Option("--model-impl", help="auto, native or transformers")] = "auto",
-    rows_per_part: Annotated[int, typer.Option("--rows-per-part", help="Requests per saved part.")] = 1000,
+        "--seed", metavar="SEED",
+        help="Job seed: each request samples reproducibly from it unless its body has a seed.")] = 0,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: the model's).")] = "auto",
+    device: Annotated[str, typer.Option(
+        "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (auto: cuda when there is one).")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option(
+        "--max-model-len", metavar="N", help="Prompt and output tokens at most (default: the model's).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(
+        "--max-num-seqs", metavar="N", help="Sequences in one step (a request's n samples count n).")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", metavar="N", help="Tokens in one step; at least --max-num-seqs.")] = 2048,
+    block_size: Annotated[int, typer.Option(
+        "--block-size", metavar="N", help="Tokens per KV cache block: 8, 16 or 32.")] = 16,
+    kv_cache_memory: Annotated[str, typer.Option(
+        "--kv-cache-memory", metavar="SIZE", help="The KV cache on CPU, e.g. 4GiB (CUDA: --gpu-memory-utilization).")
+    ] = "4GiB",
+    swap_space: Annotated[str, typer.Option(
+        "--swap-space", metavar="SIZE", help="Host memory that preempted sequences swap to, e.g. 4GiB.")] = "4GiB",
+    enable_prefix_caching: Annotated[bool, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV cache of prompts' common prefixes.")] = True,
+    preemption_mode: Annotated[str, typer.Option(
+        "--preemption-mode", metavar="MODE",
+        help="When KV blocks run out: swap (to host memory) or recompute.")] = "swap",
+    num_threads: Annotated[int | None, typer.Option(
+        "--num-threads", metavar="N", help="CPU threads (default: torch's).")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        "--gpu-memory-utilization", metavar="FRACTION",
+        help="CUDA: the share of GPU memory for weights and KV cache (default 0.9).")] = None,
+    model_impl: Annotated[str, typer.Option(
+        "--model-impl", metavar="IMPL",
+        help="auto, native or transformers: batchgen's model code or the model's transformers code.")] = "auto",
+    rows_per_part: Annotated[int, typer.Option(
+        "--rows-per-part", metavar="N", help="Requests per saved part.")] = 1000,
     force: Annotated[bool, typer.Option("--force", help="Continue parts written with other options.")] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Redo the requests that failed.")] = False,
-    grace: Annotated[float, typer.Option("--grace", min=0)] = 60.0,
+    grace: Grace = 60.0,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run an OpenAI batch request file, as `vllm run-batch` does; a rerun resumes."""
@@ -203,15 +296,18 @@ def run_batch(
         }
         text = "# written by batchgen run-batch\n" + yaml.safe_dump(job_dict, sort_keys=False)
         job = validate_job_text(text, out.parent.local if out.is_local else Path.cwd())
+        _warn(job.warnings)
         result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
     _exit(result.exit_code, result.signal_name)
 
 
-@app.command()
+@_command("merge", "Join a JSONL or OpenAI batch output dir into one file, in input order.")
 def merge(
     output_dir: Annotated[str, typer.Argument(
+        metavar="OUT_DIR", show_default=False,
         help="The job's output.dir (jsonl or openai_batch parts): a path or an s3:// / gs:// URL.")],
-    out: Annotated[str, typer.Option("--output", "-o", help="The single JSONL file to write: a path or a URL.")],
+    out: Annotated[str, typer.Option(
+        "--output", "-o", metavar="FILE", help="The single JSONL file to write: a path or a URL.")],
     partial: Annotated[bool, typer.Option(
         "--partial", help="Write the rows done so far even if some input rows are not done yet.")] = False,
 ) -> None:
@@ -229,9 +325,9 @@ def merge(
         print(f"wrote {merged.lines:,} lines for {merged.rows + merged.extra:,} rows to {merged.path}{note}")
 
 
-@app.command()
+@_command("validate", "Check a job file, its model and its input; list every problem.")
 def validate(
-    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
+    job: JobFile,
     ray: Annotated[bool, typer.Option(
         "--ray", help="Also warn when the output dir looks local to this machine (for batchgen ray).")] = False,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
@@ -253,14 +349,15 @@ def validate(
         raise typer.Exit(e.exit_code) from None
     if ray and (local := node_local_warning(spec.output_dir)):
         spec.warnings.append(local)
-    for warning in spec.warnings:
-        _err(f"warning: {warning}")
+    _warn(spec.warnings)
     print("ok")
 
 
-@app.command()
+@_command("status", "Show rows done, errors and rows still missing, per shard.")
 def status(
-    output_dir: Annotated[str, typer.Argument(help="The job's output.dir: a path or an s3:// / gs:// URL.")],
+    output_dir: Annotated[str, typer.Argument(
+        metavar="OUT_DIR|JOB", show_default=False,
+        help="The job's output.dir (a path or an s3:// / gs:// URL), or the job file, whose output.dir is read.")],
     no_input: Annotated[bool, typer.Option(
         "--no-input", help="Do not read the input to count missing rows.")] = False,
 ) -> None:
@@ -268,22 +365,28 @@ def status(
     from .job.run.status import collect, render
 
     with _user_errors():
-        print(render(collect(_output_dir(output_dir), with_input=not no_input)))
+        print(render(collect(_status_dir(output_dir), with_input=not no_input)))
 
 
-@app.command()
+@_command("slurm", "Write an sbatch script that runs the job as a Slurm array, one shard per task.")
 def slurm(
-    job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
-    array: Annotated[int, typer.Option("--array", help="Number of array tasks (= shards).")],
-    time: Annotated[str, typer.Option("--time", help="Time limit per task.")] = "04:00:00",
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs per task (0: none).")] = 1,
-    partition: Annotated[str | None, typer.Option("--partition")] = None,
-    account: Annotated[str | None, typer.Option("--account")] = None,
-    cpus_per_task: Annotated[int | None, typer.Option("--cpus-per-task")] = None,
-    mem: Annotated[str | None, typer.Option("--mem")] = None,
-    max_parallel: Annotated[int | None, typer.Option("--max-parallel", help="Tasks at once.")] = None,
+    job: JobFile,
+    array: Annotated[int, typer.Option(
+        "--array", metavar="N", help="Number of array tasks (= shards); task i runs shard i/N.")],
+    time: Annotated[str, typer.Option("--time", metavar="HH:MM:SS", help="Time limit per task.")] = "04:00:00",
+    gpus: Annotated[int, typer.Option("--gpus", metavar="N", help="GPUs per task (0: none).")] = 1,
+    partition: Annotated[str | None, typer.Option(
+        "--partition", metavar="NAME", help="Slurm partition (default: the cluster's).")] = None,
+    account: Annotated[str | None, typer.Option(
+        "--account", metavar="NAME", help="Slurm account to charge (default: yours).")] = None,
+    cpus_per_task: Annotated[int | None, typer.Option(
+        "--cpus-per-task", metavar="N", help="CPUs per task (default: Slurm's).")] = None,
+    mem: Annotated[str | None, typer.Option(
+        "--mem", metavar="SIZE", help="Memory per task, in Slurm's form, e.g. 32G (default: Slurm's).")] = None,
+    max_parallel: Annotated[int | None, typer.Option(
+        "--max-parallel", metavar="N", help="Tasks running at once (default: all).")] = None,
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Where to write the script (default: the job file with .sbatch).")] = None,
+        "--out", "-o", metavar="FILE", help="Where to write the script (default: the job file with .sbatch).")] = None,
 ) -> None:
     """Write an sbatch script running the job as a Slurm array, one shard per task."""
     from .job.run.slurm import SlurmOptions, write_script
@@ -297,11 +400,24 @@ def slurm(
         print(f"wrote {path}; submit with: sbatch {path}")
 
 
-def _output_dir(text: str):
+def _output_dir(text: str) -> Location:
     """An existing output dir (local or a bucket prefix holding a run's files)."""
     out = location(text)
     if not out.is_dir():
         raise JobError(f"no such output dir: {out}")
+    return out
+
+
+def _status_dir(text: str) -> Location:
+    """The output dir ``status`` reads: the one named, or the ``output.dir`` of a job file."""
+    given = location(text)
+    if not (given.is_local and given.local.is_file()):
+        return _output_dir(text)
+    from .job.spec import load_job
+
+    out = load_job(given.local).output_dir
+    if not out.is_dir():
+        raise JobError(f"no such output dir: {out} (output.dir of {text}); no run of this job has started")
     return out
 
 

@@ -85,6 +85,14 @@ def tiny_model_dirs(tmp_path_factory):
     return {arch: build_tiny_model(root / arch, arch) for arch in ARCHITECTURES}
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test on the real SmolLM2 must be marked slow, so that `-m "not slow"` leaves it out."""
+    unmarked = [item.nodeid for item in items
+                if "smollm2_dir" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests on the real SmolLM2 without @pytest.mark.slow: {', '.join(unmarked)}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from batchgen.models.smollm2 import ensure_smollm2

@@ -4,6 +4,8 @@ scores against transformers' `generate(num_beams=k)` in float32, however the eng
 from __future__ import annotations
 
 import collections
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from fake_runner import FakeEngine, assert_pools_whole, check_invariants
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.engine import SchedulerConfig
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
 # --- bookkeeping on the fake runner ----------------------------------------------------------
 
@@ -299,18 +303,28 @@ def test_bad_beam_search_params_are_one_line_errors():
         BeamSearchParams(beam_width=2, max_tokens=2, min_tokens=3)
 
 
+@pytest.mark.slow
 def test_smollm2_beams_match_transformers(smollm2_dir):
+    """Every length penalty and early-stopping setting the README names, each on two chats, all in
+    the engine at once; the answers end (EOS) before max_tokens, so the settings matter."""
     tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_dir)
     hf = tf.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name three planets.")]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False) for c in chats]
     llm = LLM(smollm2_dir, dtype="float32", block_size=16)
     eos = sorted(llm.engine.stopper.eos_token_ids)
-    for lp, es, chat in ((1.0, False, chats[0]), (2.0, True, chats[1])):
-        outs = llm.beam_search([chat], BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=lp,
-                                                         early_stopping=es), use_tqdm=False)
-        for out in outs:
-            want = hf_beams(hf, tokenizer, out.prompt_token_ids, 4, 16, lp, es, eos)
-            assert_same_beams([(s.output_token_ids, s.score) for s in out.sequences], want, (lp, es))
+    assert {lp for lp, _ in SETTINGS} == {0.5, 1.0, 2.0} and {es for _, es in SETTINGS} == {False, True}
+    params = [BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=lp, early_stopping=es)
+              for lp, es in SETTINGS for _ in ids]
+    outs = llm.generate(ids * len(SETTINGS), params, use_tqdm=False)
+    ended_early = 0
+    for i, (lp, es) in enumerate(SETTINGS):
+        for prompt_ids, out in zip(ids, outs[i * len(ids):(i + 1) * len(ids)], strict=True):
+            got = [(c.token_ids, c.score) for c in out.outputs]
+            assert_same_beams(got, hf_beams(hf, tokenizer, prompt_ids, 4, 16, lp, es, eos), (lp, es, prompt_ids))
+            ended_early += sum(len(tokens) < 16 for tokens, _ in got)
+    assert ended_early > 0
 
 
 def test_beams_share_their_blocks_a_fraction_of_the_unshared_memory(tiny_model_dirs):
@@ -339,4 +353,5 @@ def test_beams_share_their_blocks_a_fraction_of_the_unshared_memory(tiny_model_d
     ratio = stats["peak_device_blocks"] / unshared_peak
     print(f"beam width 8, 32 prompts: peak {stats['peak_device_blocks']} blocks shared, {unshared_peak} unshared "
           f"({ratio:.3f}x); after-step peak {used_peak}")
-    assert ratio < 0.3
+    claimed = float(re.search(r"peaked at\s+([\d.]+)x the blocks of the same beams unshared", README)[1])
+    assert ratio == pytest.approx(claimed, abs=0.01), f"the README says {claimed}x"

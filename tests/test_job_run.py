@@ -4,6 +4,7 @@ new rows, config changes, bad input, engine failures, status, slurm."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from jobkit import (
     FAKE,
+    REPO,
     cli,
     job_dict,
     make_model,
@@ -28,6 +30,8 @@ from batchgen.job.errors import EXIT_ENGINE, EXIT_LOCKED
 from batchgen.job.run.lock import ShardLock
 from batchgen.job.shard import Shard
 from batchgen.storage.locks import FileLock
+
+JOB_FILE_GUIDE = (REPO / "docs" / "job-file.md").read_text(encoding="utf-8")
 
 
 def test_run_writes_every_id_and_sample_once(tmp_path):
@@ -116,9 +120,12 @@ def test_changed_config_is_refused_unless_forced(tmp_path):
     job = setup_job(tmp_path, rows=10)
     assert run(job).exit_code == 0
     write_jsonl(tmp_path / "in.jsonl", prompts(2, start=10), mode="a")
-    changed = write_job(job, job_dict(sampling={"temperature": 0.3}))
+    changed = write_job(job, job_dict(sampling={"temperature": 0.3, "stop": ["."]}, output={"fields": ["text"]}))
     r = run(changed)
     assert r.exit_code == 1 and "another job configuration" in r.stderr and "--force" in r.stderr
+    assert len(r.stderr.splitlines()) == 1  # what changed, named field by field
+    assert ('(output.fields: ["finish_reason", "text", "token_counts", "token_ids"] -> ["text"]; '
+            'sampling.stop: None -> ["."]; sampling.temperature: 0.8 -> 0.3; config ') in r.stderr, r.stderr
     r = run(changed, "--force")
     assert r.exit_code == 0 and "2 this run" in r.stdout
     assert len(outputs_by_key(tmp_path / "out")) == 12 * 2
@@ -238,6 +245,8 @@ def test_status_shows_shards_and_missing_rows(tmp_path):
 
 def test_slurm_script(tmp_path):
     job = setup_job(tmp_path, rows=3)
+    assert run(job).exit_code == 0 and not (tmp_path / "out" / "_logs").exists()  # as docs/job-file.md says:
+    assert re.search(r"`_logs/`\s+\(the array tasks' logs\) once `batchgen slurm` has written", JOB_FILE_GUIDE)
     r = cli("slurm", job, "--array", "8", "--time", "02:00:00", "--gpus", "2", "--partition", "gpu",
             "--max-parallel", "4")
     assert r.exit_code == 0, r.output
@@ -368,3 +377,66 @@ def test_retry_errors_generates_error_rows_again(tmp_path):
     metas = {pq.read_schema(p).metadata[b"batchgen.config_hash"] for p in (tmp_path / "out").glob("part-*")}
     assert len(metas) == 1  # rewritten parts keep their metadata
     assert "nothing to do" in run(job).stdout
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "bucket-object"])
+def test_an_output_dir_that_is_a_file_is_refused_by_validate_and_run(tmp_path, where, request):
+    (tmp_path / "taken").write_text("not a directory\n")
+    out, shown = {"file": ("taken", tmp_path / "taken"), "under-a-file": ("taken/out", tmp_path / "taken")}.get(
+        where, (None, None))
+    if where == "bucket-object":
+        from bucketkit import upload
+
+        bucket = request.getfixturevalue("bucket")
+        out = shown = upload(f"{bucket}/taken", b"not a prefix\n")
+    job = setup_job(tmp_path, rows=3, output={"dir": str(out)})
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 1, r.output
+    problem = r.stderr.splitlines()[0]
+    assert problem.startswith(f"output.dir: {shown} is a file") and "must be a directory" in problem, r.output
+    r = run(job)
+    assert r.exit_code == 1 and r.stderr.splitlines() == [f"batchgen: error: {problem}"], r.output
+
+
+def test_validate_warnings_are_printed_by_run_at_its_start(tmp_path):
+    """A misspelt override column: validate warns, and so does every run, before it starts (a
+    cron job's log shows it, a run with nothing to do too), without repeating it at the end."""
+    job = setup_job(tmp_path, rows=4, sampling={"overrides": {"max_tokens": "max_tokns"}})
+    warning = ("warning: sampling.overrides.max_tokens: column 'max_tokns' is in none of the first 1000 lines "
+               "of in.jsonl; rows without it take null there")
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    for _ in range(2):  # the run, then a rerun with nothing to do
+        r = run(job)
+        assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+        assert "max_tokns" not in r.stdout
+
+
+@pytest.mark.parametrize("model, context, whose", [
+    ({"max_model_len": 48}, None, "model.max_model_len"),
+    ({}, 48, "the model's length"),
+])
+def test_max_tokens_beyond_the_context_is_a_warning_of_validate_and_run(tmp_path, model, context, whose):
+    config = {"max_position_embeddings": context, "max_model_len": context} if context else {}
+    make_model(tmp_path / "model", **config)  # the fake engine's length is its max_model_len
+    job = setup_job(tmp_path, rows=3, model={"path": "model", **model}, sampling={"max_tokens": 100})
+    warning = (f"warning: sampling.max_tokens: 100 does not fit in the context of 48 tokens ({whose}); prompt and "
+               'output share it, so an output ends where it is full (finish_reason "length")')
+    r = cli("validate", job, "--engine", FAKE)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    r = run(job)
+    assert r.exit_code == 0 and r.stderr.splitlines() == [warning], r.output
+    assert "max_tokens" not in r.stdout  # the engine's own length agrees: said once
+    fits = setup_job(tmp_path, rows=3, name="fits.yaml", model={"path": "model", **model}, sampling={"max_tokens": 47},
+                     output={"dir": "out2"})
+    assert cli("validate", fits, "--engine", FAKE).stderr == ""
+
+
+def test_max_tokens_beyond_what_the_engine_allows_is_a_run_warning(tmp_path):
+    """A model whose length validate cannot read (here: none in config.json): the run tells, from
+    the engine's own length."""
+    make_model(tmp_path / "model", max_model_len=48)
+    job = setup_job(tmp_path, rows=3, sampling={"max_tokens": 100})
+    r = run(job)
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert "warning: sampling.max_tokens: 100 does not fit in the context of 48 tokens" in r.stdout

@@ -109,9 +109,8 @@ def test_first_job(home, reference):
     assert out == reference and {i for i, _ in out} == FIRST_IDS
     assert all(error is None and text for text, error in out.values())
     columns = set(read_rows(home / "first-job" / "out" / "first")[0])
-    for column in ("id", "sample_index", "num_samples", "text", "finish_reason", "num_prompt_tokens",
-                   "num_output_tokens", "error"):  # as the README lists them
-        assert column in columns and f"`{column}`" in README
+    listed = re.search(r"Each output row is one \(id, sample\): (.*?)\. Add", README, re.S)[1]
+    assert columns == set(re.findall(r"`(\w+)`", listed)), listed  # the README lists every column, and only those
 
 
 def test_job_file_reference_is_complete_and_valid():

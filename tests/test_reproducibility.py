@@ -117,6 +117,7 @@ def test_bf16_seeded_outputs_are_invariant_on_every_kernel_table(tiny_model_dirs
             check_all_variants(tiny_model_dirs["llama"], "bfloat16")
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(smollm2_dir):
     from test_smollm2 import QUESTIONS
 
@@ -163,7 +164,7 @@ def _run(job, *args):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_bf16_job_killed_resumed_and_sharded_equals_one_run(tmp_path, tiny_model_dirs, model, request):
     path, rows = (tiny_model_dirs["llama"], 60) if model == "tiny" else (request.getfixturevalue("smollm2_dir"), 24)
     _run(_job(tmp_path / "whole", path, rows))

@@ -19,6 +19,7 @@ QUESTIONS = [
     "What is a prime number? Give the first five.",
 ]
 MAX_NEW = 32
+pytestmark = pytest.mark.slow  # the real model: `-m "not slow"` leaves these out
 
 
 @pytest.fixture(scope="module")

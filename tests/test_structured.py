@@ -258,6 +258,7 @@ def test_a_constraint_needs_the_tokenizer(tiny):
 
 # --- the real model -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_smollm2_sampled_outputs_parse_and_validate(smollm2_dir):
     llm = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory="512MiB")
     subjects = ["a cat owner", "a retired pilot", "a child", "a chef", "a gardener"] * 10

@@ -8,6 +8,7 @@ steps (engine/beam_search.py), stop checks, detokenisation and the outputs.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured.backend import GrammarBackend, RequestGrammar
 
 Prompt = str | list[int] | list[dict]
+logger = logging.getLogger(__name__)  # start-up steps at INFO; `batchgen run` shows them
 
 
 @dataclass
@@ -60,6 +62,8 @@ class LLMEngine:
         self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
         if self.device.type == "cpu":
             retain_freed_memory()
+        logger.info("loading weights from %s (%s, %s)", plan.model_dir, str(self.dtype).removeprefix("torch."),
+                    self.device)
         model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
                            plan.model_impl)
         if self.device.type == "cpu":
@@ -68,6 +72,9 @@ class LLMEngine:
         shape = plan.cache_shape
         num_device_blocks = self._num_device_blocks(shape)
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block
+        logger.info("allocating the KV cache: %d blocks of %d tokens (%d MiB), swap space %d MiB",
+                    num_device_blocks, config.block_size, num_device_blocks * shape.bytes_per_block >> 20,
+                    num_cpu_blocks * shape.bytes_per_block >> 20)
         self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device)
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=config.block_size,

@@ -348,7 +348,14 @@ class Job:
 
     @cached_property
     def config_hash(self) -> str:
-        """Hash of everything that changes what a row's output is.
+        """Hash of everything that changes what a row's output is (``config_fields``). A run
+        refuses an output dir whose parts have another hash unless forced."""
+        data = self.config_fields()
+        _drop_later_defaults(data)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def config_fields(self) -> dict[str, Any]:
+        """Everything that changes what a row's output is, by section.
 
         Left out on purpose: input paths (so files can be added), shard, engine capacity knobs,
         rows_per_part, max_in_flight, progress. A dataset is in, as its job file names it
@@ -363,10 +370,17 @@ class Job:
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
         }
-        _drop_later_defaults(data)
         if s.input.id_key is None and s.input.dataset is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return data
+
+    def config_changes(self, other: Job) -> list[str]:
+        """What differs in ``config_fields`` from ``other`` to this job, one ``field: old -> new``
+        each (``sampling.temperature: 0.7 -> 0.9``)."""
+        old, new = _flat(other.config_fields()), _flat(self.config_fields())
+        names = {"id_base": "the job file's directory (ids are <file>:<row>)"}
+        return [f"{names.get(key, key)}: {_shown(old.get(key))} -> {_shown(new.get(key))}"
+                for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
     def saved_form(self) -> dict[str, Any]:
         """What a run stores in the output dir so ``batchgen status`` can find the input again."""
@@ -389,6 +403,24 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as ``section.field`` keys (a mapping value such as a schema stays whole
+    below ``sampling.structured_outputs.<kind>``)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and name.count(".") < 2:
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _drop_later_defaults(data: dict[str, Any]) -> None:

@@ -22,7 +22,10 @@ OVERRIDE_KEYS = tuple(f"{FIELD}.{kind}" for kind in KINDS if kind != "json_objec
 
 
 def resolve_schema_file(raw: dict[str, Any], base_dir: Path) -> list[Problem]:
-    """Replaces a schema path at ``sampling.structured_outputs.json`` by the file's schema, in place."""
+    """Replaces a schema path at ``sampling.structured_outputs.json`` by the file's schema, in place.
+
+    A file that cannot be read is one problem, and the constraint is then taken out of ``raw``:
+    left in, its path would be checked again as inline JSON and reported a second time."""
     sampling = raw.get("sampling")
     constraint = sampling.get(FIELD) if isinstance(sampling, dict) else None
     schema = constraint.get("json") if isinstance(constraint, dict) else None
@@ -30,16 +33,24 @@ def resolve_schema_file(raw: dict[str, Any], base_dir: Path) -> list[Problem]:
         return []
     path = Path(schema).expanduser()
     path = path if path.is_absolute() else base_dir / path
-    where = f"sampling.{FIELD}.json"
+    problem = _schema_file_problem(path, constraint)
+    if problem is None:
+        return []
+    del sampling[FIELD]
+    return [Problem(f"sampling.{FIELD}.json", problem)]
+
+
+def _schema_file_problem(path: Path, constraint: dict[str, Any]) -> str | None:
+    """Reads the schema file into ``constraint["json"]``; what is wrong with it, if anything."""
     try:
         constraint["json"] = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return [Problem(where, f"no schema file at {path} (give a path to a .json file or the schema inline)")]
+        return f"no schema file at {path} (give a path to a .json file or the schema inline)"
     except (OSError, UnicodeDecodeError) as e:
-        return [Problem(where, f"cannot read {path}: {e}")]
+        return f"cannot read {path}: {e}"
     except json.JSONDecodeError as e:
-        return [Problem(where, f"{path} is not valid JSON: {e}")]
-    return []
+        return f"{path} is not valid JSON: {e}"
+    return None
 
 
 def row_constraint(overrides: dict[str, Any]) -> dict[str, Any]:

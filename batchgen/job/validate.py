@@ -4,6 +4,7 @@ checked on its own so one broken section does not hide the problems of another."
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -46,18 +47,23 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
     storage = _part(StorageOptions, raw.get("storage") or {})
     warnings: list[str] = []
+    sampling = _part(SamplingSpec, raw.get("sampling") or {})
     model = model_part(raw)
     if model is not None:
         problems += model_problems(model, base_dir, factory, storage, warnings)
+        if sampling is not None and (w := max_tokens_warning(sampling.max_tokens, context_length(model, base_dir),
+                                                             model.max_model_len)):
+            warnings.append(w)
+    output = _part(OutputSpec, raw.get("output"))
+    try:
+        exclude = None if output is None else location(output.dir, base_dir, storage)
+    except OSError as e:
+        problems.append(Problem("output.dir", str(e)))
+        exclude = None
+    if exclude is not None and (why := output_dir_problem(exclude)):
+        problems.append(Problem("output.dir", why))
     inp = _part(InputSpec, raw.get("input"))
     if inp is not None:
-        sampling = _part(SamplingSpec, raw.get("sampling") or {})
-        output = _part(OutputSpec, raw.get("output"))
-        try:
-            exclude = None if output is None else location(output.dir, base_dir, storage)
-        except OSError as e:
-            problems.append(Problem("output.dir", str(e)))
-            exclude = None
         overrides = sampling.overrides if sampling is not None else {}
         problems += input_problems(inp, base_dir, overrides, exclude, warnings, storage)
         if exclude is not None and not exclude.is_local and not problems:  # one line for one cause
@@ -117,6 +123,50 @@ def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None
     except (OSError, ValueError) as e:  # e.g. a model dir without config.json
         return [Problem("model.path", str(e))]
     return [Problem("model.path" if p.option == "model" else f"model.{p.option}", p.message) for p in found]
+
+
+def context_length(model: ModelSpec, base_dir: Path) -> int | None:
+    """The model's context as the engine will take it, when known without loading anything:
+    ``model.max_model_len``, else the ``max_position_embeddings`` of a local model's config.json
+    (a model the run fetches first is checked by the run)."""
+    if model.max_model_len is not None:
+        return model.max_model_len
+    source = model_source(model.path, base_dir, model.revision)
+    if source.kind != "local":
+        return None
+    try:
+        config = json.loads((Path(source.ref) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # reported as a problem of model.path, if it is one
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    limit = text.get("max_position_embeddings")
+    return limit if isinstance(limit, int) else None
+
+
+def max_tokens_warning(max_tokens: int | None, limit: int | None, asked: int | None) -> str | None:
+    """A warning when ``sampling.max_tokens`` does not fit in the context (``limit`` tokens;
+    ``asked``: the job's model.max_model_len): an output then ends early, cut to what is left."""
+    if max_tokens is None or limit is None or max_tokens < limit:
+        return None
+    whose = "model.max_model_len" if asked is not None else "the model's length"
+    return (f"sampling.max_tokens: {max_tokens} does not fit in the context of {limit} tokens ({whose}); "
+            "prompt and output share it, so an output ends where it is full (finish_reason \"length\")")
+
+
+def output_dir_problem(out: Location) -> str | None:
+    """Why ``out`` cannot be an output dir: it, or the nearest of its parents that exists, is a
+    file (the run could create no parts there). A bucket that cannot be reached is the run's to
+    report, with the store's own message."""
+    try:
+        if out.is_file():
+            return f"{out} is a file; output.dir must be a directory (it is made if missing)"
+        if out.is_local:
+            parent = next((p for p in out.local.parents if p.exists()), None)
+            if parent is not None and not parent.is_dir():
+                return f"{parent} is a file, so {out} cannot be made; output.dir must be a directory"
+    except OSError:
+        return None
+    return None
 
 
 def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str], exclude: Location | None = None,

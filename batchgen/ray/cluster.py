@@ -9,19 +9,27 @@ line for the whole job.
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
 from ..job.inputs import InputReader
+from ..job.outputs.formats import format_of
 from ..job.run.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
-from ..job.shard import Shard
+from ..job.shard import Shard, shard_of
 from ..job.spec import Job
+from ..job.writer import complete_ids, list_parts
+from ..storage import Location
 
 POLL_SECONDS = 0.5
 WORKER_UPDATE_SECONDS = 1.0
@@ -71,9 +79,8 @@ class ProgressBoard:
             if status:
                 w["status"] = status
 
-    def message(self, index: int, text: str) -> None:
-        shard = self.workers.get(index, {}).get("shard", "?")
-        self.messages.append(f"shard {shard}: {text}")
+    def message(self, index: int, text: str, shard: str = "?") -> None:
+        self.messages.append(f"shard {self.workers.get(index, {}).get('shard', shard)}: {text}")
 
     def read(self) -> tuple[dict[int, dict[str, Any]], list[str]]:
         messages, self.messages = self.messages, []
@@ -83,9 +90,10 @@ class ProgressBoard:
 class BoardReporter:
     """A worker's ``Reporter``: forwards to the board, at most once a second for updates."""
 
-    def __init__(self, board: Any, index: int):
+    def __init__(self, board: Any, index: int, shard: str = "?"):
         self.board = board
         self.index = index
+        self.shard = shard  # for messages before start(), e.g. the engine's start-up steps
         self._next = 0.0
 
     def start(self, plan: Plan) -> None:
@@ -101,7 +109,7 @@ class BoardReporter:
             self.board.update.remote(self.index, asdict(snap))
 
     def message(self, text: str) -> None:
-        self.board.message.remote(self.index, text)
+        self.board.message.remote(self.index, text, self.shard)
 
     def finish(self, snap: Snapshot, status: str) -> None:
         self.board.update.remote(self.index, asdict(snap), status)
@@ -115,7 +123,7 @@ def run_shard(job_form: dict[str, Any], index: int, count: int, board: Any, opti
 
     job = parse_job(job_form["text"], Path(job_form["base_dir"]),
                      Path(job_form["source"]) if job_form["source"] else None)
-    reporter = BoardReporter(board, index)
+    reporter = BoardReporter(board, index, str(Shard(index, count)))
     # A retried attempt waits out the lease of the attempt it replaces (killed with its node: a
     # bucket lease outlives it by up to the lease time; a local flock is free at once).
     lock_wait = job.spec.storage.lease + 10.0
@@ -144,7 +152,8 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
                reporter: Reporter | None = None) -> RayRun:
     ray = import_ray()
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        with _ray_quiet():
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
     reporter = reporter or make_reporter(job.spec.progress_interval)
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_shard).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
@@ -152,10 +161,12 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
     form = {"text": job.text, "base_dir": str(job.base_dir), "source": str(job.source) if job.source else None}
     options = {"engine": engine, "force": force, "retry_errors": retry_errors, "grace": grace}
     refs = {task.remote(form, i, workers, board, options): i for i in range(workers)}
-    states = [WorkerState(str(Shard(i, workers))) for i in range(workers)]
+    states = [WorkerState(str(Shard(i, workers)), done_before=done)
+              for i, done in enumerate(rows_done(job.output_dir, workers, retry_errors))]
     start = time.monotonic()
     total, exact = InputReader.for_job(job).total_rows()
-    plan = Plan(Shard(0, 1), total=total, exact=exact, label=f"{workers} Ray workers")
+    plan = Plan(Shard(0, 1), done_before=sum(s.done_before for s in states), total=total, exact=exact,
+                label=f"{workers} Ray workers")
     reporter.start(plan)
     pending = list(refs)
     interrupted = False
@@ -183,6 +194,35 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
     for w in states:
         reporter.message(worker_line(w))
     return RayRun(states, elapsed)
+
+
+@contextmanager
+def _ray_quiet() -> Iterator[None]:
+    """Ray's own start-up lines (e.g. "Token authentication is enabled ...") kept out of the run's
+    output; its errors still show."""
+    logger = logging.getLogger("ray")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def rows_done(out_dir: Location, count: int, retry_errors: bool = False) -> list[int]:
+    """Rows already done for each of ``count`` shards, as each worker will find them (``recover``):
+    the ids complete in any part, by the shard that owns them; with ``retry_errors``, less the
+    error rows of this shard count's parts, which are generated again."""
+    done = [0] * count
+    if not out_dir.is_dir():
+        return done
+    for part in list_parts(out_dir):
+        keys = format_of(part.path).keys(part.path)
+        if retry_errors and part.shard.count == count:
+            keys = keys.filter(pc.is_null(keys.column("error")))
+        for row_id in complete_ids(keys).to_pylist():
+            done[shard_of(row_id, count)] += 1
+    return done
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -224,7 +264,7 @@ def _total(states: list[WorkerState], elapsed: float) -> Snapshot:
     total = Snapshot(elapsed=elapsed)
     for name in ("rows", "samples", "errors", "prompt_tokens", "output_tokens", "in_flight", "parts"):
         setattr(total, name, sum(getattr(s.snap, name) for s in states))
-    for name in ("preemptions", "prefix_cache_hits", "prefix_cache_queries"):
+    for name in ("generated_tokens", "preemptions", "prefix_cache_hits", "prefix_cache_queries"):
         known = [getattr(s.snap, name) for s in states if getattr(s.snap, name) is not None]
         setattr(total, name, sum(known) if known else None)
     usage = [s.snap.kv_cache_usage for s in states if s.snap.kv_cache_usage is not None and s.status == "running"]

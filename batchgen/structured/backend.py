@@ -7,6 +7,7 @@ so its matcher state stays exact without a replay. A fork copies the parent's ma
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from batchgen.structured.params import StructuredOutputsParams, grammar_of, xgrammar_message
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarBackend:
@@ -39,6 +42,10 @@ class GrammarBackend:
         key = (constraint.kind, constraint.key)
         compiled = self._compiled.get(key)
         if compiled is None:
+            # The first compile at INFO (`batchgen run` shows it: it can take seconds); a job with a
+            # schema per row would otherwise print a line per row.
+            logger.log(logging.DEBUG if self.num_compiles else logging.INFO,
+                       "compiling a grammar for structured outputs (%s)", constraint.kind)
             try:
                 compiled = self._compiler.compile_grammar(grammar_of(*key))
             except RuntimeError as e:  # the request's error (a row error in a job), never the engine's

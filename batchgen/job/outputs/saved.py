@@ -32,9 +32,20 @@ def check_saved(out_dir: Location, job: Job, force: bool) -> None:
     if saved is None or force or saved.get("config_hash") == job.config_hash:
         return
     raise JobError(
-        f"{out_dir} holds the output of another job configuration (config {saved.get('config_hash')}, "
-        f"this job {job.config_hash}; see {out_dir / SAVED_YAML}); use a new output.dir, or pass --force "
-        "to keep the rows already done and do the rest with the new configuration")
+        f"{out_dir} holds the output of another job configuration ({changes_since(saved, job)}; config "
+        f"{saved.get('config_hash')}, this job {job.config_hash}; see {out_dir / SAVED_YAML}); use a new "
+        "output.dir, or pass --force to keep the rows already done and do the rest with the new configuration")
+
+
+def changes_since(saved: dict[str, Any], job: Job) -> str:
+    """The fields that differ between the saved job and ``job``, as ``field: old -> new; ...``."""
+    try:
+        changes = job.config_changes(Job.from_saved(saved))
+    except (KeyError, TypeError, ValueError):  # written by a version whose saved form this one cannot read
+        changes = []
+    if not changes:
+        return "no field differs as this version reads them; another batchgen version may have written it"
+    return "; ".join(changes)
 
 
 def save(out_dir: Location, job: Job) -> None:

@@ -3,8 +3,11 @@ and a summary at the end."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
@@ -19,7 +22,8 @@ class Snapshot:
     samples: int = 0
     errors: int = 0
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # of the rows written
+    generated_tokens: int | None = None  # made by the engine so far, rows in flight included
     in_flight: int = 0
     parts: int = 0
     elapsed: float = 0.0
@@ -58,6 +62,36 @@ def make_reporter(interval: float, stream: IO[str] | None = None) -> Reporter:
     return LiveReporter(stream) if isatty() else PlainReporter(stream, interval)
 
 
+@contextmanager
+def engine_steps(reporter: Reporter) -> Iterator[None]:
+    """While it lasts, what the engine logs at INFO (its start-up steps: loading weights,
+    allocating the KV cache, compiling a grammar) is one line each of ``reporter``, on a terminal
+    and in logs alike, so a slow start shows what it is waiting for."""
+    logger = logging.getLogger("batchgen")
+    handler = _ToReporter(reporter)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _ToReporter(logging.Handler):
+    def __init__(self, reporter: Reporter):
+        super().__init__(logging.INFO)
+        self.reporter = reporter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.reporter.message(record.getMessage())
+        except Exception:  # progress must never kill a run
+            self.handleError(record)
+
+
 # --------------------------------------------------------------------------------- formatting
 
 
@@ -83,18 +117,41 @@ def rows_text(plan: Plan, snap: Snapshot) -> str:
     return f"rows {done:,}/{approx}{plan.total:,} ({pct:.1f}%)"
 
 
+def tokens_made(snap: Snapshot) -> int:
+    """Output tokens generated so far: the engine's count, which grows with every step, where
+    known; else those of the rows written (which grow only as rows finish)."""
+    return max(snap.generated_tokens or 0, snap.output_tokens)
+
+
+def token_rate(snap: Snapshot) -> float:
+    return rate(tokens_made(snap), snap.elapsed)
+
+
 def eta(plan: Plan, snap: Snapshot) -> float | None:
-    if plan.total is None or snap.rows == 0:
+    """Seconds left: the output tokens the rows not yet written still need, at the token rate.
+
+    A row's tokens are estimated by the rows written so far (unknown before one is), or by what
+    the rows in flight have made when that is more; what they have made counts as done. Counting
+    tokens rather than finished rows keeps the estimate right while many requests are in flight."""
+    if plan.total is None:
         return None
     left = max(plan.total - plan.done_before - snap.rows, 0)
-    return left / rate(snap.rows, snap.elapsed)
+    if left == 0:
+        return 0.0
+    finished = snap.rows - snap.errors
+    if finished <= 0 or snap.elapsed <= 0 or tokens_made(snap) == 0:
+        return None
+    in_flight_made = tokens_made(snap) - snap.output_tokens
+    per_row = max(snap.output_tokens / finished, in_flight_made / snap.in_flight if snap.in_flight else 0.0)
+    needed = left * per_row - min(in_flight_made, snap.in_flight * per_row)
+    return max(needed, 0.0) / token_rate(snap)
 
 
 def status_line(plan: Plan, snap: Snapshot) -> str:
     parts = [plan.name, rows_text(plan, snap)]
     if snap.errors:
         parts.append(f"errors {snap.errors:,}")
-    parts.append(f"{rate(snap.output_tokens, snap.elapsed):,.1f} out tok/s")
+    parts.append(f"{token_rate(snap):,.1f} out tok/s")
     if snap.kv_cache_usage is not None:
         parts.append(f"kv {100 * snap.kv_cache_usage:.0f}%")
     if snap.preemptions is not None:
@@ -196,7 +253,7 @@ class LiveReporter:
         total = self.plan.total
         grid.add_row(ProgressBar(total=float(total) if total else None, completed=float(done), width=40),
                      rows_text(self.plan, snap))
-        engine = [f"{rate(snap.output_tokens, snap.elapsed):,.1f} out tok/s"]
+        engine = [f"{token_rate(snap):,.1f} out tok/s"]
         if snap.kv_cache_usage is not None:
             engine.append(f"KV cache {100 * snap.kv_cache_usage:.0f}%")
         if snap.preemptions is not None:

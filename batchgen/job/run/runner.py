@@ -33,8 +33,9 @@ from ..outputs.writer import PartWriter, SampleRows, list_parts, output_schema, 
 from ..params import ParamsBuilder, RowParamsError
 from ..shard import Shard
 from ..spec import Job
+from ..validate import max_tokens_warning
 from .lock import ShardLock
-from .progress import Plan, Reporter, Snapshot, make_reporter
+from .progress import Plan, Reporter, Snapshot, engine_steps, make_reporter
 
 GRACE_FLUSH_SECONDS = 5.0  # while draining after a stop request, save finished rows this often
 STATS_SECONDS = 0.2
@@ -118,7 +119,8 @@ class Runner:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
         lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait)
         try:
-            return self._run_locked(reader, lock)
+            with engine_steps(self.reporter):
+                return self._run_locked(reader, lock)
         finally:
             lock.release()
 
@@ -143,8 +145,11 @@ class Runner:
             self.reporter.idle()
             self._merge()
             return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
+        started = time.monotonic()
         llm = build_engine(self.engine_factory, job)
+        self.reporter.message(f"engine ready in {time.monotonic() - started:.1f}s")
         self._check_engine(llm)
+        self._warn_context(llm)
         if job.spec.output.format == "openai_batch":
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
                                           job.spec.sampling.logprobs)
@@ -165,7 +170,8 @@ class Runner:
         ignored = ignored_summary(reader.ignored_fields)
         warnings = reader.warnings + ([ignored] if ignored else [])
         for w in warnings:
-            self.reporter.message(f"warning: {w}")
+            if w not in job.warnings:  # those were shown at the start
+                self.reporter.message(f"warning: {w}")
         if status == "complete":
             self._merge()
         return RunResult(status, plan, snap, self.stop.signal_name, warnings)
@@ -189,6 +195,15 @@ class Runner:
             return
         extra = f" (and {merged.extra:,} rows no longer in the input, at the end)" if merged.extra else ""
         self.reporter.message(f"merged {merged.rows:,} rows{extra} into {path}")
+
+    def _warn_context(self, llm: Any) -> None:
+        """max_tokens beyond the model's context, for a model validate could not see (fetched by
+        the run); said once."""
+        spec = self.job.spec
+        limit = getattr(llm, "max_model_len", None)
+        warning = max_tokens_warning(spec.sampling.max_tokens, limit, spec.model.max_model_len)
+        if warning and warning not in self.job.warnings:
+            self.reporter.message(f"warning: {warning}")
 
     def _check_engine(self, llm: Any) -> None:
         if self.job.spec.input.messages_column is None:
@@ -329,6 +344,7 @@ class Runner:
         except Exception:  # progress must never kill a run
             return
         snap.kv_cache_usage = stats.get("kv_cache_usage")
+        snap.generated_tokens = stats.get("output_tokens")  # as they are made; the engine is this run's
         snap.preemptions = stats.get("num_preemptions")
         snap.prefix_cache_hits = stats.get("prefix_cache_hits")
         snap.prefix_cache_queries = stats.get("prefix_cache_queries")

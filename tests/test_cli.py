@@ -1,0 +1,81 @@
+"""The command line itself: --version and -h, a help that lists every command whole, usage lines and
+options a reader understands (no `{job}`, no `<float range>`, help text for every option), each
+command pointing to its guide, and command-line mistakes exiting 2."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import typer
+from jobkit import FAKE, REPO, cli, run, setup_job
+
+from batchgen import __version__
+from batchgen.cli import GUIDES, app
+
+COMMANDS = ["run", "ray", "run-batch", "merge", "validate", "status", "slurm"]
+
+
+def _commands() -> dict[str, Any]:
+    """The click commands typer makes (of typer's own copy of click)."""
+    return dict(typer.main.get_command(app).commands)
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", markdown, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_version_and_help_exit_0():
+    r = cli("--version")
+    assert r.exit_code == 0 and r.stdout == f"batchgen {__version__}\n"
+    for flag in ("-h", "--help"):
+        r = cli(flag)
+        assert r.exit_code == 0, r.output
+        assert "..." not in r.stdout.split("Commands:")[1]  # no command's line is cut short
+        for name, command in _commands().items():
+            assert re.search(rf"^  {re.escape(name)} +{re.escape(command.short_help.split()[0])}", r.stdout, re.M)
+            assert " ".join(command.short_help.split()) in " ".join(r.stdout.split()), name
+    assert set(_commands()) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_command_has_a_plain_usage_help_for_every_option_and_its_guide(name):
+    r = cli(name, "-h")
+    assert r.exit_code == 0, r.output
+    usage = r.stdout.splitlines()[0]
+    assert usage.startswith("Usage: ") and not re.search(r"[{}<>]", usage), usage
+    assert not re.search(r"<(float|int|str|text|path)[^>]*>", r.stdout.split("Options:")[1]), r.stdout
+    for param in _commands()[name].params:
+        if getattr(param, "hidden", False):
+            continue
+        assert param.help, f"{name} {param.opts[0]} has no help text"
+        if param.param_type_name == "option" and not param.is_flag:
+            assert param.metavar, f"{name} {param.opts[0]} shows its type instead of what it takes"
+    page, _, anchor = GUIDES[name].partition("#")
+    assert f"Guide: {GUIDES[name]}" in r.stdout
+    assert (REPO / page).is_file(), GUIDES[name]
+    assert not anchor or anchor in _anchors((REPO / page).read_text(encoding="utf-8")), GUIDES[name]
+
+
+def test_a_bad_shard_is_a_command_line_error(tmp_path):
+    job = setup_job(tmp_path, rows=3)
+    for shard in ("5/4", "1-4", "0/0"):
+        r = run(job, "--shard", shard)
+        assert r.exit_code == 2, (shard, r.output)
+        assert "Invalid value for '--shard'" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_status_takes_the_job_file_too(tmp_path):
+    job = setup_job(tmp_path, rows=6)
+    r = cli("status", job)
+    assert r.exit_code == 1 and r.stderr.splitlines() == [
+        f"batchgen: error: no such output dir: {tmp_path / 'out'} (output.dir of {job}); "
+        "no run of this job has started"]
+    assert run(job, "--engine", FAKE).exit_code == 0
+    by_dir, by_job = cli("status", tmp_path / "out"), cli("status", job)
+    assert by_job.exit_code == 0 and by_job.stdout == by_dir.stdout
+    assert re.search(r"^total\s+1\s+6\s+0\s+0$", by_job.stdout, re.M), by_job.stdout
