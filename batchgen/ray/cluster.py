@@ -25,10 +25,10 @@ import pyarrow.compute as pc
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
 from ..job.inputs import InputReader
 from ..job.outputs.formats import format_of
+from ..job.outputs.writer import complete_ids, list_parts
 from ..job.run.progress import Plan, Reporter, Snapshot, duration, make_reporter, rate
 from ..job.shard import Shard, shard_of
 from ..job.spec import Job
-from ..job.writer import complete_ids, list_parts
 from ..storage import Location
 
 POLL_SECONDS = 0.5
