@@ -16,7 +16,7 @@ from fake_runner import FakeEngine, assert_pools_whole, check_invariants
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.engine import SchedulerConfig
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "beam-search.md").read_text(encoding="utf-8")
 
 # --- bookkeeping on the fake runner ----------------------------------------------------------
 
@@ -305,7 +305,7 @@ def test_bad_beam_search_params_are_one_line_errors():
 
 @pytest.mark.slow
 def test_smollm2_beams_match_transformers(smollm2_dir):
-    """Every length penalty and early-stopping setting the README names, each on two chats, all in
+    """Every length penalty and early-stopping setting docs/beam-search.md names, each on two chats, all in
     the engine at once; the answers end (EOS) before max_tokens, so the settings matter."""
     tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_dir)
     hf = tf.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -353,5 +353,5 @@ def test_beams_share_their_blocks_a_fraction_of_the_unshared_memory(tiny_model_d
     ratio = stats["peak_device_blocks"] / unshared_peak
     print(f"beam width 8, 32 prompts: peak {stats['peak_device_blocks']} blocks shared, {unshared_peak} unshared "
           f"({ratio:.3f}x); after-step peak {used_peak}")
-    claimed = float(re.search(r"peaked at\s+([\d.]+)x the blocks of the same beams unshared", README)[1])
-    assert ratio == pytest.approx(claimed, abs=0.01), f"the README says {claimed}x"
+    claimed = float(re.search(r"peaked at\s+([\d.]+)x the blocks of the same beams unshared", GUIDE)[1])
+    assert ratio == pytest.approx(claimed, abs=0.01), f"docs/beam-search.md says {claimed}x"

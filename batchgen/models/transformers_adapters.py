@@ -1,6 +1,6 @@
 """Attention for transformers implementations that do not call transformers' attention interface.
 
-Falcon's attention computes its scores inline; its forward is replaced by one that keeps Falcon's own
+Falcon's attention (before transformers 5.25) computes its scores inline; its forward is replaced by one that keeps Falcon's own
 projections, head split and rotary embedding and hands q/k/v to the attention function instead
 (models with ALiBi are refused before this: see architectures.transformers_refusal).
 """
@@ -19,8 +19,13 @@ def adapt_attention(hf_model: nn.Module, attention: Callable) -> None:
         raise ValueError(f"no attention adapter for model type {model_type!r}")
     from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb
 
-    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
-                output_attentions=False, position_embeddings=None, **kwargs):
+    if not hasattr(FalconAttention, "_split_heads"):  # transformers 5.25+: Falcon calls the attention interface
+        return
+
+    # `alibi` and `attention_mask` by keyword or not at all: transformers 5.25 no longer passes alibi
+    # (ALiBi Falcons are refused before this), older versions pass both by position.
+    def forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
+                use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
         batch, length, _ = hidden_states.shape
         query, key, value = self._split_heads(self.query_key_value(hidden_states))  # [B, T, heads, D]
         if self.new_decoder_architecture:  # keys and values come broadcast to every query head: one per group

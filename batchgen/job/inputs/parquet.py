@@ -25,7 +25,10 @@ class ParquetSource:
     @cached_property
     def parquet(self) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(self.file.path.arrow_source())
+            # pyarrow's pre-buffering reads many row groups in one request: from a bucket that is
+            # tens of MB before the first row; without it, one row group at a time.
+            path = self.file.path
+            return pq.ParquetFile(path.arrow_source(), pre_buffer=path.is_local)
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"cannot read input file {self.file.name}: {e}") from None
 
