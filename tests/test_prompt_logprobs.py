@@ -3,16 +3,17 @@ cache and preemption; the same numbers whatever shares the steps; memory bounded
 
 from __future__ import annotations
 
-import re
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-import transformers as tf
-from conftest import build_tiny_model
-from model_zoo import build_zoo_model
+from scoring_kit import ModelShelf, reference
+from scoring_kit import make_prompts as random_prompts
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import prompt_logprobs as prompt_logprobs_module
 
 TOL = 1e-4
 K = 5
@@ -24,39 +25,13 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "olmo2"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("logprob_models")
-    built: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in built:
-            build = build_zoo_model if arch in ("gemma2", "olmo2") else build_tiny_model
-            built[arch] = str(build(root / arch, arch))
-        return built[arch]
-
-    return get
+    return ModelShelf(tmp_path_factory.mktemp("logprob_models"))
 
 
 def make_prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
-    # A prompt sharing its first 120 tokens with the 200-token one: a prefix-cache hit when the cache is on.
-    return prompts + [prompts[-1][:120] + torch.randint(3, vocab, (40,), generator=gen).tolist()]
-
-
-_references: dict[str, tuple] = {}
-
-
-def reference(model_dir: str) -> tuple:
-    """transformers' model, loaded once per directory, and a function: prompt -> log_softmax of its logits."""
-    if model_dir not in _references:
-        hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-        def logprobs(prompt: list[int]) -> torch.Tensor:
-            with torch.no_grad():
-                return hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-
-        _references[model_dir] = (hf, logprobs)
-    return _references[model_dir]
+    prompts = random_prompts(vocab, lens, seed)
+    # A prompt sharing its first 120 tokens with the last one: a prefix-cache hit when the cache is on.
+    return prompts + [prompts[-1][:120] + random_prompts(vocab, [40], seed + 1000)[0]]
 
 
 def assert_matches(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int = K) -> float:
@@ -78,7 +53,7 @@ def assert_matches(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logprobs_match_transformers(models, arch, chunk, prefix_caching):
     model_dir = models(arch)
-    _, logprobs = reference(model_dir)
+    logprobs = reference(model_dir)
     llm = LLM(model_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=chunk, max_num_seqs=8,
               enable_prefix_caching=prefix_caching, model_impl="auto")
     prompts = make_prompts(llm.engine.vocab_size)
@@ -117,7 +92,7 @@ def test_smollm2_prompt_logprobs_match_transformers(smollm2_dir, options):
             "different lengths share one pool of memory without fragmenting it. ") * 3
     prompts = [llm.tokenizer.encode(text), llm.tokenizer.encode(text[:150] + " and then it stops.")]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=K), use_tqdm=False)
-    _, logprobs = reference(str(smollm2_dir))
+    logprobs = reference(str(smollm2_dir))
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches(out.prompt_logprobs, prompt, logprobs(prompt))
 
@@ -146,13 +121,13 @@ def test_prompt_logprobs_do_not_depend_on_what_shares_the_step(models, setting):
     model_dir = models("llama")
     alone = LLM(model_dir, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=512, max_num_seqs=8)
     vocab = alone.engine.vocab_size
-    target = make_prompts(vocab, [300], seed=7)[0]
+    target = random_prompts(vocab, [300], seed=7)[0]
     expected = alone.generate([target], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3),
                               use_tqdm=False)[0].prompt_logprobs
     options = dict(max_num_batched_tokens=29, max_num_seqs=6)
     if setting in ("chunked", "target-last"):
         mixed = LLM(model_dir, dtype="float32", kv_cache_memory="16MiB", **options)
-        others = make_prompts(vocab, [5, 40, 90, 150, 33, 64, 17, 250], seed=8)
+        others = random_prompts(vocab, [5, 40, 90, 150, 33, 64, 17, 250], seed=8)
         got = _run_mixed(mixed, target, others, "target-first" if setting == "chunked" else "target-last")
     else:
         # 26 blocks of 16 tokens: three running 28-token prompts and the 300-token target (19 blocks) fit at
@@ -160,49 +135,53 @@ def test_prompt_logprobs_do_not_depend_on_what_shares_the_step(models, setting):
         block_bytes = 2 * 2 * 2 * 16 * 64 * 4
         mixed = LLM(model_dir, dtype="float32", kv_cache_memory=26 * block_bytes, swap_space="8MiB",
                     preemption_mode=setting, **options)
-        others = make_prompts(vocab, [28, 28, 28], seed=8)[:3]
+        others = random_prompts(vocab, [28, 28, 28], seed=8)
         got = _run_mixed(mixed, target, others, "target-last", max_tokens=60)
         assert got.metrics.num_preemptions > 0
     assert got.prompt_logprobs == expected  # bit for bit
 
 
-def _peak_rss_kib() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+_MEMORY_PROBE = """
+import json, re, sys
+import torch
+from batchgen import LLM, SamplingParams
+from batchgen.engine import prompt_logprobs
+
+def kib(field):
+    return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+
+model_dir, chunk = sys.argv[1], int(sys.argv[2])
+llm = LLM(model_dir, dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=chunk, max_num_seqs=8,
+          enable_prefix_caching=False)
+prompt = torch.randint(3, llm.engine.vocab_size, (8 * chunk,), generator=torch.Generator().manual_seed(5)).tolist()
+llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # KV blocks, activations
+model, rows = llm.engine.runner.model, []
+real = model.compute_logits
+model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or real(hidden)
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+before = kib("VmRSS")
+out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+ok = len(out.prompt_logprobs) == len(prompt) and all(e[t] <= 0 for e, t in zip(out.prompt_logprobs[1:], prompt[1:]))
+print(json.dumps({"extra": (kib("VmHWM") - before) * 1024, "rows": rows, "vocab": llm.engine.vocab_size,
+                  "ok": ok, "logit_rows": prompt_logprobs.LOGIT_ROWS}))
+"""
 
 
-def _rss_kib() -> int:
-    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1))
-
-
-def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir, monkeypatch):
+def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir):
     """A prompt 8x max_num_batched_tokens long (4,096 tokens): its logits in one piece would be 4,096 x 49,152
-    float32 = 805 MB. Bound asserted: the logits of one sub-batch of LOGIT_ROWS rows at a time (the head is
-    never given more rows), and the process's peak RSS grows by less than max_num_batched_tokens x vocab x 4
-    bytes (101 MB), measured against the same prompt run without prompt logprobs (same KV blocks, same
+    float32 = 805 MB. Bound asserted: the head is never given more than LOGIT_ROWS rows at once, and the peak
+    RSS of a fresh process grows by less than max_num_batched_tokens x vocab x 4 bytes (96 MiB; measured
+    8-46 MiB), against the same prompt run just before without prompt logprobs (same KV blocks, same
     activations)."""
     chunk = 512
-    llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=chunk, max_num_seqs=8,
-              enable_prefix_caching=False)
-    vocab = llm.engine.vocab_size
-    prompt = make_prompts(vocab, [8 * chunk], seed=5)[0]
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # KV and activations in
-    model = llm.engine.runner.model
-    rows_seen: list[int] = []
-    real = model.compute_logits
-
-    def counting(hidden: torch.Tensor) -> torch.Tensor:
-        rows_seen.append(hidden.shape[0])
-        return real(hidden)
-
-    monkeypatch.setattr(model, "compute_logits", counting)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _rss_kib()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
-    extra = (_peak_rss_kib() - before) * 1024
-    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[-1][prompt[-1]] <= 0
-    assert max(rows_seen) <= prompt_logprobs_module.LOGIT_ROWS
-    assert sum(rows_seen) == len(prompt) - 1 + 1  # every prompt position but the last, and the sampled row
-    bound = chunk * vocab * 4
-    print(f"peak RSS growth {extra / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
-    assert extra < bound, (extra, bound)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(smollm2_dir), str(chunk)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    assert probe["ok"]
+    assert max(probe["rows"]) <= probe["logit_rows"], probe["rows"]
+    assert sum(probe["rows"]) == 8 * chunk  # every prompt position but the last, and the sampled row
+    bound = chunk * probe["vocab"] * 4
+    print(f"peak RSS growth {probe['extra'] / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
+    assert probe["extra"] < bound, (probe["extra"], bound)

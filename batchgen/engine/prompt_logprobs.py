@@ -21,8 +21,11 @@ import torch
 
 from batchgen import ops
 
-# Rows of logits made at once: 64 x a 152k vocabulary (Qwen) is 39 MB of float32.
-LOGIT_ROWS = 64
+# Rows of logits made at once: 32 x a 152k vocabulary (Qwen) is 19 MB of float32. On SmolLM2 (49k) a
+# 4,096-token prompt's logprobs grew a fresh process's peak RSS by 8-29 MiB at 32 rows, 76-104 MiB at 64
+# (the heap keeps what the head's temporaries fragment), at the same speed: the head's GEMM is compute-bound
+# from ~16 rows on.
+LOGIT_ROWS = 32
 
 
 @dataclass
