@@ -75,6 +75,7 @@ def test_embeddings_match_transformers(models, arch):
         assert all(run == runs[0] for run in runs)
 
 
+@pytest.mark.slow
 def test_smollm2_embeddings_match_transformers(smollm2_dir):
     llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=32, max_num_seqs=8)
     texts = ["A paged KV cache keeps sequences in fixed-size blocks.", "Bonjour", "The sea, the sea. " * 8]

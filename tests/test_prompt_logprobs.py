@@ -81,6 +81,7 @@ def test_prompt_logprobs_do_not_change_the_generated_tokens(models):
         assert [(c.token_ids, c.logprobs) for c in a.outputs] == [(c.token_ids, c.logprobs) for c in b.outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     dict(),
     dict(enable_prefix_caching=False),
@@ -167,6 +168,7 @@ print(json.dumps({"extra": (kib("VmHWM") - before) * 1024, "rows": rows, "vocab"
 """
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir):
     """A prompt 8x max_num_batched_tokens long (4,096 tokens): its logits in one piece would be 4,096 x 49,152
     float32 = 805 MB. Bound asserted: the head is never given more than LOGIT_ROWS rows at once, and the peak

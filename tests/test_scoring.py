@@ -55,6 +55,7 @@ def test_scores_match_transformers(models, arch):
     assert llm.stats()["prefix_cache_hits"] > 0
 
 
+@pytest.mark.slow
 def test_smollm2_scores_text_and_chat(smollm2_dir):
     llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64, max_num_seqs=8)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
