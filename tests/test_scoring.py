@@ -114,3 +114,22 @@ def test_scoring_errors(models):
     short = small(models("llama"), max_model_len=64)
     out = short.score_completions([[5] * 60, [5] * 10], [[6] * 10, [6] * 10], use_tqdm=False)
     assert "max_model_len" in out[0].error and out[0].logprob is None and out[1].error is None
+
+
+def test_bench_scoring_quick_pass(models, tmp_path):
+    """scripts/bench_scoring.py --quick end to end on a tiny model: both engines run and agree."""
+    import importlib.util
+    import json
+    import sys
+
+    from jobkit import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_scoring", REPO / "scripts" / "bench_scoring.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--quick", "--model", models("llama"), "--dtype", "float32", "--json",
+                          str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert report["score"]["rows"] == 8 and report["embed"]["rows"] == 8
+    assert report["score"]["prefix_cache_hit_tokens"] > 0  # each prompt's 4 completions share it
