@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
-from batchgen.engine.llm_engine import LLMEngine, Prompt
+from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine, Prompt
 from batchgen.engine.preflight import plan_model
 from batchgen.models.resolve import ModelNotFound, fetch_note, locate_model, model_source, resolve_model
-from batchgen.outputs import BeamSearchOutput, RequestOutput
+from batchgen.outputs import BeamSearchOutput, CompletionScore, PoolingRequestOutput, RequestOutput
+from batchgen.pooling_params import PoolingParams, ScoringParams
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.storage import StorageOptions
 
@@ -70,10 +71,13 @@ class LLM:
         return self.engine.max_model_len
 
     # --- incremental API (what the job runner streams through) ---
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
-        self.engine.add_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
+                    completion: str | list[int] | None = None) -> None:
+        """Generation (SamplingParams, BeamSearchParams), embedding or classification (PoolingParams) or
+        the scoring of `completion` after `prompt` (ScoringParams); all of them share the engine's steps."""
+        self.engine.add_request(request_id, prompt, params, completion=completion)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyOutput]:
         return self.engine.step()
 
     def has_unfinished_requests(self) -> bool:
@@ -96,9 +100,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(_prompt_list(prompts), sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -110,6 +112,61 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run(list(conversations), sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (text, token ids or a chat conversation), `outputs.embedding`: its final
+        hidden states pooled ("last", "mean" or "cls"; by default as the model's sentence-transformers config
+        says, else "last"), truncated to `dimensions` and L2-normalised (by default as the model's config says,
+        else normalised). Prefill only: nothing is sampled, and they mix with other requests in one engine."""
+        if pooling_params is None:
+            pooling_params = PoolingParams("embed", pooling=pooling, normalize=normalize, dimensions=dimensions)
+        elif (pooling, normalize, dimensions) != (None, None, None):
+            raise ValueError("embed: give pooling, normalize and dimensions in pooling_params or as keywords, not both")
+        return self._run(_prompt_list(prompts), _task(pooling_params, "embed"), use_tqdm, "embedding")
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """A classifier's (or reward model's) output per prompt: `outputs.probs` (softmax of the logits; a
+        sigmoid for one label), `outputs.logits` and `outputs.labels` (the config's names). The head reads the
+        last token's final hidden state, as transformers' `...ForSequenceClassification` does."""
+        return self._run(_prompt_list(prompts), _task(pooling_params or PoolingParams("classify"), "classify"),
+                         use_tqdm, "classifying")
+
+    def score_completions(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        completions: str | list[int] | Sequence[str | list[int]],
+        params: ScoringParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionScore]:
+        """The log-likelihood of each completion after its prompt, under the model: `logprob` (the sum of its
+        tokens' logprobs), `num_tokens`, `mean_logprob`, `perplexity`, and with `ScoringParams(token_logprobs=True)`
+        each token's. Prompt and completion are tokenized apart (the completion without special tokens) and
+        joined; a chat conversation as prompt is rendered with the generation prompt, the completion being the
+        assistant's reply. One prompt with many completions, or rows sharing a prompt, compute it once where
+        the prefix cache holds it. Nothing is sampled. (vLLM's `LLM.score` is another thing: a cross-encoder's
+        relevance of two texts.)"""
+        prompts = _prompt_list(prompts)
+        completions = [completions] if isinstance(completions, str) or (
+            completions and isinstance(completions[0], int)) else list(completions)
+        if len(prompts) == 1 and len(completions) > 1:
+            prompts = prompts * len(completions)
+        if len(prompts) != len(completions):
+            raise ValueError(f"completions: {len(completions)} given for {len(prompts)} prompts")
+        return self._run(prompts, params or ScoringParams(), use_tqdm, "scoring", completions)
 
     def beam_search(
         self,
@@ -130,22 +187,23 @@ class LLM:
         outputs = self._run([_prompt_of(p) for p in prompts], params, use_tqdm)
         return [BeamSearchOutput.of(out) for out in outputs]
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, desc: str = "generating",
+             completions: list | None = None) -> list:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams, PoolingParams, ScoringParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-            self.add_request(request_id, prompt, params)
-        done: dict[str, RequestOutput] = {}
+        for i, (request_id, prompt, params) in enumerate(zip(ids, prompts, sampling_params, strict=True)):
+            self.add_request(request_id, prompt, params, completion=None if completions is None else completions[i])
+        done: dict[str, AnyOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(prompts), desc="generating", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(prompts), desc=desc, unit="req", dynamic_ncols=True)
         while self.has_unfinished_requests():
             for output in self.step():
                 done[output.request_id] = output
@@ -155,6 +213,21 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a text, token ids or a conversation) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        return [prompts]
+    return list(prompts)
+
+
+def _task(params: PoolingParams | Sequence[PoolingParams], task: str) -> PoolingParams | list[PoolingParams]:
+    """params, checked to be for `task` (PoolingParams' default task is embed)."""
+    for p in [params] if isinstance(params, PoolingParams) else params:
+        if not isinstance(p, PoolingParams) or p.task != task:
+            raise ValueError(f"pooling_params: {task} takes PoolingParams(task={task!r}), got {p!r}")
+    return params
 
 
 def _prompt_of(prompt: Prompt | dict) -> Prompt:

@@ -1,4 +1,5 @@
-"""What generation returns: RequestOutput holding one CompletionOutput per sample."""
+"""What the engine returns: RequestOutput holding one CompletionOutput per sample (generation),
+PoolingRequestOutput (embeddings, classifiers) and CompletionScore (scoring a given completion)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,67 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     error: str | None = None  # set when the request could not be served (e.g. prompt too long)
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per token a dict of token id ->
+    # logprob with the token itself and the top k (vLLM's shape, floats for its Logprob objects)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax of the logits (a sigmoid for one label); the logits when activation is off
+    logits: list[float]
+    labels: list[str]  # the config's id2label, in class order
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    @property
+    def label(self) -> str:
+        """The most likely class's name."""
+        return self.labels[max(range(len(self.logits)), key=self.logits.__getitem__)]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput` / `ClassificationRequestOutput`: `outputs.embedding` or `outputs.probs`
+    (`outputs` is None when `error` is set)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ClassificationOutput | None
+    finished: bool = True
+    error: str | None = None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class CompletionScore:
+    """The log-likelihood of a given completion after its prompt (`LLM.score_completions`): natural logs.
+    Statistics are None when `error` is set."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprob: float | None = None  # the sum over the completion's tokens
+    num_tokens: int = 0
+    mean_logprob: float | None = None
+    perplexity: float | None = None  # exp(-mean_logprob)
+    token_logprobs: list[float] | None = None  # ScoringParams.token_logprobs
+    top_logprobs: list[dict[int, float]] | None = None  # ScoringParams.logprobs: per token, top k and itself
+    error: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
 
 

@@ -127,12 +127,12 @@ def refusal(tmp_path, config, **options) -> str:
     return message
 
 
-@pytest.mark.parametrize("kind", ["t5", "mamba", "classifier", "alibi", "bloom"])
+@pytest.mark.parametrize("kind", ["t5", "mamba", "headless", "alibi", "bloom"])
 def test_models_neither_implementation_can_run_are_refused_with_the_reason(tmp_path, kind):
     config, arch, why = {
         "t5": (tf.T5Config(), "T5ForConditionalGeneration", "encoder-decoder"),
         "mamba": (tf.MambaConfig(), "MambaForCausalLM", "state"),
-        "classifier": (tf.LlamaConfig(), "LlamaForSequenceClassification", "no causal language-model head"),
+        "headless": (tf.Olmo2Config(), "Olmo2Model", "neither a causal language-model head"),
         "alibi": (tf.FalconConfig(alibi=True), "FalconForCausalLM", "ALiBi"),
         "bloom": (tf.BloomConfig(), "BloomForCausalLM", "ALiBi"),
     }[kind]

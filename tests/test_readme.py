@@ -277,7 +277,10 @@ def test_bucket_guide_examples(home, s3_server, bucket):
 MARKER = re.compile(r"^<!-- readme-test: (?P<kind>[\w-]+)(?: (?P<rest>.*?))? -->$")
 RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab", None), ("slurm", None),
             ("preempted", None), ("python", "pandas"), ("python", "api"), ("run-batch", None),
-            ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read")}
+            ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read"),
+            # docs/scoring-embeddings.md, run by tests/test_scoring_docs.py
+            ("python", "prompt-logprobs"), ("python", "score"), ("python", "embed"), ("python", "classify"),
+            ("python", "mixed")}
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():

@@ -177,11 +177,14 @@ class BlockManager:
         return hashes
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Device blocks holding seq's longest cached prefix; at least its last token stays to compute."""
+        """Device blocks holding seq's longest cached prefix; at least its last token stays to compute,
+        and so does every position from seq.keep_hidden_from on (its hidden states are wanted)."""
         if not self.enable_prefix_caching:
             return []
         bs, tokens = self.block_size, seq.token_ids
         max_blocks = (len(tokens) - 1) // bs
+        if seq.keep_hidden_from is not None:
+            max_blocks = min(max_blocks, seq.keep_hidden_from // bs)
         hits: list[int] = []
         parent = None
         for i, key in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):

@@ -3,12 +3,18 @@
 It owns the tokenizer, the scheduler (what to run) and the model runner (running it), and does
 what lies between them: sampling, forking the n samples after a prompt's prefill, beam search's
 steps (engine/beam_search.py), stop checks, detokenisation and the outputs.
+
+Requests that read hidden states rather than (or before) sampling ride the same steps: prompt
+logprobs and scoring turn prefill rows into logprobs (engine/prompt_logprobs.py), embeddings and
+classifiers pool them (engine/pooling.py). Scoring and pooling requests are prefill-only: their
+request ends with its prompt's last chunk.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,18 +24,31 @@ from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.beam_search import BeamSearch
 from batchgen.engine.config import SchedulerConfig
 from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
-from batchgen.engine.model_runner import CacheShape, ModelRunner
+from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
+from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
 from batchgen.engine.preflight import plan_model, too_few_blocks
+from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.models.loader import load_model, load_tokenizer
-from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.outputs import (
+    ClassificationOutput,
+    CompletionOutput,
+    CompletionScore,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from batchgen.pooling_params import PoolingParams, ScoringParams
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured.backend import GrammarBackend, RequestGrammar
 
 Prompt = str | list[int] | list[dict]
+AnyParams = SamplingParams | BeamSearchParams | PoolingParams | ScoringParams
+AnyOutput = RequestOutput | PoolingRequestOutput | CompletionScore
 logger = logging.getLogger(__name__)  # start-up steps at INFO; `batchgen run` shows them
 
 
@@ -37,12 +56,15 @@ logger = logging.getLogger(__name__)  # start-up steps at INFO; `batchgen run` s
 class _Request:
     group: SequenceGroup
     prompt: str | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams | ScoringParams
     seed: int
     metrics: RequestMetrics
     stop_reasons: dict[int, int | str | None] = field(default_factory=dict)  # seq_id -> why it stopped
     grammar: RequestGrammar | None = None  # structured outputs: one matcher per sample
     beams: BeamSearch | None = None  # beam search (params are then its greedy stop rules)
+    # What it reads from its prompt's hidden states: logprobs of given tokens, or a pooled vector.
+    reader: PromptLogprobs | Pooler | None = None
+    pooling: tuple[bool, int | None] | None = None  # embed: (normalize, dimensions) as resolved
 
 
 # A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
@@ -69,6 +91,9 @@ class LLMEngine:
         if self.device.type == "cpu":
             release_freed_memory()
         self.vocab_size = model.vocab_size
+        self.has_lm_head = getattr(model, "has_lm_head", True)
+        self.class_labels: list[str] | None = getattr(model, "class_labels", None)  # a classifier's, else None
+        self.pooling_config = read_pooling_config(plan.model_dir)
         shape = plan.cache_shape
         num_device_blocks = self._num_device_blocks(shape)
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block
@@ -157,9 +182,31 @@ class LLMEngine:
                                  f"(0..{self.vocab_size - 1})")
         return list(ids)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
+                    completion: str | list[int] | None = None) -> None:
+        """Queues a request: generation (SamplingParams, BeamSearchParams), embedding or classification
+        (PoolingParams), or the scoring of `completion` after `prompt` (ScoringParams)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        if (completion is not None) != isinstance(params, ScoringParams):
+            raise ValueError("completion: a scoring request (ScoringParams) takes a completion, and only it")
+        if isinstance(params, PoolingParams):
+            req = self._pooling_request(request_id, prompt, params)
+        elif isinstance(params, ScoringParams):
+            req = self._scoring_request(request_id, prompt, completion, params)
+        else:
+            req = self._generation_request(request_id, prompt, params)
+        if req.reader is not None:
+            req.group.seqs[0].keep_hidden_from = req.reader.hidden_from
+        self._requests[request_id] = req
+        if self._isolating:
+            self._held.append(request_id)
+        else:
+            self.scheduler.add(req.group)
+
+    def _generation_request(self, request_id: str, prompt: Prompt,
+                            params: SamplingParams | BeamSearchParams) -> _Request:
+        self._needs_lm_head("generation")
         beams = BeamSearch(params, self.stopper) if isinstance(params, BeamSearchParams) else None
         if beams is not None:
             params = beams.params.sampling_params
@@ -174,12 +221,62 @@ class LLMEngine:
         if grammar is not None:
             grammar.add(seq.seq_id)
         group = SequenceGroup(request_id, arrival, params, [seq], beam_width=beams.params.beam_width if beams else 0)
-        self._requests[request_id] = _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar,
-                                              beams=beams)
-        if self._isolating:
-            self._held.append(request_id)
+        reader = None if params.prompt_logprobs is None else PromptLogprobs(token_ids, 1, params.prompt_logprobs)
+        return _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar, beams=beams,
+                        reader=reader)
+
+    def _prefill_only_request(self, request_id: str, text: str | None, token_ids: list[int],
+                              params: PoolingParams | ScoringParams, reader: PromptLogprobs | Pooler) -> _Request:
+        arrival = next(self._arrivals)
+        group = SequenceGroup(request_id, arrival, params, [Sequence(next(self._seq_ids), token_ids)],
+                              prefill_only=True)
+        return _Request(group, text, params, 0, RequestMetrics(time.time()), reader=reader)
+
+    def _scoring_request(self, request_id: str, prompt: Prompt, completion: str | list[int],
+                         params: ScoringParams) -> _Request:
+        self._needs_lm_head("scoring")
+        text, prompt_ids = self.encode(prompt)
+        if isinstance(completion, str):
+            completion_ids = self._needs_tokenizer("a text completion").encode(completion, add_special_tokens=False)
+            if not completion_ids:
+                raise ValueError("completion: the text has no tokens")
         else:
-            self.scheduler.add(group)
+            completion_ids = self._checked_token_ids("completion", completion)
+        if not prompt_ids:
+            raise ValueError("prompt: scoring needs at least one prompt token before the completion")
+        token_ids = prompt_ids + completion_ids
+        reader = PromptLogprobs(token_ids, len(prompt_ids), params.logprobs)
+        return self._prefill_only_request(request_id, text, token_ids, params, reader)
+
+    def _pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> _Request:
+        own = self.pooling_config
+        if params.task == "classify":
+            if self.class_labels is None:
+                raise ValueError("task: classify needs a model with a classification head "
+                                 "(a ...ForSequenceClassification checkpoint); this one has none")
+            method = params.pooling or "last"  # the token transformers' classification heads read
+        else:
+            if params.pooling is None and own.problem:
+                raise ValueError(f"pooling: the model's own cannot be followed: {own.problem}; "
+                                 "name one (last, mean or cls)")
+            method = params.pooling or own.method or "last"
+            hidden = self.runner.model.hidden_size
+            if params.dimensions is not None and params.dimensions > hidden:
+                raise ValueError(f"dimensions: {params.dimensions} is more than the model's hidden size ({hidden})")
+        text, token_ids = self.encode(prompt)
+        if not token_ids:
+            raise ValueError("prompt: the text has no tokens")
+        req = self._prefill_only_request(request_id, text, token_ids, params, Pooler(method, len(token_ids)))
+        if params.task == "embed":
+            normalize = params.normalize if params.normalize is not None else own.normalize
+            req.pooling = (True if normalize is None else normalize, params.dimensions)
+        return req
+
+    def _needs_lm_head(self, what: str) -> None:
+        if not self.has_lm_head:
+            kind = "a classification head" if self.class_labels is not None else "no language-model head"
+            raise ValueError(f"model: {what} needs a language-model head, and this model has {kind}; "
+                             "it can embed" + (" and classify" if self.class_labels is not None else ""))
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -208,18 +305,24 @@ class LLMEngine:
         return len(self._requests)
 
     # --- one step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyOutput]:
         if self._isolating and not self.scheduler.has_unfinished():
             self._next_trial()
         out = self.scheduler.schedule()
         finished = [self._finish_request(group.request_id) for group in out.ignored]
         try:
-            logits = self.runner.execute(out)
+            step = self.runner.execute(out)
+            self._read_hidden(out, step)
         except Exception as error:
             return finished + self._step_failed(out, error)
+        logits = step.logits
         self._blamed_in_a_row = 0
         self.scheduler.on_step_done(out)
         now = time.time()
+        for s in out.scheduled:
+            if s.group.prefill_only and s.end == len(s.seq):
+                self._requests[s.group.request_id].metrics.first_scheduled_time = now
+                self.scheduler.finish_seq(s.seq, "stop")
         sampled = [s for s in out.scheduled if s.samples]
         rows: list[SamplingRow] = []
         targets: list[tuple[_Request, Sequence]] = []
@@ -254,6 +357,28 @@ class LLMEngine:
         for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
             finished.append(self._finish_request(request_id))
         return finished
+
+    def _read_hidden(self, out: SchedulerOutput, step: StepOutput) -> None:
+        """What the step's requests read from its hidden states (see keep_hidden_from): logprobs of given
+        tokens for all of them in one batch, pooled rows for each. Part of the step: a failure here is
+        traced to a request as a failed forward is."""
+        batch, readers = LogprobBatch(), []
+        for i, s in enumerate(out.scheduled):
+            keep = s.seq.keep_hidden_from
+            if keep is None or s.end <= keep:
+                continue
+            reader = self._requests[s.group.request_id].reader
+            positions = reader.wanted(s.start, s.end)
+            first = step.first_row[i] + positions.start - s.start
+            if isinstance(reader, PromptLogprobs):
+                batch.add(reader, first, positions)
+            elif positions:
+                reader.add(step.hidden[first:first + len(positions)], positions)
+            readers.append((s.seq, reader))
+        if batch:
+            batch.compute(step.hidden, self.runner.model.compute_logits)
+        for seq, reader in readers:
+            seq.keep_hidden_from = reader.hidden_from
 
     # --- failed steps ---------------------------------------------------------------------------
     # A forward that raises has written nothing the engine keeps: its requests are aborted before
@@ -299,10 +424,14 @@ class LLMEngine:
         """Puts a request into the scheduler from its prompt again, as a new arrival."""
         req = self._requests[request_id]
         seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids)
-        req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width)
+        req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width,
+                                  prefill_only=req.group.prefill_only)
         req.stop_reasons.clear()
         if req.beams is not None:
             req.beams.reset()
+        if req.reader is not None:
+            req.reader.reset()
+            seq.keep_hidden_from = req.reader.hidden_from
         if req.grammar is not None:
             req.grammar.reset()
             req.grammar.add(seq.seq_id)
@@ -380,15 +509,50 @@ class LLMEngine:
             req.stop_reasons[seq.seq_id] = decision.stop_reason
             self.scheduler.finish_seq(seq, decision.reason)
 
-    def _finish_request(self, request_id: str) -> RequestOutput:
+    def _finish_request(self, request_id: str) -> AnyOutput:
         req = self._requests.pop(request_id)
         group = req.group
         req.metrics.finished_time = time.time()
         req.metrics.num_preemptions = group.num_preemptions
         prompt_ids = group.prompt_token_ids
         self.num_prompt_tokens += len(prompt_ids)
+        if isinstance(req.params, PoolingParams):
+            return self._pooling_output(req)
+        if isinstance(req.params, ScoringParams):
+            return self._score_output(req)
         completions = self._sample_completions(req) if req.beams is None else self._beam_completions(req)
-        return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics)
+        prompt_logprobs = req.reader.vllm_list() if req.reader is not None and group.error is None else None
+        return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics,
+                             prompt_logprobs)
+
+    def _pooling_output(self, req: _Request) -> PoolingRequestOutput:
+        group, params = req.group, req.params
+        outputs = None
+        if group.error is None:
+            pooled = req.reader.result()
+            if params.task == "embed":
+                normalize, dimensions = req.pooling
+                outputs = EmbeddingOutput(embedding(pooled, dimensions, normalize))
+            else:
+                logits = self.runner.model.compute_scores(pooled[None])[0]
+                outputs = ClassificationOutput(class_probs(logits, params.activation).tolist(), logits.tolist(),
+                                               list(self.class_labels))
+        return PoolingRequestOutput(group.request_id, req.prompt, group.prompt_token_ids, outputs, True, group.error,
+                                    req.metrics)
+
+    def _score_output(self, req: _Request) -> CompletionScore:
+        group, reader, params = req.group, req.reader, req.params
+        tokens = group.prompt_token_ids
+        out = CompletionScore(group.request_id, req.prompt, tokens[:reader.first], tokens[reader.first:],
+                              error=group.error, metrics=req.metrics)
+        if group.error is None:
+            total = math.fsum(reader.chosen)
+            out.logprob, out.num_tokens = total, len(reader.chosen)
+            out.mean_logprob = total / out.num_tokens
+            out.perplexity = math.exp(-out.mean_logprob)
+            out.token_logprobs = list(reader.chosen) if params.token_logprobs else None
+            out.top_logprobs = list(reader.top) if params.logprobs is not None else None
+        return out
 
     def _text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
         return self.stopper.final_text(params, output, stop_reason) if output and self.tokenizer else ""

@@ -1,4 +1,8 @@
-"""Executes what the scheduler decided: cache swaps and copies, one flat forward, last-token logits."""
+"""Executes what the scheduler decided: cache swaps and copies, one flat forward, last-token logits.
+
+The step's hidden states come back too: prompt logprobs, scoring and pooling read rows of them
+(engine/prompt_logprobs.py, engine/pooling.py), so the runner itself never makes more logits than
+the sampled rows'."""
 
 from __future__ import annotations
 
@@ -23,6 +27,20 @@ class CacheShape:
         """Key and value, all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * itemsize
+
+
+@dataclass
+class StepOutput:
+    """What one forward gives the engine."""
+
+    logits: torch.Tensor | None  # one row per scheduled entry that samples (scheduled order); None if none does
+    hidden: torch.Tensor | None  # [num_tokens, hidden]: the whole flat batch's final hidden states
+    first_row: list[int]  # per scheduled entry (scheduled order): the hidden row of its first fed token
+
+    def rows_of(self, index: int, start: int, end: int, entry_start: int) -> slice:
+        """The hidden rows of positions [start, end) of scheduled entry `index`, which fed from `entry_start`."""
+        first = self.first_row[index] - entry_start
+        return slice(first + start, first + end)
 
 
 class ModelRunner:
@@ -83,20 +101,20 @@ class ModelRunner:
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat batch: decodes (one new token) first, then prefill chunks. Returns the input ids,
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
-        its last token."""
+        its first token (its last is that plus num_new_tokens - 1)."""
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_row = [0] * len(scheduled)
+        first_row = [0] * len(scheduled)
         decode_tables, decode_lens, decode_groups, prefill_tables, prefill_lens, query_starts = [], [], [], [], [], [0]
         for i in order:
             s = scheduled[i]
             seq, start, n = s.seq, s.start, s.num_new_tokens
+            first_row[i] = len(input_ids)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += self._slots(seq.block_table, start, n)
-            last_row[i] = len(input_ids) - 1
             if n == 1:
                 decode_tables.append(seq.block_table)
                 decode_lens.append(start + 1)
@@ -121,19 +139,17 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, meta, last_row
+        return ids, pos, meta, first_row
 
     @torch.inference_mode()
-    def execute(self, out) -> torch.Tensor | None:
-        """Runs one scheduler step; returns logits (float32 from batchgen's bf16 GEMM, else in the model's
-        dtype), one row per scheduled entry that samples (in scheduled order), or None when nothing samples."""
+    def execute(self, out) -> StepOutput:
+        """Runs one scheduler step: logits (float32 from batchgen's bf16 GEMM, else in the model's dtype) of
+        the last fed token of every scheduled entry that samples, and the step's hidden states."""
         self._move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
-            return None
-        ids, pos, meta, last_row = self.prepare(out.scheduled)
+            return StepOutput(None, None, [])
+        ids, pos, meta, first_row = self.prepare(out.scheduled)
         hidden = self.model(ids, pos, meta)
-        rows = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
-        if not rows:
-            return None
-        picked = hidden[torch.tensor(rows, device=self.device)]
-        return self.model.compute_logits(picked)
+        rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        return StepOutput(logits, hidden, first_row)

@@ -41,12 +41,13 @@ class ScheduledSeq:
     group: SequenceGroup
     num_new_tokens: int
     start: int  # == seq.num_computed_tokens when scheduled
-    # The last token is fed: this step's logits give the sequence's next token. Fixed when
-    # scheduled, so it stays true after the engine appends that token.
+    # The last token is fed: this step's logits give the sequence's next token (never for a
+    # prefill-only group, whose step ends its request instead). Fixed when scheduled, so it stays
+    # true after the engine appends that token.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.end == len(self.seq.token_ids)
+        self.samples = self.end == len(self.seq.token_ids) and not self.group.prefill_only
 
     @property
     def end(self) -> int:

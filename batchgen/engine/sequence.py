@@ -26,6 +26,10 @@ class Sequence:
     num_computed_tokens counts the leading tokens whose K/V is in the cache; the scheduler
     feeds the rest. The last token is normally not computed yet: it is fed in the next step,
     whose logits give the following token.
+
+    keep_hidden_from: the first position whose final hidden state the request still needs (prompt
+    logprobs, scoring, pooling); None when it needs only the last token's. The prefix cache never
+    skips that position: a cached prefix stops at the block holding it.
     """
 
     seq_id: int
@@ -39,6 +43,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    keep_hidden_from: int | None = None
     # Content hashes of the leading full blocks (prefix caching); kept by the block manager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
 
@@ -102,12 +107,14 @@ class SequenceGroup:
     num_preemptions: int = 0
     forked: bool = False
     beam_width: int = 0  # > 0: a beam search with this many live beams at most
+    # Scoring and pooling requests: the prompt is computed and the request ends; nothing is sampled.
+    prefill_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
         """The most sequences the group runs at once: its beams or its samples."""
-        return self.beam_width or self.sampling_params.n
+        return self.beam_width or (1 if self.prefill_only else self.sampling_params.n)
 
     @property
     def prompt_token_ids(self) -> list[int]:

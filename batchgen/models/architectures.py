@@ -31,15 +31,39 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 ADAPTED_MODEL_TYPES = {"falcon"}
 
 
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
 def architecture(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     return archs[0] if archs else f"{type(hf_config).__name__} (config.json names no architecture)"
 
 
+def is_classifier(hf_config: Any) -> bool:
+    """A checkpoint with a sequence-classification head (classifiers, reward models) in place of the LM head."""
+    return architecture(hf_config).endswith(CLASSIFIER_SUFFIX)
+
+
+def decoder_architecture(hf_config: Any) -> str:
+    """The causal LM whose decoder a checkpoint has: `XForSequenceClassification` runs X's decoder, and so
+    does a bare `XModel` (embedding models such as e5-mistral) where X has a native implementation."""
+    arch = architecture(hf_config)
+    if is_classifier(hf_config):
+        return arch.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+    bare = arch.removesuffix("Model") + "ForCausalLM"
+    return bare if arch.endswith("Model") and bare in NATIVE_ARCHITECTURES else arch
+
+
+def class_labels(hf_config: Any) -> list[str]:
+    """A classifier's label names in class order, from the config's id2label (LABEL_i where it has none)."""
+    id2label = {int(k): v for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    return [id2label.get(i, f"LABEL_{i}") for i in range(hf_config.num_labels)]
+
+
 def pick_impl(asked: str, hf_config: Any) -> str:
     """"native" or "transformers" for `model_impl` `asked`; a one-line ValueError when neither can run it.
     Its first word is the option at fault: "model_impl" or "model"."""
-    arch = architecture(hf_config)
+    arch = decoder_architecture(hf_config)
     native_misfit = native_refusal(hf_config) if arch in NATIVE_ARCHITECTURES else None
     if asked == "native":
         if arch not in NATIVE_ARCHITECTURES:
@@ -81,20 +105,23 @@ def rope(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict | N
 
 def transformers_refusal(hf_config: Any) -> str | None:
     """Why the transformers backend cannot run this model on batchgen's paged attention, or None."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_type = getattr(hf_config, "model_type", "")
     archs = getattr(hf_config, "architectures", None) or []
+    auto_class = AutoModelForSequenceClassification if is_classifier(hf_config) else AutoModelForCausalLM
     layer_types = set(getattr(hf_config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
     if getattr(hf_config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model; batchgen runs decoder-only models"
     if model_type in RECURRENT_MODEL_TYPES or layer_types:
         kinds = ", ".join(sorted(layer_types)) or "recurrent/state-space"
         return f"it has {kinds} layers, which keep a state instead of a KV cache"
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return "it has no causal language-model head (a ...ForCausalLM class)"
-    if type(hf_config) not in AutoModelForCausalLM._model_mapping:
-        return f"transformers has no causal language model for model type {model_type!r}"
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", CLASSIFIER_SUFFIX)) for a in archs):
+        return ("it has neither a causal language-model head (...ForCausalLM) nor a classification head "
+                f"(...{CLASSIFIER_SUFFIX})")
+    if type(hf_config) not in auto_class._model_mapping:
+        kind = "sequence classifier" if auto_class is AutoModelForSequenceClassification else "causal language model"
+        return f"transformers has no {kind} for model type {model_type!r}"
     if getattr(hf_config, "add_cross_attention", False):
         return "it has cross-attention layers"
     if model_type in ALIBI_MODEL_TYPES or getattr(hf_config, "alibi", False):
@@ -103,7 +130,7 @@ def transformers_refusal(hf_config: Any) -> str | None:
         return "it uses chunked attention, which batchgen's attention kernels do not have"
     if getattr(hf_config, "kv_lora_rank", None):
         return "it uses multi-head latent attention, which batchgen's attention kernels do not have"
-    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    model_class = auto_class._model_mapping[type(hf_config)]
     if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES:
         return "its transformers code does not call attention through transformers' attention interface"
     return None

@@ -50,6 +50,7 @@ class LlamaConfig:
     rotary_dim: int | None = None  # the leading dims of each head the rotary embedding turns; None: all
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_soft_cap: float = 0.0
+    class_labels: tuple[str, ...] = ()  # a classifier (...ForSequenceClassification): its head `score`, no LM head
 
     @property
     def rotated_dims(self) -> int:
@@ -152,13 +153,26 @@ class LlamaForCausalLM(nn.Module):
         windows = cfg.sliding_windows or (0,) * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, window) for window in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A classifier has `score` where a causal LM has its head; a checkpoint saved without its head
+        # (some embedding models) has neither: has_lm_head is then False.
+        self.has_lm_head = not cfg.class_labels
+        self.score = Linear(cfg.hidden_size, len(cfg.class_labels), bias=False) if cfg.class_labels else None
+        self.lm_head = (None if cfg.tie_word_embeddings or cfg.class_labels
+                        else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._tied_head: PackedLinear | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def class_labels(self) -> list[str] | None:
+        return list(self.cfg.class_labels) or None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -179,8 +193,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.has_lm_head:
+            raise RuntimeError("this model has no language-model head")
         head = self.lm_head if self.lm_head is not None else self._tied_head
         return linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits [n, num_labels] in float32 (transformers' head has no bias and no activation)."""
+        return linear(hidden.float(), self.score.weight.float())
 
     def pack_weights(self) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
@@ -192,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self.layers)
         if self.lm_head is not None and can_pack(self.lm_head.weight):
             self.lm_head = PackedLinear(self.lm_head.weight, float_out=True)
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+        if self.lm_head is None and self.has_lm_head and can_pack(self.embed_tokens.weight):
             self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
         gather_panels(self)
         self._build_decoder_stack()
@@ -239,6 +259,9 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            if name.startswith("score.") and self.score is None:
+                raise ValueError(f"checkpoint tensor {name!r} is a classification head, but its config names "
+                                 "a causal LM architecture")
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in pieces:
                 target, first, rows = pieces[parts[-2]]
@@ -252,5 +275,8 @@ class LlamaForCausalLM(nn.Module):
                     loaded |= {f"{name}@{first}" for target, first, _ in pieces.values() if target == parts[-2]}
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        if self.lm_head is not None and expected - loaded == {"lm_head.weight"}:
+            self.lm_head, self.has_lm_head = None, False  # saved without its head: it embeds, it cannot generate
+            loaded.add("lm_head.weight")
         if missing := sorted(expected - loaded):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

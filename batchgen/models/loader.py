@@ -9,7 +9,14 @@ from pathlib import Path
 import torch
 
 from batchgen.layers.rotary import RotaryEmbedding
-from batchgen.models.architectures import NATIVE_ARCHITECTURES, architecture, layer_windows, rope
+from batchgen.models.architectures import (
+    NATIVE_ARCHITECTURES,
+    class_labels,
+    decoder_architecture,
+    is_classifier,
+    layer_windows,
+    rope,
+)
 from batchgen.models.gemma import GemmaConfig, GemmaForCausalLM
 from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
@@ -63,8 +70,8 @@ def first_line(error: Exception) -> str:
 
 
 def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
-    """The native model's config (a GemmaConfig for the Gemma family)."""
-    arch = architecture(hf_config)
+    """The native model's config (a GemmaConfig for the Gemma family); a classifier's has its labels."""
+    arch = decoder_architecture(hf_config)
     family = NATIVE_ARCHITECTURES.get(arch)
     if family is None:
         raise ValueError(f"architecture {arch!r} has no native implementation")
@@ -87,6 +94,7 @@ def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         sliding_windows=tuple(layer_windows(hf_config)),
         rotary_dim=_rotary_dim(hf_config, head_dim),
+        class_labels=tuple(class_labels(hf_config)) if is_classifier(hf_config) else (),
     )
     if family == "llama":
         return LlamaConfig(**common)
@@ -127,8 +135,9 @@ def _checkpoint_tensors(model_dir: Path):
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
                model_impl: str = "native") -> torch.nn.Module:
-    """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits`,
-    `attention_layers()` and `vocab_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl)."""
+    """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits` (where
+    `has_lm_head`), `compute_scores` (a classifier's head, where `class_labels` is set), `attention_layers()`,
+    `vocab_size` and `hidden_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl)."""
     if model_impl == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 

@@ -1,6 +1,7 @@
 """The transformers backend: a model's own transformers code, its attention on batchgen's paged KV cache.
 
-The model is built by `AutoModelForCausalLM.from_pretrained` (empty on the meta device, then the
+The model is built by `AutoModelForCausalLM.from_pretrained` (`AutoModelForSequenceClassification` for a
+classifier) (empty on the meta device, then the
 checkpoint's weights, with transformers' own renames and tied weights, in the dtype asked for). Its
 attention layers call `batchgen_attention`, registered with transformers' attention interface as
 "batchgen": the step's flat batch runs as one row `[1, T]` with its positions, and each layer writes
@@ -21,11 +22,13 @@ from torch import nn
 from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
-from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, pack_linears
+from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, linear, pack_linears
 from batchgen.models.architectures import (
     ADAPTED_MODEL_TYPES,
     architecture,
     attention_geometry,
+    class_labels,
+    is_classifier,
     layer_windows,
     text_config,
 )
@@ -90,7 +93,8 @@ def register_attention() -> None:
 
 
 class TransformersModel(nn.Module):
-    """The runner's seam over a transformers causal LM: flat batch in, hidden states out; `compute_logits`."""
+    """The runner's seam over a transformers causal LM (or sequence classifier): flat batch in, hidden states
+    out; `compute_logits` (`compute_scores` for a classifier)."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -105,8 +109,12 @@ class TransformersModel(nn.Module):
         if len(attention_modules) != len(self.layers):
             raise NotImplementedError(f"batchgen found {len(attention_modules)} attention layers in its "
                                       f"{len(self.layers)} layers")
-        self.head: nn.Module = hf_model.get_output_embeddings()
-        self.vocab_size = self.head.out_features
+        self.class_labels = class_labels(hf_model.config) if is_classifier(hf_model.config) else None
+        self.score = hf_model.score if self.class_labels else None
+        self.head: nn.Module | None = None if self.class_labels else hf_model.get_output_embeddings()
+        self.has_lm_head = self.head is not None
+        self.vocab_size = hf_model.get_input_embeddings().num_embeddings
+        self.hidden_size = self.config.hidden_size
 
     def pack_weights(self) -> None:
         """The projections into batchgen's packed GEMMs, as the native models' (layers/linear.py): several
@@ -114,7 +122,7 @@ class TransformersModel(nn.Module):
         model then fails its one-token check (its code reads a projection's weight itself)."""
         head = self.head
         replaced = pack_linears(self.hf.base_model, (nn.Linear,))
-        if can_pack(head.weight):
+        if head is not None and can_pack(head.weight):
             self.head = PackedLinear(head.weight, head.bias, float_out=True)
         try:
             _try_one_token(self)
@@ -136,8 +144,15 @@ class TransformersModel(nn.Module):
             self.step.meta = None
         return out[0][0]
 
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits [n, num_labels] in float32, from its own head."""
+        return linear(hidden.float(), self.score.weight.float(),
+                      None if self.score.bias is None else self.score.bias.float())
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head, then what transformers' causal LMs do to its logits (scale, soft cap)."""
+        if self.head is None:
+            raise RuntimeError("this model has no language-model head")
         cfg = self.config
         logits = self.head(hidden)
         if scale := getattr(cfg, "logit_scale", None):  # Cohere
@@ -152,11 +167,12 @@ class TransformersModel(nn.Module):
 def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
                             device: torch.device) -> TransformersModel:
     """Builds and checks the model; a ConfigError naming the architecture when it cannot run here."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     register_attention()
     adapted = text_config(hf_config).model_type in ADAPTED_MODEL_TYPES
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": str(device)},
+    auto_class = AutoModelForSequenceClassification if is_classifier(hf_config) else AutoModelForCausalLM
+    hf = auto_class.from_pretrained(model_dir, dtype=dtype, device_map={"": str(device)},
                                               attn_implementation="eager" if adapted else BACKEND)
     if adapted:
         adapt_attention(hf, batchgen_attention)
@@ -189,7 +205,8 @@ def _try_one_token(model: TransformersModel) -> None:
                              prefill_query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device))
     try:
         with torch.inference_mode():
-            model.compute_logits(model(torch.zeros(1, dtype=torch.long, device=device), ints[0].long(), meta))
+            hidden = model(torch.zeros(1, dtype=torch.long, device=device), ints[0].long(), meta)
+            model.compute_logits(hidden) if model.has_lm_head else model.compute_scores(hidden)
     except (RuntimeError, ValueError, AttributeError, TypeError) as e:
         raise NotImplementedError(f"its layers do not fit batchgen's attention ({str(e).splitlines()[0]})") from None
     finally:

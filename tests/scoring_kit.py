@@ -1,0 +1,45 @@
+"""What the scoring, embedding and classifier tests share: tiny models built on first use, random prompts,
+and transformers' reference log-probabilities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+from conftest import build_tiny_model
+from model_zoo import build_zoo_model
+
+
+class ModelShelf:
+    """Tiny random models under `root`, each built on first use: `shelf("llama")` -> its directory."""
+
+    def __init__(self, root: Path):
+        self.root, self.built = root, {}
+
+    def __call__(self, arch: str) -> str:
+        if arch not in self.built:
+            build = build_zoo_model if arch in ("gemma2", "olmo2") else build_tiny_model
+            self.built[arch] = str(build(self.root / arch, arch))
+        return self.built[arch]
+
+
+def make_prompts(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+_references: dict[str, object] = {}
+
+
+def reference(model_dir: str):
+    """A function: prompt -> log_softmax of transformers' logits for it (float32; the model loaded once)."""
+    if model_dir not in _references:
+        hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+        def logprobs(prompt: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                return hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+        _references[model_dir] = logprobs
+    return _references[model_dir]
