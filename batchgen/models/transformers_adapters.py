@@ -1,7 +1,8 @@
 """Attention for transformers implementations that do not call transformers' attention interface.
 
-Falcon's attention (before transformers 5.25) computes its scores inline; its forward is replaced by one that keeps Falcon's own
-projections, head split and rotary embedding and hands q/k/v to the attention function instead
+Falcon's attention (before transformers 5.25) computes its scores inline; its forward is replaced
+by one that keeps Falcon's own projections, head split and rotary embedding and hands q/k/v to the
+attention function instead
 (models with ALiBi are refused before this: see architectures.transformers_refusal).
 """
 
