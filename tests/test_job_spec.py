@@ -146,3 +146,15 @@ def test_stable_hashes_are_pinned():
 
 PINNED_SHARDS = (0, 1, 723)
 PINNED_SEED = 2376650936749506821
+
+
+def test_prompt_logprobs_are_refused_until_job_files_write_them(tmp_path):
+    """The engine computes them (docs/scoring-embeddings.md); a job would drop them silently."""
+    from jobkit import job_dict
+
+    from batchgen.job.spec import spec_problems
+
+    for sampling, where in (({"prompt_logprobs": 2}, "sampling.prompt_logprobs"),
+                            ({"overrides": {"prompt_logprobs": "pl"}}, "sampling.overrides.prompt_logprobs")):
+        problems = spec_problems(job_dict(sampling=sampling))
+        assert [p.path for p in problems] == [where] and "LLM.score_completions" in problems[0].message

@@ -564,7 +564,16 @@ def sampling_problems(spec: Any) -> list[Problem]:
         if key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
             hint = _suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
+    if values.get("prompt_logprobs") is not None or "prompt_logprobs" in spec.overrides:
+        where = "sampling.prompt_logprobs" if values.get("prompt_logprobs") is not None else \
+            "sampling.overrides.prompt_logprobs"
+        problems.append(Problem(where, NOT_IN_JOBS_YET))
     return problems
+
+
+# SamplingParams fields that job files cannot write yet (refused, never computed and dropped).
+NOT_IN_JOBS_YET = ("job files do not write prompt logprobs yet; use LLM.generate with "
+                   "SamplingParams(prompt_logprobs=k) or LLM.score_completions (docs/scoring-embeddings.md)")
 
 
 def model_part(raw: dict[str, Any]) -> ModelSpec | None:

@@ -20,7 +20,7 @@ from .rows import CHAT, COMPLETION
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
 # Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
 # penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
-_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs"}
+_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # no place in the response yet
 
 
 class RequestError(ValueError):
