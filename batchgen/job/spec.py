@@ -402,7 +402,8 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("input", "dataset"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
-                   ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False}
+                   ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
+                   ("sampling", "prompt_logprobs"): None}
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
