@@ -379,3 +379,11 @@ def test_a_missing_cloud_library_is_one_line_naming_the_extra(monkeypatch):
     with pytest.raises(OSError) as e:
         location("s3://some-bucket/x.jsonl").exists()
     assert str(e.value) == "s3:// paths need s3fs: pip install 'batchgen[s3]'"
+
+
+def test_an_unreachable_endpoint_is_told_whatever_its_port():
+    """A port such as 54039 holds "403": the message must still say the endpoint is unreachable."""
+    from batchgen.storage.stores import describe
+
+    message = describe(OSError('Could not connect to the endpoint URL: "http://127.0.0.1:54039/b?list-type=2"'))
+    assert message.startswith("cannot reach the storage endpoint")

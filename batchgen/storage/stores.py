@@ -209,20 +209,21 @@ def _mapped(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def describe(e: BaseException) -> str:
-    """One line for a cloud library's error: what went wrong, and what to check."""
+    """One line for a cloud library's error: what went wrong, and what to check. Connection
+    failures are told first: their text holds a URL, whose port may contain anything."""
     name = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else name
-    if isinstance(e, PermissionError) or "AccessDenied" in text or "Forbidden" in text or "403" in text:
-        return f"access denied ({text}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE, " \
-               "GOOGLE_APPLICATION_CREDENTIALS) and the bucket's policy"
-    if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, " \
-               "or storage.anonymous: true for a public bucket"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or \
             "Could not connect" in text or "Connect timeout" in text:
         return f"cannot reach the storage endpoint ({text}); check AWS_ENDPOINT_URL or storage.endpoint_url"
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, " \
+               "or storage.anonymous: true for a public bucket"
     if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
         return f"the credentials were refused ({text})"
+    if isinstance(e, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+        return f"access denied ({text}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE, " \
+               "GOOGLE_APPLICATION_CREDENTIALS) and the bucket's policy"
     return f"{name}: {text}"
 
 
