@@ -29,17 +29,24 @@ def make_prompts(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-_references: dict[str, object] = {}
+_forwards: dict[tuple[str, str], object] = {}
+
+
+def transformers_forward(model_dir: str, cls, output):
+    """A function: prompt -> `output` of transformers' `cls` run on it in float32 (the model loaded
+    once per directory and class)."""
+    key = (model_dir, cls.__name__)
+    if key not in _forwards:
+        hf = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+        def run(prompt: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                return output(hf(torch.tensor([prompt])))
+
+        _forwards[key] = run
+    return _forwards[key]
 
 
 def reference(model_dir: str):
-    """A function: prompt -> log_softmax of transformers' logits for it (float32; the model loaded once)."""
-    if model_dir not in _references:
-        hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-        def logprobs(prompt: list[int]) -> torch.Tensor:
-            with torch.no_grad():
-                return hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-
-        _references[model_dir] = logprobs
-    return _references[model_dir]
+    """A function: prompt -> log_softmax of transformers' logits for it (float32)."""
+    return transformers_forward(model_dir, tf.AutoModelForCausalLM, lambda out: out.logits[0].float().log_softmax(-1))

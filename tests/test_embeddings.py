@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from scoring_kit import ModelShelf, make_prompts
+from scoring_kit import ModelShelf, make_prompts, transformers_forward
 
 from batchgen import LLM, SamplingParams
 from batchgen.pooling_params import PoolingParams
@@ -24,20 +24,9 @@ def models(tmp_path_factory):
     return ModelShelf(tmp_path_factory.mktemp("embedding_models"))
 
 
-_hidden: dict[str, object] = {}
-
-
 def hidden_states(model_dir: str):
     """prompt -> transformers' final hidden states [len, hidden] (AutoModel: the decoder with its final norm)."""
-    if model_dir not in _hidden:
-        hf = tf.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-        def run(prompt: list[int]) -> torch.Tensor:
-            with torch.no_grad():
-                return hf(torch.tensor([prompt])).last_hidden_state[0].float()
-
-        _hidden[model_dir] = run
-    return _hidden[model_dir]
+    return transformers_forward(model_dir, tf.AutoModel, lambda out: out.last_hidden_state[0].float())
 
 
 def pooled(states: torch.Tensor, pooling: str) -> torch.Tensor:

@@ -182,4 +182,4 @@ def location(text: str | os.PathLike[str] | Location, base: Location | Path | st
     expanded = os.path.expanduser(raw)
     if os.path.isabs(expanded) or base is None:
         return Location.local_path(expanded)
-    return location(base, options=options) / raw if not isinstance(base, Location) else base / raw
+    return location(base, options=options) / raw
