@@ -149,7 +149,7 @@ def test_bad_rows_are_recorded_and_counted(tmp_path):
     errors = {row["id"]: row["error"] for row in read_rows(tmp_path / "out") if row["error"]}
     assert errors["long"] == "in.jsonl line 2: prompt is 100 tokens, more than max_model_len 40"
     assert errors["empty"] == "in.jsonl line 3: field 'prompt': empty prompt"
-    assert errors["in.jsonl:3"].startswith("in.jsonl line 4: malformed JSON")
+    assert errors["in.jsonl:3"].startswith("in.jsonl:3 (line 4): malformed JSON")
     assert errors["badmt"].startswith("in.jsonl line 5: field 'mt' (sampling.max_tokens override): must be")
     assert errors["strmt"].startswith("in.jsonl line 6: field 'mt' (sampling.max_tokens override): ")
     ok = [row for row in read_rows(tmp_path / "out") if row["id"] == "ok"]
@@ -281,7 +281,7 @@ def test_duplicate_ids_first_row_wins_and_reruns_do_nothing(tmp_path, fmt):
     if fmt == "jsonl":
         write_jsonl(tmp_path / "in1.jsonl", first)
         write_jsonl(tmp_path / "in2.jsonl", second)
-        where = ["in1.jsonl line 3", "in1.jsonl line 1", "in2.jsonl line 2", "in1.jsonl line 2"]
+        where = ["in1.jsonl:2 (line 3)", "in1.jsonl line 1", "in2.jsonl:1 (line 2)", "in1.jsonl line 2"]
     else:
         for name, rows in (("in1", first), ("in2", second)):
             write_parquet(tmp_path / f"{name}.{fmt}", pa.Table.from_pylist(rows))
@@ -317,7 +317,7 @@ def test_a_duplicate_appended_later_becomes_an_error_row_once(tmp_path):
     r = run(job)
     assert r.exit_code == 0 and "1 this run (1 errors)" in r.stdout
     assert outputs_by_key(tmp_path / "out")[("in.jsonl:4", 0)][1].startswith(
-        "in.jsonl line 5: field 'id': duplicate id 'q0001', first at in.jsonl line 2")
+        "in.jsonl:4 (line 5): field 'id': duplicate id 'q0001', first at in.jsonl line 2")
     assert "nothing to do" in run(job).stdout
 
 

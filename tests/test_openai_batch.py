@@ -115,12 +115,12 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
     by_id = {x["custom_id"]: x for x in lines}
     assert by_id["ok"]["error"] is None and by_id["last"]["error"] is None
     expected = {
-        "req.jsonl:1": "req.jsonl line 2: malformed JSON",
-        "req.jsonl:2": "req.jsonl line 3: field 'custom_id': missing id",
+        "req.jsonl:1": "req.jsonl:1 (line 2): malformed JSON",
+        "req.jsonl:2": "req.jsonl:2 (line 3): field 'custom_id': missing id",
         "emb": "req.jsonl line 4: field 'url': must be one of /v1/chat/completions, /v1/completions",
         "shape": "req.jsonl line 5: field 'body.messages': expected a non-empty list",
         "role": "req.jsonl line 6: field 'body.messages': message [0].role",
-        "req.jsonl:6": "req.jsonl line 7: field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",
+        "req.jsonl:6": "req.jsonl:6 (line 7): field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",
         "badn": "req.jsonl line 8: field 'body.n': must be an integer >= 1",
         "toplp": "req.jsonl line 9: field 'body.top_logprobs': needs \"logprobs\": true",
         "image": "req.jsonl line 10: field 'body.messages': message [0].content: only text parts",
@@ -131,6 +131,11 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
         line = by_id[custom_id]
         assert line["response"] is None and line["error"]["code"] == "invalid_request"
         assert line["error"]["message"].startswith(message), line["error"]["message"]
+    derived = [cid for cid in by_id if cid.startswith("req.jsonl:")]
+    assert len(derived) == 3, derived  # one numbering per record: the id's, the line's beside it
+    for cid in derived:
+        line_no = int(cid.rsplit(":", 1)[1]) + 1
+        assert by_id[cid]["error"]["message"].startswith(f"{cid} (line {line_no}): "), by_id[cid]
     # a rerun finds nothing to do and leaves the file as it is
     before = (tmp_path / "out.jsonl").read_bytes()
     again = run_batch(tmp_path, requests)

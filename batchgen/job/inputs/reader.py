@@ -213,7 +213,9 @@ class InputReader:
                     row_id, id_error = seen.check(row_id, file_no, record.index, self.spec.id_key or "")
                 if row_id in skip:
                     continue
-                where = f.place(record)[1]
+                derived, where = f.place(record)
+                if row_id == derived:
+                    where = f.place_of_derived(record)
                 row = Row(id=row_id, where=where)
                 row.error = record.error or id_error or self._fill(row, record.values or {})
                 if row.error:
@@ -232,7 +234,7 @@ class InputReader:
                     yield InputId(row_id)
                     continue
                 out_id, dup_error = seen.check(row_id, file_no, record.index, id_key or "")
-                yield InputId(out_id, row_id, dup_error and f"{f.where(record.index)}: {dup_error}")
+                yield InputId(out_id, row_id, dup_error and f"{f.place_of_derived(record)}: {dup_error}")
 
     def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
         fallback = f.place(record)[0]

@@ -66,6 +66,15 @@ class InputFile:
             return f"{self.name}:{record.unnumbered}", f"{self.shown} {record.unnumbered}"
         return f"{self.name}:{record.index}", self.where(record.index)
 
+    def place_of_derived(self, record: Record) -> str:
+        """The place in messages of a row whose id is derived. Lines count from 1 and derived
+        ids from 0, so a message about ``in.jsonl:3`` leads with that id and names the line
+        beside it (``in.jsonl:3 (line 4)``): one record, one numbering."""
+        derived, where = self.place(record)
+        if self.format in TEXT_LINES and record.unnumbered is None:
+            return f"{derived} (line {record.index + 1})"
+        return where
+
 
 TEXT_LINES = frozenset({"jsonl", "openai_batch"})  # formats whose rows are numbered by physical line
 
