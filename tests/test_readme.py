@@ -12,6 +12,7 @@ the README's own model path works offline; `batchgen` is this venv's command.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -274,13 +275,43 @@ def test_bucket_guide_examples(home, s3_server, bucket):
     assert all(i in proc.stdout for i in FIRST_IDS), proc.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_ray_data_stage_example(home, s3_server, bucket):
+    """docs/ray.md's Ray Data stage as written, against the S3 test server, with what this machine
+    lacks substituted: the test bucket, the tiny model, no GPU and one actor on 2 cores."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from bucketkit import upload
+
+    prompts = ["the quick brown fox", "a batch of prompts", "hello world", "paged attention"]
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"prompt": prompts}), sink)
+    upload(f"{bucket}/prompts/part-0.parquet", sink.getvalue().to_pybytes())
+    model = home / ".cache" / "batchgen" / "models" / "SmolLM2-135M-Instruct"
+    snippet = block("python", "ray-data")
+    for old, new in (("s3://bucket", bucket), ("/models/SmolLM2-135M-Instruct", str(model)),
+                     ("max_tokens=256", "max_tokens=8"), ("concurrency=4", "concurrency=1"),
+                     ("num_gpus=1", "num_gpus=0")):
+        assert old in snippet, old
+        snippet = snippet.replace(old, new)
+    proc = bash(f"{shlex.quote(sys.executable)} - <<'PY'\n{snippet}PY", home, **s3_server.env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint, access_key=s3_server.env()["AWS_ACCESS_KEY_ID"],
+                           secret_key=s3_server.env()["AWS_SECRET_ACCESS_KEY"], region="us-east-1")
+    rows = pq.read_table(f"{bucket.removeprefix('s3://')}/generated/", filesystem=fs).to_pylist()
+    assert sorted(r["prompt"] for r in rows) == sorted(prompts)
+    assert all(r["error"] is None and r["text"] and r["finish_reason"] for r in rows), rows
+
+
 MARKER = re.compile(r"^<!-- readme-test: (?P<kind>[\w-]+)(?: (?P<rest>.*?))? -->$")
 RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab", None), ("slurm", None),
             ("preempted", None), ("python", "pandas"), ("python", "api"), ("run-batch", None),
             ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read"),
             # docs/scoring-embeddings.md, run by tests/test_scoring_docs.py
             ("python", "prompt-logprobs"), ("python", "score"), ("python", "embed"), ("python", "classify"),
-            ("python", "mixed")}
+            ("python", "mixed"), ("python", "ray-data")}
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():
