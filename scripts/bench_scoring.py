@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
         r = report[name]
         print(f"{name:<8} {r['rows']:>5} {r['tokens']:>8} {r['batchgen_tok_s']:>15.1f} "
               f"{r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}x")
-    print(f"agreement: scores within {score_gap:.1e} (relative), embeddings cosine >= {cosine:.6f}")
+    print(f"agreement: scores within {score_gap:.1e} (relative), embeddings cosine >= {cosine:.6f}; "
+          f"sum of scores {sum(r.logprob for r in ours_scores):.2f} (bench_scoring_vllm.py prints vLLM's)")
     tolerance = (1e-3, 0.9999) if dtype == "float32" else (2e-2, 0.99)
     if score_gap > tolerance[0] or cosine < tolerance[1]:
         raise SystemExit(f"batchgen and transformers disagree beyond {tolerance}")
