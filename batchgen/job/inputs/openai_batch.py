@@ -24,7 +24,7 @@ ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/e
 ENCODING_FORMATS = ("float", "base64")
 # Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
 # penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
-_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # no place in the response yet
+_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # below; prompt ones: echo
 
 
 class RequestError(ValueError):
