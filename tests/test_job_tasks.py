@@ -126,7 +126,10 @@ def check_kill_resume_and_shards(tmp_path, make_job, expected: dict[str, dict]) 
 def test_score_job(tmp_path, models):
     model = models["llama"]
     llm = LLM(model, **ENGINE)
-    data = inputs(llm.engine.vocab_size)
+    vocab = llm.engine.vocab_size
+    data = inputs(vocab)
+    for column, value in (("id", "bad-token"), ("prompt", [5, 6]), ("completion", [vocab]), ("topic", 2)):
+        data[column].append(value)
 
     def make_job(root):
         return task_job(root, model, data, task="score", score={"token_logprobs": True},
@@ -148,6 +151,8 @@ def test_score_job(tmp_path, models):
     assert rows["too-long"]["error"] is not None and "max_model_len" in rows["too-long"]["error"]
     assert rows["too-long"]["completion_logprob"] is None
     assert rows["no-completion"]["error"] == "in.parquet row 40: field 'completion': missing or null"
+    assert rows["bad-token"]["error"] == (f"in.parquet row 42: field 'completion': token id {vocab} at [0] is "
+                                          f"outside the model's vocabulary (0..{vocab - 1})")
     assert len(rows) == len(data["id"])
     check_kill_resume_and_shards(tmp_path, make_job, rows)
 

@@ -347,12 +347,14 @@ class Runner:
             added.append(request_id)
             in_flight[request_id] = (pending, i)
 
-    @staticmethod
-    def _rejection(row: Row, error: Exception) -> str:
-        """Why the engine refused a row, naming the input field when it is about the prompt."""
+    def _rejection(self, row: Row, error: Exception) -> str:
+        """Why the engine refused a row, naming the input field when it is about the prompt (or the
+        completion a score job scores)."""
         field_name, sep, why = str(error).partition(": ")
         if sep and field_name == "prompt":
             return f"field {row.prompt_field!r}: {why}"
+        if sep and field_name == "completion" and self.job.spec.input.completion_column:
+            return f"field {self.job.spec.input.completion_column!r}: {why}"
         return f"the engine rejected the request: {error}"
 
     def _finish(self, out: Any, in_flight: dict[str, tuple[PendingRow, int]], writer: PartWriter,
