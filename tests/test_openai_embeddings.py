@@ -169,3 +169,23 @@ def test_killed_run_batch_resumes_to_each_line_once(tmp_path, whole, tiny_model_
     assert r.exit_code == 0, r.output
     got = lines_by_id(tmp_path / "out.jsonl")
     assert {k: without_created(v) for k, v in got.items()} == {k: without_created(v) for k, v in whole.items()}
+
+
+def test_embeddings_requests_need_the_openai_output(tmp_path):
+    """A job reading an OpenAI batch file into Parquet or JSONL columns (a completion's) has no place
+    for a vector: such a request is that row's error, and the other requests run."""
+    from jobkit import job_dict, make_model, read_rows, run, write_job
+
+    make_model(tmp_path / "model")
+    write_jsonl(tmp_path / "req.jsonl", [
+        embeddings("vec", "x"),
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}},
+    ])
+    job = job_dict(input={"paths": ["req.jsonl"], "format": "openai_batch"}, sampling={"max_tokens": 2})
+    del job["input"]["id_column"], job["input"]["prompt_column"], job["input"]["carry_columns"]
+    r = run(write_job(tmp_path / "job.yaml", job))
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in read_rows(tmp_path / "out")}
+    assert rows["vec"]["error"] == ("req.jsonl line 1: field 'url': /v1/embeddings needs output.format "
+                                    "openai_batch (this job's columns are a completion's)")
+    assert rows["text"]["error"] is None and rows["text"]["text"]
