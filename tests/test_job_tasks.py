@@ -4,12 +4,15 @@ those of an uninterrupted run and of the Python API (LLM.score_completions, embe
 
 from __future__ import annotations
 
+import json
 import random
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
+import yaml
 from jobkit import REPO, cli, kill_at_random_moments, write_job, write_parquet
+from openai.types import CreateEmbeddingResponse
 from scoring_kit import ModelShelf, build_classifier, make_prompts
 
 from batchgen import LLM, SamplingParams
@@ -171,6 +174,17 @@ def test_embed_job(tmp_path, models):
         assert rows[row_id]["error"] is None and rows[row_id]["embedding"] == out.outputs.embedding
     assert sum(x * x for x in api[0].outputs.embedding) == pytest.approx(1.0, abs=1e-5)  # normalised by default
     assert "max_model_len" in rows["too-long"]["error"] and rows["too-long"]["embedding"] is None
+    # output.format openai_batch: OpenAI's embeddings response per row, the same vectors.
+    job = make_job(tmp_path / "openai")
+    openai_job = {**yaml.safe_load(job.read_text()), "output": {"dir": "out", "format": "openai_batch",
+                                                                "merge_to": "out.jsonl"}}
+    del openai_job["input"]["carry_columns"]
+    assert cli("run", write_job(job, openai_job)).exit_code == 0
+    lines = [json.loads(x) for x in (job.parent / "out.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == data["id"]
+    for line in lines[:-1]:
+        response = CreateEmbeddingResponse.model_validate(line["response"]["body"])
+        assert [d.embedding for d in response.data] == [rows[line["custom_id"]]["embedding"]]
     check_kill_resume_and_shards(tmp_path, make_job, rows)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...outputs import PoolingRequestOutput, RequestOutput
-from ..inputs.rows import CHAT, EMBEDDING, Row
+from ..inputs.rows import CHAT, Row
 
 _UNKNOWN_LOGPROB = -9999.0  # what OpenAI writes for a token outside the computed top logprobs
 
@@ -39,7 +39,7 @@ class ResponseLines:
     def result(self, row: Row, outputs: list[RequestOutput | PoolingRequestOutput]) -> list[dict[str, Any]]:
         """``outputs``: the engine's output of each of the row's requests (an embeddings request has one
         per input)."""
-        if row.endpoint == EMBEDDING:
+        if isinstance(outputs[0], PoolingRequestOutput):  # a /v1/embeddings request, or a row of an embed job
             return self._line(row, self._embeddings(row, outputs))
         out = outputs[0]
         chat = row.endpoint == CHAT
