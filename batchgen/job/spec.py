@@ -425,7 +425,7 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
                    ("sampling", "prompt_logprobs"): None, ("input", "completion_column"): None,
                    ("task", "name"): "generate"}
-_LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are
+_LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are at their defaults
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
