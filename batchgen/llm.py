@@ -9,6 +9,7 @@ from typing import Any
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine, Prompt
+from batchgen.engine.pooling import PoolingConfig
 from batchgen.engine.preflight import plan_model
 from batchgen.models.resolve import ModelNotFound, fetch_note, locate_model, model_source, resolve_model
 from batchgen.outputs import BeamSearchOutput, CompletionScore, PoolingRequestOutput, RequestOutput
@@ -69,6 +70,21 @@ class LLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def hidden_size(self) -> int:
+        """The length of an embedding before `dimensions` truncates it."""
+        return self.engine.runner.model.hidden_size
+
+    @property
+    def class_labels(self) -> list[str] | None:
+        """A classifier's class names (its config's id2label, in class order); None without a classification head."""
+        return self.engine.class_labels
+
+    @property
+    def pooling_config(self) -> PoolingConfig:
+        """How the model's sentence-transformers config says to pool (what `embed` follows by default)."""
+        return self.engine.pooling_config
 
     # --- incremental API (what the job runner streams through) ---
     def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,

@@ -10,8 +10,11 @@ Workloads (chat prompts from bench.py's generator, deterministic from --seed):
           AutoModel's last hidden states, masked mean, normalised, batches as above.
 Throughput is tokens/s over the rows' full lengths (prompt + completion), what a engine without a
 prefix cache would compute; the numbers are checked to agree (within 1e-3 / cosine > 0.9999).
+With --vllm-python, score also runs through vLLM's CPU engine in its own environment (installed as
+scripts/bench_vllm.py says; `generate` with prompt_logprobs=0, max_tokens=1), in the same run.
 
     .venv/bin/python scripts/bench_scoring.py --dtype bf16
+    .venv/bin/python scripts/bench_scoring.py --dtype bf16 --vllm-python /tmp/vllm/bin/python
     .venv/bin/python scripts/bench_scoring.py --quick --model DIR   # smoke test
 """
 
@@ -19,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -92,6 +98,22 @@ def hf_embed(model, texts, batch: int, pad_id: int) -> list[torch.Tensor]:
     return out
 
 
+def vllm_score(python: str, model_dir: str, dtype: str, threads: int, prompts, completions) -> dict:
+    """scripts/bench_vllm.py --score-rows in vLLM's environment (`python`): {"seconds", "scores"}."""
+    prefix = Path(python).resolve().parent.parent
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if (prefix / "lib" / "libiomp5.so").exists():
+        env["LD_PRELOAD"] = str(prefix / "lib" / "libiomp5.so")
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, out = Path(tmp) / "rows.json", Path(tmp) / "out.json"
+        rows.write_text(json.dumps({"prompts": prompts, "completions": completions}))
+        script = Path(__file__).resolve().parent / "bench_vllm.py"
+        subprocess.run([python, str(script), "--model", model_dir, "--dtype", dtype, "--score-rows", str(rows),
+                        "--out", str(out)], env=env, check=True)
+        return json.loads(out.read_text())
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     result = fn(*args)
@@ -107,6 +129,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8, help="transformers' batch size")
     parser.add_argument("--quick", action="store_true", help="a few rows: a smoke test")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--vllm-python", help="the python of a vLLM CPU environment: score through vLLM too")
     args = parser.parse_args(argv)
     dtype = "bfloat16" if args.dtype == "bf16" else args.dtype
     torch.set_num_threads(args.threads)
@@ -135,6 +158,9 @@ def main(argv=None) -> dict:
     del causal
     base = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     theirs_vectors, theirs_embed_s = timed(hf_embed, base, texts, args.batch, pad_id)
+    del base
+    vllm = vllm_score(args.vllm_python, model_dir, dtype, args.threads, prompts, completions) \
+        if args.vllm_python else None
 
     score_gap = max(abs(a.logprob - b) / max(1.0, abs(b)) for a, b in zip(ours_scores, theirs_scores, strict=True))
     cosine = min(float(torch.dot(torch.tensor(a.outputs.embedding), b))
@@ -153,8 +179,13 @@ def main(argv=None) -> dict:
         r = report[name]
         print(f"{name:<8} {r['rows']:>5} {r['tokens']:>8} {r['batchgen_tok_s']:>15.1f} "
               f"{r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}x")
-    print(f"agreement: scores within {score_gap:.1e} (relative), embeddings cosine >= {cosine:.6f}; "
-          f"sum of scores {sum(r.logprob for r in ours_scores):.2f} (bench_scoring_vllm.py prints vLLM's)")
+    if vllm is not None:
+        gap = max(abs(a.logprob - b) / max(1.0, abs(b)) for a, b in zip(ours_scores, vllm["scores"], strict=True))
+        report["score"].update(vllm_tok_s=score_tokens / vllm["seconds"], vllm_ratio=vllm["seconds"] / ours_score_s,
+                               vllm_max_relative_gap=gap)
+        print(f"score vs vLLM: vLLM {score_tokens / vllm['seconds']:.1f} tok/s, batchgen "
+              f"{vllm['seconds'] / ours_score_s:.2f}x; scores within {gap:.1e} (relative)")
+    print(f"agreement: scores within {score_gap:.1e} (relative), embeddings cosine >= {cosine:.6f}")
     tolerance = (1e-3, 0.9999) if dtype == "float32" else (2e-2, 0.99)
     if score_gap > tolerance[0] or cosine < tolerance[1]:
         raise SystemExit(f"batchgen and transformers disagree beyond {tolerance}")

@@ -12,11 +12,16 @@ it, on the same quiet machine (`bench.py --skip-peers --workloads mixed,parallel
 
 VLLM_CPU_OMP_THREADS_BIND=0-1 and VLLM_CPU_NUM_OF_RESERVED_CPU=0 give vLLM both cores: by default
 it keeps one for its front end and computes on the other (measured: 331 instead of 575 output tok/s).
+
+`--score-rows ROWS.json --out OUT.json` scores given completions instead (what `bench_scoring.py
+--vllm-python` runs, with the environment above): vLLM's way is `generate` with `prompt_logprobs=0`
+and `max_tokens=1` over prompt + completion, summing the completion tokens' prompt logprobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -41,12 +46,31 @@ def run(llm, wl: bench.Workload) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
+def score(llm, rows: Path, out: Path) -> None:
+    """The summed logprob of each completion after its prompt (rows: {"prompts", "completions"} of token
+    ids), and the seconds it took, written to `out` as JSON."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    data = json.loads(rows.read_text())
+    pairs = list(zip(data["prompts"], data["completions"], strict=True))
+    prompts = [TokensPrompt(prompt_token_ids=p + c) for p, c in pairs]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    scores = [sum(o.prompt_logprobs[len(p) + i][t].logprob for i, t in enumerate(c))
+              for (p, c), o in zip(pairs, outputs, strict=True)]
+    out.write_text(json.dumps({"seconds": seconds, "scores": scores}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workloads", default="mixed,parallel")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--score-rows", type=Path, help="score these rows instead (JSON, from bench_scoring.py)")
+    parser.add_argument("--out", type=Path, help="with --score-rows: where the scores and seconds go")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's run gets
     from transformers import AutoTokenizer
@@ -56,6 +80,9 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=True, seed=args.seed)
     llm.generate([{"prompt_token_ids": list(range(10, 26))}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    if args.score_rows:
+        score(llm, args.score_rows, args.out)
+        return
     for name in args.workloads.split(","):
         wl = bench.make_workload(name, tokenizer, args.seed, **bench.SETTINGS[False][name])
         seconds, output_tokens = run(llm, wl)

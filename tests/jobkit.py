@@ -120,8 +120,8 @@ def batchgen_cmd(*args: str) -> list[str]:
 
 
 def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], int], rng: Any, rounds: int,
-                           anywhere: float, after_kill: Callable[[], None]) -> int:
-    """Start `batchgen run job` up to `rounds` times and SIGKILL it: with probability `anywhere`
+                           anywhere: float, after_kill: Callable[[], None], cmd: list[str] | None = None) -> int:
+    """Start `batchgen run job` (or `cmd`) up to `rounds` times and SIGKILL it: with probability `anywhere`
     after a random delay (start-up included), else once it has written a part (`parts()` counts
     them) and a little after; `after_kill()` checks the output after each kill. The number of kills;
     stops early when a run finishes (it must exit 0)."""
@@ -131,7 +131,8 @@ def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], i
     kills = 0
     for _ in range(rounds):
         before = parts()
-        proc = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd or batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
         if rng.random() < anywhere:
             time.sleep(rng.uniform(0.05, 1.0))
         else:  # mid-run: once this run has written a part (the machine may be slow to start us)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import transformers as tf
-from conftest import build_tiny_model
+from conftest import build_tiny_model, save_random_model
 from model_zoo import build_zoo_model
 
 
@@ -50,3 +50,15 @@ def transformers_forward(model_dir: str, cls, output):
 def reference(model_dir: str):
     """A function: prompt -> log_softmax of transformers' logits for it (float32)."""
     return transformers_forward(model_dir, tf.AutoModelForCausalLM, lambda out: out.logits[0].float().log_softmax(-1))
+
+
+def build_classifier(path: Path, base: str, labels: list[str]) -> str:
+    """A tiny random `...ForSequenceClassification` model with `base`'s (a causal model dir's) config and
+    tokenizer and `labels` as its classes (one label: a reward model)."""
+    config = tf.AutoConfig.from_pretrained(base)
+    cls = getattr(tf, config.architectures[0].replace("ForCausalLM", "ForSequenceClassification"))
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {name: i for i, name in enumerate(labels)}
+    config.architectures = None
+    return str(save_random_model(path, cls, config, tf.AutoTokenizer.from_pretrained(base), 1))

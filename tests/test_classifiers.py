@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import save_random_model
-from scoring_kit import ModelShelf, make_prompts
+from scoring_kit import ModelShelf, build_classifier, make_prompts
 
 from batchgen import LLM, SamplingParams
 from batchgen.models.transformers_backend import TransformersModel
@@ -29,14 +28,7 @@ def classifiers(tmp_path_factory):
     def get(arch: str) -> str:
         if arch not in built:
             base = shelf("llama" if arch == "reward" else arch)
-            config = tf.AutoConfig.from_pretrained(base)
-            cls = getattr(tf, config.architectures[0].replace("ForCausalLM", "ForSequenceClassification"))
-            labels = ["reward"] if arch == "reward" else LABELS
-            config.num_labels = len(labels)
-            config.id2label = dict(enumerate(labels))
-            config.label2id = {name: i for i, name in enumerate(labels)}
-            config.architectures = None
-            built[arch] = str(save_random_model(root / arch, cls, config, tf.AutoTokenizer.from_pretrained(base), 1))
+            built[arch] = build_classifier(root / arch, base, ["reward"] if arch == "reward" else LABELS)
         return built[arch]
 
     return get

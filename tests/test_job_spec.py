@@ -148,13 +148,30 @@ PINNED_SHARDS = (0, 1, 723)
 PINNED_SEED = 2376650936749506821
 
 
-def test_prompt_logprobs_are_refused_until_job_files_write_them(tmp_path):
-    """The engine computes them (docs/scoring-embeddings.md); a job would drop them silently."""
+def test_prompt_logprobs_and_their_column_come_together(tmp_path):
+    """Nothing computed and dropped, no column that nothing fills: each mismatch is one line."""
     from jobkit import job_dict
 
     from batchgen.job.spec import spec_problems
 
-    for sampling, where in (({"prompt_logprobs": 2}, "sampling.prompt_logprobs"),
-                            ({"overrides": {"prompt_logprobs": "pl"}}, "sampling.overrides.prompt_logprobs")):
-        problems = spec_problems(job_dict(sampling=sampling))
-        assert [p.path for p in problems] == [where] and "LLM.score_completions" in problems[0].message
+    explicit = ["text", "finish_reason"]
+    for sampling, output, expected in (
+            ({"prompt_logprobs": 2}, {"fields": explicit}, ["output.fields: add 'prompt_logprobs'"]),
+            ({"overrides": {"prompt_logprobs": "pl"}}, {"fields": explicit}, ["output.fields: add 'prompt_logprobs'"]),
+            ({}, {"fields": [*explicit, "prompt_logprobs"]}, ["output.fields: 'prompt_logprobs' needs sampling."]),
+            ({"prompt_logprobs": 2}, {"fields": [*explicit, "prompt_logprobs"]}, []),
+            ({"prompt_logprobs": 2, "beam_width": 2}, {"fields": [*explicit, "prompt_logprobs"]},
+             ["sampling.prompt_logprobs: does not apply to beam search"]),
+            ({"prompt_logprobs": 2}, {"format": "openai_batch", "fields": None},
+             ["sampling.prompt_logprobs: the OpenAI batch shape has no place"])):
+        job = job_dict(output=output)
+        job["sampling"] = {"max_tokens": 4, **sampling}
+        if output.get("fields") is None:
+            del job["output"]["fields"], job["input"]["carry_columns"]
+        found = [str(p) for p in spec_problems(job)]
+        assert len(found) == len(expected), found
+        assert all(f.startswith(e) for f, e in zip(found, expected, strict=True)), found
+    # Without output.fields the column comes with sampling.prompt_logprobs.
+    job = job_dict(sampling={"prompt_logprobs": 0})
+    del job["output"]["fields"]
+    assert "prompt_logprobs" in load_job(write_job(tmp_path / "j.yaml", job)).spec.output.fields

@@ -57,7 +57,7 @@ def test_every_line_parses_with_the_openai_types(tmp_path):
     ]
     result = run_batch(tmp_path, requests, "--max-tokens", "6")
     assert result.exit_code == 0, result.output
-    assert "body fields ignored (they change nothing here): echo (1 rows), user (1 rows)" in result.output
+    assert "body fields ignored (they change nothing here): user (1 rows)" in result.output
     lines = read_lines(tmp_path / "out.jsonl")
     assert [x["custom_id"] for x in lines] == [r["custom_id"] for r in requests]
     for line, req in zip(lines, requests, strict=True):
@@ -96,7 +96,7 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
         good,
         "this is not json",
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom_id"}},
-        {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "mod", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
         {"custom_id": "shape", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": "hi"}},
         {"custom_id": "role", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"content": "x"}]}},
@@ -117,7 +117,8 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
     expected = {
         "req.jsonl:1": "req.jsonl:1 (line 2): malformed JSON",
         "req.jsonl:2": "req.jsonl:2 (line 3): field 'custom_id': missing id",
-        "emb": "req.jsonl line 4: field 'url': must be one of /v1/chat/completions, /v1/completions",
+        "mod": "req.jsonl line 4: field 'url': must be one of /v1/chat/completions, /v1/completions, "
+               "/v1/embeddings",
         "shape": "req.jsonl line 5: field 'body.messages': expected a non-empty list",
         "role": "req.jsonl line 6: field 'body.messages': message [0].role",
         "req.jsonl:6": "req.jsonl:6 (line 7): field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",

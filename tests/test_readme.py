@@ -311,7 +311,9 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read"),
             # docs/scoring-embeddings.md, run by tests/test_scoring_docs.py
             ("python", "prompt-logprobs"), ("python", "score"), ("python", "embed"), ("python", "classify"),
-            ("python", "mixed"), ("python", "ray-data")}
+            ("python", "mixed"), ("task-data", "answers.jsonl"), ("task-data", "texts.jsonl"),
+            ("task-data", "embed_requests.jsonl"), ("task-job", "score"), ("task-job", "embed"),
+            ("task-job", "classify"), ("run-batch-embeddings", None), ("python", "ray-data")}
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():

@@ -39,24 +39,29 @@ from ..sampling_params import BeamSearchParams, SamplingParams
 from ..storage import Location, StorageOptions, location
 from .errors import JobError, JobInvalid, Problem
 from .structured import OVERRIDE_KEYS, resolve_schema_file
+from .tasks import EmbedSpec, ScoreSpec, Task, task_columns, task_options, task_problems
 
 # Output columns a job can ask for; "token_counts" means num_prompt_tokens and num_output_tokens,
 # "logprobs" means the per-token top logprobs and cumulative_logprob.
 # "valid" and "parsed" are for structured outputs: whether the output is a whole string of its
 # constraint, and the output as JSON re-serialised (null when cut by max_tokens or not JSON).
 # "score" means cumulative_logprob and beam search's length-normalised score (a beam job's default).
-OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed", "score")
+# "prompt_logprobs": per prompt token its logprob and the top sampling.prompt_logprobs (its default when set).
+OUTPUT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "token_counts", "valid", "parsed", "score",
+                 "prompt_logprobs")
 DEFAULT_OUTPUT_FIELDS = ["text", "finish_reason", "token_counts"]
 # Columns every part has; carried input columns may not use these names.
 RESERVED_COLUMNS = frozenset({
     "id", "sample_index", "num_samples", "error", "text", "token_ids", "logprobs", "cumulative_logprob",
     "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "valid", "parsed", "score",
+    "prompt_logprobs", *task_columns("score"), *task_columns("embed"), *task_columns("classify"),
 })
 # Beam search's own sampling fields, and the sampling fields it has no use for, each with the
 # value that leaves it off.
 BEAM_FIELDS = ("beam_width", "length_penalty", "early_stopping")
 NOT_FOR_BEAMS = {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": None, "structured_outputs": None}
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": None, "structured_outputs": None,
+                 "prompt_logprobs": None}
 
 
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
@@ -128,6 +133,7 @@ class InputSpec(_Section):
     id_column: str | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
+    completion_column: str | None = None  # task score: the completion scored after each row's prompt
     carry_columns: list[str] = Field(default_factory=list)
     check_model: bool = False  # openai_batch: a request whose body.model is not model.name is an error row
 
@@ -143,7 +149,8 @@ class InputSpec(_Section):
         if self.dataset is not None and self.format is not None:
             raise ValueError("format applies to input.paths; a dataset has its own")
         if self.format == "openai_batch":
-            given = [k for k in ("id_column", "prompt_column", "messages_column") if getattr(self, k)]
+            given = [k for k in ("id_column", "prompt_column", "messages_column", "completion_column")
+                     if getattr(self, k)]
             if given:
                 raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt; "
                                  f"remove {', '.join(given)}")
@@ -265,8 +272,11 @@ class ShardSpec(_Section):
 
 class JobSpec(_Section):
     model: ModelSpec
+    task: Task = "generate"
     input: InputSpec
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[valid-type]
+    score: ScoreSpec | None = None  # task score's options
+    embed: EmbedSpec | None = None  # task embed's options
     output: OutputSpec
     shard: ShardSpec = Field(default_factory=ShardSpec)
     storage: StorageOptions = Field(default_factory=StorageOptions)  # buckets: endpoint, region, lease
@@ -279,6 +289,15 @@ class JobSpec(_Section):
         out = self.output
         if self.sampling.beam_width and "fields" not in out.model_fields_set and out.format != "openai_batch":
             out.fields = [*out.fields, "score"]
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_by_default(self) -> JobSpec:
+        """sampling.prompt_logprobs writes its column unless output.fields says which columns."""
+        out = self.output
+        asked = self.sampling.prompt_logprobs is not None or "prompt_logprobs" in self.sampling.overrides
+        if asked and "fields" not in out.model_fields_set and out.format != "openai_batch":
+            out.fields = [*out.fields, "prompt_logprobs"]
         return self
 
     @field_validator("model", mode="before")
@@ -369,6 +388,7 @@ class Job:
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
+            "task": {"name": s.task, **task_options(s.task, getattr(s, s.task, None))},
         }
         if s.input.id_key is None and s.input.dataset is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
@@ -403,7 +423,9 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
-                   ("sampling", "prompt_logprobs"): None}
+                   ("sampling", "prompt_logprobs"): None, ("input", "completion_column"): None,
+                   ("task", "name"): "generate"}
+_LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are at their defaults
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -428,6 +450,9 @@ def _drop_later_defaults(data: dict[str, Any]) -> None:
     for (section, key), default in _LATER_DEFAULTS.items():
         if data[section].get(key, default) == default:
             data[section].pop(key, None)
+    for section in _LATER_SECTIONS:
+        if not data[section]:
+            del data[section]
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -490,7 +515,7 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
                                                  "(0: the sampled token's logprob only; k: also the top k)"))
     model = model_part(raw)
     if model is not None and sampling is not None:
-        problems += engine_fit_problems(model, sampling, raw.get("input"), output)
+        problems += engine_fit_problems(model, sampling, raw.get("input"), output, raw.get("task", "generate"))
     inp = raw.get("input")
     carry = inp.get("carry_columns") if isinstance(inp, dict) else None
     for i, col in enumerate(carry if isinstance(carry, list) else []):
@@ -498,7 +523,28 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
             problems.append(Problem(f"input.carry_columns[{i}]", f"{col!r} is an output column name"))
     if output is not None:
         problems += output_format_problems(output, carry)
+    problems += task_problems(raw)
+    if sampling is not None and output is not None and raw.get("task", "generate") == "generate":
+        problems += prompt_logprobs_problems(sampling, output)
     return problems
+
+
+def prompt_logprobs_problems(sampling: Any, output: OutputSpec) -> list[Problem]:
+    """sampling.prompt_logprobs and its output column come together: nothing computed and dropped."""
+    asked = sampling.prompt_logprobs is not None or "prompt_logprobs" in sampling.overrides
+    written = "prompt_logprobs" in output.fields
+    chosen = "fields" in output.model_fields_set  # else the column comes with sampling.prompt_logprobs
+    if output.format == "openai_batch" and asked:
+        where = "sampling.prompt_logprobs" if sampling.prompt_logprobs is not None else \
+            "sampling.overrides.prompt_logprobs"
+        return [Problem(where, "the OpenAI batch shape has no place for them; a /v1/completions request "
+                               "with echo and logprobs gets its prompt's logprobs first")]
+    if asked and chosen and not written:
+        return [Problem("output.fields", "add 'prompt_logprobs': sampling.prompt_logprobs computes them")]
+    if written and not asked:
+        return [Problem("output.fields", "'prompt_logprobs' needs sampling.prompt_logprobs "
+                                         "(0: each prompt token's logprob only; k: also the top k)")]
+    return []
 
 
 def output_format_problems(output: OutputSpec, carry: Any) -> list[Problem]:
@@ -517,7 +563,8 @@ def output_format_problems(output: OutputSpec, carry: Any) -> list[Problem]:
     return problems
 
 
-def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: OutputSpec | None) -> list[Problem]:
+def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: OutputSpec | None,
+                        task: str = "generate") -> list[Problem]:
     """Sampling and input settings the engine options cannot serve: refused here, before any
     row, instead of failing every row."""
     problems = []
@@ -528,7 +575,7 @@ def engine_fit_problems(model: ModelSpec, sampling: Any, inp: Any, output: Outpu
         why = "needs the model's tokenizer, which model.skip_tokenizer_init leaves out"
         if isinstance(inp, dict) and inp.get("messages_column"):
             problems.append(Problem("input.messages_column", f"chat messages: {why}; give token ids"))
-        if output is not None and "text" in output.fields:
+        if output is not None and "text" in output.fields and task == "generate":
             problems.append(Problem("output.fields", f"'text' {why}; use token_ids"))
         if sampling.stop:
             problems.append(Problem("sampling.stop", f"stop strings: {why}; use stop_token_ids"))
@@ -565,16 +612,7 @@ def sampling_problems(spec: Any) -> list[Problem]:
         if key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
             hint = _suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
-    if values.get("prompt_logprobs") is not None or "prompt_logprobs" in spec.overrides:
-        where = "sampling.prompt_logprobs" if values.get("prompt_logprobs") is not None else \
-            "sampling.overrides.prompt_logprobs"
-        problems.append(Problem(where, NOT_IN_JOBS_YET))
     return problems
-
-
-# SamplingParams fields that job files cannot write yet (refused, never computed and dropped).
-NOT_IN_JOBS_YET = ("job files do not write prompt logprobs yet; use LLM.generate with "
-                   "SamplingParams(prompt_logprobs=k) or LLM.score_completions (docs/scoring-embeddings.md)")
 
 
 def model_part(raw: dict[str, Any]) -> ModelSpec | None:

@@ -1,10 +1,13 @@
 """OpenAI Batch request files (``input.format: openai_batch``): JSONL lines of
 ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` ``/v1/chat/completions``
-(``body.messages``) or ``/v1/completions`` (``body.prompt``).
+(``body.messages``), ``/v1/completions`` (``body.prompt``) or ``/v1/embeddings`` (``body.input``: a text,
+token ids, or a list of either; ``encoding_format``, ``dimensions``).
 
 The body's sampling fields become the row's overrides of the job's ``sampling``; SamplingParams
 field names are accepted too (``top_k``, ``min_tokens``, ... as vLLM's server does). Fields that
-change nothing here (``stream``, ``user``, ``logit_bias``, ...) are ignored and counted.
+change nothing here (``stream``, ``user``, ``logit_bias``, ...) are ignored and counted. A completions
+request with ``echo`` gets its prompt in front of each choice's text, and with ``logprobs`` the prompt
+tokens' logprobs in front of the completion's (OpenAI's legacy completions API).
 The response lines are the output side's (``job/outputs/openai_batch.py``).
 """
 
@@ -15,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...sampling_params import SamplingParams
-from .rows import CHAT, COMPLETION
+from .rows import CHAT, COMPLETION, EMBEDDING
 
-ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING}
+ENCODING_FORMATS = ("float", "base64")
 # Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
 # penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
-_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # no place in the response yet
+_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # below; prompt ones: echo
 
 
 class RequestError(ValueError):
@@ -35,10 +39,11 @@ class BatchRequest:
     sources: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> the body field it came from
     model: str | None = None
     ignored: list[str] = field(default_factory=list)  # body fields that change nothing here
+    options: dict[str, Any] = field(default_factory=dict)  # echo; embeddings: encoding_format, dimensions
 
     @property
     def prompt_field(self) -> str:
-        return "body.messages" if self.endpoint == CHAT else "body.prompt"
+        return {CHAT: "body.messages", EMBEDDING: "body.input"}.get(self.endpoint, "body.prompt")
 
 
 def parse_request(obj: dict[str, Any]) -> BatchRequest:
@@ -53,11 +58,13 @@ def parse_request(obj: dict[str, Any]) -> BatchRequest:
     if not isinstance(body, dict):
         raise RequestError(f"field 'body': expected an object, got {type(body).__name__}")
     endpoint = ENDPOINTS[url]
-    prompt_key = "messages" if endpoint == CHAT else "prompt"
-    req = BatchRequest(endpoint, _prompt(endpoint, body.get(prompt_key)))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"field 'body.model': expected a string, got {type(model).__name__}")
+    if endpoint == EMBEDDING:
+        return _embeddings(body, model)
+    prompt_key = "messages" if endpoint == CHAT else "prompt"
+    req = BatchRequest(endpoint, _prompt(endpoint, body.get(prompt_key)))
     req.model = model
     for key, value in body.items():
         if key in (prompt_key, "model") or value is None:
@@ -70,6 +77,10 @@ def parse_request(obj: dict[str, Any]) -> BatchRequest:
             req.sources["max_tokens"] = "body.max_completion_tokens"
         elif key in ("logprobs", "top_logprobs"):
             continue  # below
+        elif key == "echo" and endpoint == COMPLETION:
+            if not isinstance(value, bool):
+                raise RequestError(f"field 'body.echo': expected true or false, got {value!r}")
+            req.options["echo"] = value
         elif key == "response_format":
             constraint = _response_format(value)
             if constraint is not None:
@@ -129,6 +140,8 @@ def _logprobs(endpoint: str, body: dict[str, Any], req: BatchRequest) -> None:
             req.ignored.append("top_logprobs")
         if asked is not None:
             req.overrides["logprobs"], req.sources["logprobs"] = asked, "body.logprobs"
+            if req.options.get("echo"):  # the prompt's tokens come back with theirs
+                req.overrides["prompt_logprobs"], req.sources["prompt_logprobs"] = asked, "body.logprobs"
         return
     if asked is not None and not isinstance(asked, bool):
         raise RequestError(f"field 'body.logprobs': expected true or false, got {asked!r}")
@@ -144,3 +157,27 @@ def ignored_summary(counts: Counter[str]) -> str | None:
         return None
     listed = ", ".join(f"{k} ({n:,} rows)" for k, n in counts.most_common())
     return f"openai_batch: body fields ignored (they change nothing here): {listed}"
+
+
+def _embeddings(body: dict[str, Any], model: str | None) -> BatchRequest:
+    """An embeddings request: its inputs as a list (one text or token-id list is a list of one)."""
+    value = body.get("input")
+    one = isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value))
+    if one:
+        inputs = [value]
+    elif isinstance(value, list) and value:
+        inputs = value
+    else:
+        raise RequestError("field 'body.input': expected a text, token ids, or a non-empty list of either, "
+                           f"got {value!r:.40}")
+    req = BatchRequest(EMBEDDING, inputs, model=model)
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ENCODING_FORMATS:
+        raise RequestError(f"field 'body.encoding_format': must be float or base64, got {encoding!r}")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+        raise RequestError(f"field 'body.dimensions': expected an integer >= 1, got {dimensions!r}")
+    req.options = {"encoding_format": encoding, "dimensions": dimensions}
+    req.ignored = [k for k, v in body.items() if k not in ("input", "model", "encoding_format", "dimensions")
+                   and v is not None]
+    return req

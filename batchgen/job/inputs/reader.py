@@ -29,8 +29,17 @@ from .hf_dataset import DatasetSource
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
-from .rows import CHAT, COMPLETION, BadValue, InputFile, InputId, Record, Row, Source
-from .values import check_carried, check_messages, check_prompt, clean_messages, decode, encodable, type_name
+from .rows import CHAT, COMPLETION, EMBEDDING, BadValue, InputFile, InputId, Record, Row, Source
+from .values import (
+    check_carried,
+    check_inputs,
+    check_messages,
+    check_prompt,
+    clean_messages,
+    decode,
+    encodable,
+    type_name,
+)
 
 _COUNT_BYTES_LIMIT = 1 << 30  # count the rows of files without a row count only below this many bytes
 _COUNTED = frozenset({"parquet", "dataset"})  # formats that know their row count without a scan
@@ -101,7 +110,8 @@ class InputReader:
     def _read_otherwise(self) -> set[str]:
         """Columns read for the id, the prompt or an override: carried as read for that."""
         s = self.spec
-        return {c for c in (s.id_key, s.prompt_column, s.messages_column, *self.overrides.values()) if c}
+        return {c for c in (s.id_key, s.prompt_column, s.messages_column, s.completion_column,
+                            *self.overrides.values()) if c}
 
     # ----------------------------------------------------------------------------- checks, schema
 
@@ -113,6 +123,8 @@ class InputReader:
         else:
             cols = [("input.id_column", s.id_column)] if s.id_column else []
             cols.append(("input.prompt_column" if s.prompt_column else "input.messages_column", s.source_column))
+            if s.completion_column:
+                cols.append(("input.completion_column", s.completion_column))
         cols += [(f"sampling.overrides.{k}", v) for k, v in self.overrides.items()]
         cols += [(f"input.carry_columns[{i}]", c) for i, c in enumerate(s.carry_columns)]
         return cols
@@ -130,7 +142,7 @@ class InputReader:
         a warning.
         """
         problems: list[Problem] = []
-        required = {self.spec.id_key, self.spec.source_column}
+        required = {self.spec.id_key, self.spec.source_column, self.spec.completion_column}
         for f in self.files:
             source = self._source(f)
             try:
@@ -264,14 +276,19 @@ class InputReader:
             except openai_batch.RequestError as e:
                 return str(e)
             value, row.prompt_field, row.endpoint = request.prompt, request.prompt_field, request.endpoint
-            row.overrides, row.sources = request.overrides, request.sources
+            row.overrides, row.sources, row.options = request.overrides, request.sources, request.options
         else:
             value, row.prompt_field = decode(record.get(s.source_column)), s.source_column
             row.endpoint = CHAT if s.messages_column else COMPLETION
         chat = row.endpoint == CHAT
-        error = check_messages(value) if chat else check_prompt(value)
+        error = check_messages(value) if chat else check_inputs(value) if row.endpoint == EMBEDDING else \
+            check_prompt(value)
         if error:
             return f"field {row.prompt_field!r}: {error}"
+        if s.completion_column:
+            row.completion = decode(record.get(s.completion_column))
+            if error := check_prompt(row.completion, "completion"):
+                return f"field {s.completion_column!r}: {error}"
         if request is not None:
             if self.model_name is not None and request.model not in (None, self.model_name):
                 return f"field 'body.model': {request.model!r} is not this job's model {self.model_name!r}"

@@ -12,6 +12,7 @@ from ...storage import Location
 
 CHAT = "chat"  # a row of chat messages: the OpenAI chat.completion shape
 COMPLETION = "completion"  # a row with a prompt: the OpenAI text_completion shape
+EMBEDDING = "embedding"  # a row of inputs to embed (its prompt is their list): the OpenAI embedding list shape
 
 
 class BadValue:
@@ -138,3 +139,5 @@ class Row:
     prompt_field: str = ""  # where the prompt came from, for messages: a column, or body.messages
     sources: dict[str, str] = field(default_factory=dict)  # override -> the field it came from, when not a column
     top_logprobs: int | None = None  # the row's sampling logprobs, once its params are known
+    completion: str | list[int] | None = None  # task score: what is scored after the prompt
+    options: dict[str, Any] = field(default_factory=dict)  # an OpenAI request's own (echo, dimensions, ...)

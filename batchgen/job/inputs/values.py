@@ -34,14 +34,15 @@ def type_name(v: Any) -> str:
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def check_prompt(v: Any) -> str | None:
+def check_prompt(v: Any, what: str = "prompt") -> str | None:
+    """A text or token ids (``what``: the name of the value in the message)."""
     if v is None:
         return "missing or null"
     if isinstance(v, BadValue):
         return v.why
     if isinstance(v, str):
         if not v.strip():
-            return "empty prompt"
+            return f"empty {what}"
         return None if encodable(v) else "not valid Unicode (lone surrogate)"
     if isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v):
         return None
@@ -79,4 +80,12 @@ def check_carried(v: Any) -> str | None:
         return v.why
     if isinstance(v, str) and not encodable(v):
         return "not valid Unicode (lone surrogate)"
+    return None
+
+
+def check_inputs(v: list[Any]) -> str | None:
+    """The inputs of one embeddings request, each a text or token ids."""
+    for i, one in enumerate(v):
+        if error := check_prompt(one, "input"):
+            return f"[{i}]: {error}"
     return None

@@ -34,6 +34,7 @@ from ..inputs import Row
 from ..shard import Shard
 from ..structured import parsed_json
 from .formats import ParquetParts, PartFormat, format_of
+from .task_rows import TaskShape, task_rows, task_schema_columns
 
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
 META_HASH = "batchgen.config_hash"
@@ -62,10 +63,13 @@ def list_parts(out_dir: Location | Path, files: dict[Location, FileInfo] | None 
     return sorted(parts, key=lambda x: (x.shard.count, x.shard.index, x.seq))
 
 
-def output_schema(fields: Iterable[str], carry: list[pa.Field]) -> pa.Schema:
+def output_schema(fields: Iterable[str], carry: list[pa.Field], shape: TaskShape | None = None) -> pa.Schema:
+    """The columns of a part: a generation's chosen ``fields``, or the columns of a task's ``shape``."""
     fields = set(fields)
     cols = [pa.field("id", pa.string(), nullable=False), pa.field("sample_index", pa.int32()),
             pa.field("num_samples", pa.int32()), *carry]
+    if shape is not None:
+        return pa.schema([*cols, *task_schema_columns(shape), pa.field("error", pa.string())])
     if "text" in fields:
         cols.append(pa.field("text", pa.string()))
     if "token_ids" in fields:
@@ -84,6 +88,8 @@ def output_schema(fields: Iterable[str], carry: list[pa.Field]) -> pa.Schema:
         cols.append(pa.field("valid", pa.bool_()))
     if "parsed" in fields:
         cols.append(pa.field("parsed", pa.string()))
+    if "prompt_logprobs" in fields:
+        cols.append(pa.field("prompt_logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
     cols.append(pa.field("error", pa.string()))
     return pa.schema(cols)
 
@@ -100,6 +106,7 @@ def result_rows(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
             "stop_reason": None if c.stop_reason is None else str(c.stop_reason),
             "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(c.token_ids),
             "valid": c.valid, "parsed": parsed_json(c.text, c.finish_reason, c.valid),
+            "prompt_logprobs": out.prompt_logprobs,
         })
     return rows
 
@@ -109,13 +116,18 @@ def error_rows(row: Row, message: str) -> list[dict[str, Any]]:
     return [{"id": row.id, "sample_index": 0, "num_samples": 1, **row.carry, "error": message}]
 
 
+@dataclass
 class SampleRows:
-    """What a finished or failed request becomes in Parquet and JSONL parts (``ResponseLines`` is
-    the OpenAI batch counterpart)."""
+    """What a finished or failed row becomes in Parquet and JSONL parts (``ResponseLines`` is the
+    OpenAI batch counterpart): the samples of a generation, or a task's one row (``shape``)."""
 
-    @staticmethod
-    def result(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
-        return result_rows(row, out)
+    shape: TaskShape | None = None
+
+    def result(self, row: Row, outputs: list[Any]) -> list[dict[str, Any]]:
+        """``outputs``: the engine's outputs of the row's requests (one here)."""
+        if self.shape is None:
+            return result_rows(row, outputs[0])
+        return task_rows(row, outputs[0], self.shape)
 
     @staticmethod
     def error(row: Row, message: str, code: str) -> list[dict[str, Any]]:

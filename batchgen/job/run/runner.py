@@ -25,12 +25,15 @@ from ...outputs import RequestOutput
 from ..engine import EngineFactory, build_engine
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
 from ..inputs import InputReader, Row, ignored_summary
+from ..inputs.rows import EMBEDDING
 from ..outputs import saved
 from ..outputs.formats import part_format
 from ..outputs.merge import merge
 from ..outputs.openai_batch import ResponseLines
+from ..outputs.task_rows import TaskShape, task_shape
 from ..outputs.writer import PartWriter, SampleRows, list_parts, output_schema, recover
-from ..params import ParamsBuilder, RowParamsError
+from ..params import RowParamsError
+from ..requests import RequestBuilder
 from ..shard import Shard
 from ..spec import Job
 from ..validate import max_tokens_warning
@@ -69,6 +72,18 @@ class StopFlag:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
+
+
+@dataclass
+class PendingRow:
+    """A row whose requests are in the engine: their outputs, in the row's order, as they come."""
+
+    row: Row
+    outputs: list[Any]
+
+    @property
+    def complete(self) -> bool:
+        return all(out is not None for out in self.outputs)
 
 
 @dataclass
@@ -150,11 +165,14 @@ class Runner:
         self.reporter.message(f"engine ready in {time.monotonic() - started:.1f}s")
         self._check_engine(llm)
         self._warn_context(llm)
+        shape = self._task_shape(llm)
         if job.spec.output.format == "openai_batch":
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
                                           job.spec.sampling.logprobs)
+        else:
+            self._records = SampleRows(shape)
         writer = PartWriter(
-            out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields),
+            out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields, shape),
             job.spec.output.rows_per_part, rec.next_seq,
             {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
              "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
@@ -205,6 +223,15 @@ class Runner:
         if warning and warning not in self.job.warnings:
             self.reporter.message(f"warning: {warning}")
 
+    def _task_shape(self, llm: Any) -> TaskShape | None:
+        """The columns of a task that samples nothing, as this model gives them (None: generate)."""
+        spec = self.job.spec
+        if spec.task == "generate":
+            return None
+        embed = spec.embed
+        return task_shape(spec.task, llm, token_logprobs=bool(spec.score and spec.score.token_logprobs),
+                          pooling=embed and embed.pooling, dimensions=embed and embed.dimensions)
+
     def _check_engine(self, llm: Any) -> None:
         if self.job.spec.input.messages_column is None:
             return
@@ -218,9 +245,9 @@ class Runner:
     def _loop(self, llm: Any, rows: Iterator[Row], writer: PartWriter, snap: Snapshot) -> bool:
         """Run until the input is done or a stop request is served; True if interrupted."""
         start = last_stats = time.monotonic()
-        in_flight: dict[str, Row] = {}
+        in_flight: dict[str, tuple[PendingRow, int]] = {}
         counter = itertools.count()
-        builder = ParamsBuilder(self.job.spec.sampling)
+        builder = RequestBuilder(self.job.spec)
         max_in_flight = self.job.max_in_flight
         exhausted = False
         deadline: float | None = None
@@ -288,47 +315,72 @@ class Runner:
         writer.flush()
         snap.parts = writer.parts_written
 
-    def _admit(self, llm: Any, row: Row, n: int, builder: ParamsBuilder, in_flight: dict[str, Row],
-               writer: PartWriter, snap: Snapshot) -> None:
+    def _admit(self, llm: Any, row: Row, n: int, builder: RequestBuilder,
+               in_flight: dict[str, tuple[PendingRow, int]], writer: PartWriter, snap: Snapshot) -> None:
         if row.error:
             self._record_error(row, row.error, writer, snap)
             return
+        if row.endpoint == EMBEDDING and not isinstance(self._records, ResponseLines):
+            self._record_error(row, f"{row.where}: field 'url': /v1/embeddings needs output.format "
+                                    "openai_batch (this job's columns are a completion's)", writer, snap)
+            return
         try:
-            params = builder.for_row(row.id, row.overrides, row.sources)
+            requests = builder.for_row(row)
         except RowParamsError as e:
             self._record_error(row, f"{row.where}: {e}", writer, snap)
             return
-        row.top_logprobs = getattr(params, "logprobs", None)  # a beam search has none
-        request_id = f"r{n}"
-        try:
-            llm.add_request(request_id, row.prompt, params)
-        except (ValueError, TypeError) as e:
-            self._record_error(row, f"{row.where}: {self._rejection(row, e)}", writer, snap)
-            return
-        in_flight[request_id] = row
+        row.top_logprobs = getattr(requests[0].params, "logprobs", None)  # a beam search has none
+        pending = PendingRow(row, [None] * len(requests))
+        added: list[str] = []
+        for i, request in enumerate(requests):
+            request_id = f"r{n}" if len(requests) == 1 else f"r{n}.{i}"
+            extra = {} if request.completion is None else {"completion": request.completion}
+            try:
+                llm.add_request(request_id, request.prompt, request.params, **extra)
+            except (ValueError, TypeError) as e:
+                for earlier in added:
+                    llm.abort_request(earlier)
+                    del in_flight[earlier]
+                where = "" if len(requests) == 1 else f"input [{i}]: "
+                self._record_error(row, f"{row.where}: {where}{self._rejection(row, e)}", writer, snap)
+                return
+            added.append(request_id)
+            in_flight[request_id] = (pending, i)
 
-    @staticmethod
-    def _rejection(row: Row, error: Exception) -> str:
-        """Why the engine refused a row, naming the input field when it is about the prompt."""
+    def _rejection(self, row: Row, error: Exception) -> str:
+        """Why the engine refused a row, naming the input field when it is about the prompt (or the
+        completion a score job scores)."""
         field_name, sep, why = str(error).partition(": ")
         if sep and field_name == "prompt":
             return f"field {row.prompt_field!r}: {why}"
+        if sep and field_name == "completion" and self.job.spec.input.completion_column:
+            return f"field {self.job.spec.input.completion_column!r}: {why}"
         return f"the engine rejected the request: {error}"
 
-    def _finish(self, out: RequestOutput, in_flight: dict[str, Row], writer: PartWriter,
+    def _finish(self, out: Any, in_flight: dict[str, tuple[PendingRow, int]], writer: PartWriter,
                 snap: Snapshot) -> None:
-        row = in_flight.pop(out.request_id, None)
-        if row is None:  # not ours, or reported twice
+        """``out``: a RequestOutput, CompletionScore or PoolingRequestOutput."""
+        entry = in_flight.pop(out.request_id, None)
+        if entry is None:  # not ours, or reported twice
             return
-        if out.error or not out.outputs:
-            why = out.error or "the engine returned no samples"
-            self._record_error(row, f"{row.where}: {why}", writer, snap, "generation_failed")
+        pending, i = entry
+        pending.outputs[i] = out
+        if not pending.complete:
             return
-        writer.add(self._records.result(row, out))
+        row, outputs = pending.row, pending.outputs
+        for i, done in enumerate(outputs):
+            why = done.error or (None if getattr(done, "outputs", True) else "the engine returned no samples")
+            if why:
+                where = "" if len(outputs) == 1 else f"input [{i}]: "
+                self._record_error(row, f"{row.where}: {where}{why}", writer, snap, "generation_failed")
+                return
+        writer.add(self._records.result(row, outputs))
         snap.rows += 1
-        snap.samples += len(out.outputs)
-        snap.prompt_tokens += len(out.prompt_token_ids)
-        snap.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for done in outputs:
+            samples = done.outputs if isinstance(done, RequestOutput) else []
+            snap.samples += len(samples) or 1
+            snap.prompt_tokens += len(done.prompt_token_ids)
+            snap.output_tokens += sum(len(c.token_ids) for c in samples)
 
     def _record_error(self, row: Row, message: str, writer: PartWriter, snap: Snapshot,
                       code: str = "invalid_request") -> None:
