@@ -36,10 +36,14 @@ def hashes_of(ids: Iterable[str]) -> np.ndarray:
     return np.fromiter(map(hash, ids), dtype=np.int64)
 
 
-def batches(items: Iterable[T], size: int = BATCH) -> Iterator[list[T]]:
+def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[list[T]]:
+    """Lists of ``items``, doubling from ``first`` to ``size`` items: the first rows of a stream
+    come as soon as they are read, and a stream is read ahead of what is used by one batch at most."""
     it = iter(items)
-    while batch := list(islice(it, size)):
+    n = first
+    while batch := list(islice(it, n)):
         yield batch
+        n = min(2 * n, size)
 
 
 class SortedRuns:
