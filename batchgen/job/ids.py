@@ -33,7 +33,7 @@ def id_hash(row_id: str) -> int:
 
 
 def hashes_of(ids: Iterable[str]) -> np.ndarray:
-    return np.fromiter(map(hash, ids), dtype=np.int64)
+    return np.fromiter(map(id_hash, ids), dtype=np.int64)
 
 
 def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[list[T]]:
