@@ -28,8 +28,7 @@ BATCH = 4096  # ids looked up together
 T = TypeVar("T")
 
 
-def id_hash(row_id: str) -> int:
-    return hash(row_id)
+id_hash = hash  # a row id's hash (the builtin itself: ``map`` calls it without a Python frame)
 
 
 def hashes_of(ids: Iterable[str]) -> np.ndarray:
@@ -106,9 +105,16 @@ class DoneIds(AbstractSet[str]):
         for keys, parts in self._hashes.runs:
             lo, hi = np.searchsorted(keys, hashes), np.searchsorted(keys, hashes, side="right")
             matched = np.flatnonzero(hi > lo)
-            for i, first, n in zip(matched.tolist(), lo[matched].tolist(), (hi - lo)[matched].tolist(), strict=True):
+            # (id, part) pairs to confirm: one per match, several where hashes collide in this run
+            repeat = (hi - lo)[matched]
+            rows = np.repeat(matched, repeat)
+            at = np.repeat(lo[matched] - np.cumsum(repeat) + repeat, repeat) + np.arange(len(rows))
+            last, last_ids = -1, frozenset[str]()
+            for i, part in zip(rows.tolist(), parts[at].tolist(), strict=True):
                 if not found[i]:
-                    found[i] = any(ids[i] in self._part_ids(int(p)) for p in parts[first:first + n])
+                    if part != last:
+                        last, last_ids = part, self._part_ids(part)
+                    found[i] = ids[i] in last_ids
         return found
 
     def __contains__(self, row_id: object) -> bool:

@@ -250,11 +250,13 @@ class InputReader:
                 seen.close()
 
     def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
-        fallback = f.place(record)[0]
         col = self.spec.id_key
         if col is None or record.values is None:
-            return fallback, None
+            return f.place(record)[0], None
         v = decode(record.values.get(col))
+        if type(v) is str and v and encodable(v):  # the common case first
+            return v, None
+        fallback = f.place(record)[0]
         if v is None:
             return fallback, f"field {col!r}: missing id"
         if isinstance(v, bool) or not isinstance(v, (str, int)):
