@@ -154,13 +154,17 @@ def bench_job(case: str, root: Path, model: Path, rows: int, rows_per_part: int)
         "merge": batchgen("merge", out, "-o", root / "merged.jsonl"),
         "retry_errors": batchgen("run", job, "--retry-errors", *engine),
     }
+    print(f"  {case} {rows:,}: run {first.seconds:.1f}s, peak {first.peak_rss_mb:.0f} MB", flush=True)
     for step, args in commands.items():
-        p = run_child(args)
-        result.steps[step] = {"seconds": p.seconds, "peak_rss_mb": p.peak_rss_mb}
+        step_done(result, step, run_child(args))
     write_input(root / "in" / "more.parquet", INCREMENT_ROWS, start=rows)
-    p = run_child(batchgen("run", job, *engine))
-    result.steps["increment"] = {"seconds": p.seconds, "peak_rss_mb": p.peak_rss_mb}
+    step_done(result, "increment", run_child(batchgen("run", job, *engine)))
     return result
+
+
+def step_done(result: CaseResult, step: str, p: Process) -> None:
+    result.steps[step] = {"seconds": p.seconds, "peak_rss_mb": p.peak_rss_mb}
+    print(f"  {result.case} {result.rows:,}: {step} {p.seconds:.1f}s, peak {p.peak_rss_mb:.0f} MB", flush=True)
 
 
 def bench_generate(root: Path, model: Path, rows: int) -> CaseResult:

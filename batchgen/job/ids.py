@@ -169,7 +169,7 @@ class SpilledIds:
         path = Path(self._dir.name) / f"run-{len(self._runs):05d}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
-        mapped = pa.ipc.open_file(pa.memory_map(str(path))).read_all().combine_chunks()
+        mapped = pa.ipc.open_file(pa.memory_map(str(path))).read_all()  # one batch, read as pages are touched
         self._runs.append(mapped)
         self._keys.append(mapped.column("hash").chunk(0).to_numpy())
         return hashes
