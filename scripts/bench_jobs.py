@@ -141,8 +141,10 @@ def batchgen(*args: str | Path) -> list[str]:
     return [sys.executable, "-m", "batchgen", *map(str, args)]
 
 
-def bench_job(case: str, root: Path, model: Path, rows: int, rows_per_part: int) -> CaseResult:
-    """`batchgen run` on fresh output, then the rerun, status, merge, --retry-errors and increment."""
+def bench_job(case: str, root: Path, model: Path, rows: int, rows_per_part: int,
+              steps: tuple[str, ...] = STEPS) -> CaseResult:
+    """`batchgen run` on fresh output, then ``steps``: the rerun, status, merge, --retry-errors and
+    increment, in that order."""
     job = write_job(root, model, rows_per_part)
     engine = ["--engine", INSTANT] if case == "instant" else []
     out = root / "out"
@@ -156,9 +158,11 @@ def bench_job(case: str, root: Path, model: Path, rows: int, rows_per_part: int)
     }
     print(f"  {case} {rows:,}: run {first.seconds:.1f}s, peak {first.peak_rss_mb:.0f} MB", flush=True)
     for step, args in commands.items():
-        step_done(result, step, run_child(args))
-    write_input(root / "in" / "more.parquet", INCREMENT_ROWS, start=rows)
-    step_done(result, "increment", run_child(batchgen("run", job, *engine)))
+        if step in steps:
+            step_done(result, step, run_child(args))
+    if "increment" in steps:
+        write_input(root / "in" / "more.parquet", INCREMENT_ROWS, start=rows)
+        step_done(result, "increment", run_child(batchgen("run", job, *engine)))
     return result
 
 
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100k,1M,10M")
     ap.add_argument("--real-max", default="1M", help="the largest size run with the real engine (run, generate)")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--steps", default=",".join(STEPS), help="what to time after each run")
     ap.add_argument("--quick", action="store_true", help="2,000 rows of each case (a smoke test)")
     ap.add_argument("--model", type=Path, help="a model dir (default: a tiny random Llama in the temp dir)")
     ap.add_argument("--rows-per-part", type=int, default=10_000)
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
     real_max = parse_size(args.real_max)
+    steps = tuple(s.strip() for s in args.steps.split(","))
+    if set(steps) - set(STEPS):
+        ap.error(f"unknown steps {sorted(set(steps) - set(STEPS))}; choose from {', '.join(STEPS)}")
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-jobs-") as tmp:
         top = Path(tmp)
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 if case == "generate":
                     res = bench_generate(root, model, rows - rows // ERROR_EVERY)
                 else:
-                    res = bench_job(case, root, model, rows, rows_per_part)
+                    res = bench_job(case, root, model, rows, rows_per_part, steps)
                 results.append(res)
                 print(f"{case} {rows:,}: {res.rows_s:,.0f} rows/s, peak {res.peak_rss_mb:.0f} MB "
                       + " ".join(f"{k} {v['seconds']:.1f}s" for k, v in res.steps.items()), flush=True)

@@ -46,17 +46,20 @@ def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[
 
 
 class SortedRuns:
-    """A multiset of int64 hashes, each with a uint32 value, as a few sorted runs (LSM-style:
-    a new run is merged into the last ones while the result stays under ``RUN_CAP``)."""
+    """A multiset of hashes, each with a uint32 value, as a few sorted runs (LSM-style: a new run
+    is merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32
+    only the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false
+    match in about n / 2**32 lookups."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: type[np.integer] = np.int64) -> None:
+        self.dtype = dtype
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.size = 0
 
     def add(self, hashes: np.ndarray, value: int = 0) -> None:
         if not len(hashes):
             return
-        run = (np.sort(hashes), np.full(len(hashes), value, dtype=np.uint32))
+        run = (np.sort(hashes.astype(self.dtype)), np.full(len(hashes), value, dtype=np.uint32))
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
@@ -68,6 +71,7 @@ class SortedRuns:
     def contains(self, hashes: np.ndarray) -> np.ndarray:
         """Per hash: is it (maybe: another id may have the same hash) in the set?"""
         found = np.zeros(len(hashes), dtype=bool)
+        hashes = hashes.astype(self.dtype)
         for keys, _ in self.runs:
             at = np.minimum(np.searchsorted(keys, hashes), len(keys) - 1)
             found |= keys[at] == hashes

@@ -15,15 +15,15 @@ class FirstSeen:
     first row of an id is the same in every run, whatever was done before.
 
     The newest ``SPILL_IDS`` ids are a dict (id -> place); older ones are spilled with their
-    places to sorted runs in a temporary directory, and only their 64-bit hashes stay in memory
-    (8 bytes an id). Ids are checked in batches: ``spilled_maybe`` first for the batch's hashes,
+    places to sorted runs in a temporary directory, and only 32 bits of their hashes stay in
+    memory (4 bytes an id). Ids are checked in batches: ``spilled_maybe`` first for the batch's hashes,
     then ``check`` for each row; a hash match is settled on the spilled id itself.
     """
 
     def __init__(self, files: list[InputFile]):
         self._files = files
         self._recent: dict[str, int] = {}
-        self._hashes = SortedRuns()
+        self._hashes = SortedRuns(np.int32)  # a false match costs one look at the spilled runs
         self._spilled = SpilledIds()
 
     def spilled_maybe(self, hashes: np.ndarray) -> list[bool]:
