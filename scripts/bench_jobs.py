@@ -73,7 +73,8 @@ class Process:
 @dataclass
 class CaseResult:
     case: str
-    rows: int
+    size: int  # input rows
+    rows: int  # rows generated or written (generate: the rows with a prompt)
     seconds: float
     rows_s: float
     peak_rss_mb: float
@@ -149,7 +150,7 @@ def bench_job(case: str, root: Path, model: Path, rows: int, rows_per_part: int,
     engine = ["--engine", INSTANT] if case == "instant" else []
     out = root / "out"
     first = run_child(batchgen("run", job, *engine), watch=out)
-    result = CaseResult(case, rows, first.seconds, rows / first.seconds, first.peak_rss_mb, first.first_part_s)
+    result = CaseResult(case, rows, rows, first.seconds, rows / first.seconds, first.peak_rss_mb, first.first_part_s)
     commands = {
         "rerun": batchgen("run", job, *engine),
         "status": batchgen("status", out),
@@ -171,9 +172,10 @@ def step_done(result: CaseResult, step: str, p: Process) -> None:
     print(f"  {result.case} {result.rows:,}: {step} {p.seconds:.1f}s, peak {p.peak_rss_mb:.0f} MB", flush=True)
 
 
-def bench_generate(root: Path, model: Path, rows: int) -> CaseResult:
+def bench_generate(root: Path, model: Path, size: int) -> CaseResult:
     p = run_child([sys.executable, __file__, "--child-generate", str(model), str(root / "in" / "data.parquet")])
-    return CaseResult("generate", rows, p.seconds, rows / p.seconds, p.peak_rss_mb)
+    rows = size - size // ERROR_EVERY
+    return CaseResult("generate", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb)
 
 
 def child_generate(model: str, data: str) -> None:
@@ -218,7 +220,7 @@ def render(results: list[CaseResult]) -> str:
 
 def ratios(results: list[CaseResult]) -> dict[str, float]:
     """run / generate rows/s at each size: what the job layer costs over the bare engine."""
-    by = {(r.case, r.rows): r for r in results}
+    by = {(r.case, r.size): r for r in results}
     return {f"run/generate@{n}": by[("run", n)].rows_s / by[("generate", n)].rows_s
             for (case, n) in by if case == "run" and ("generate", n) in by}
 
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 (root / "in").mkdir(parents=True)
                 write_input(root / "in" / "data.parquet", rows)
                 if case == "generate":
-                    res = bench_generate(root, model, rows - rows // ERROR_EVERY)
+                    res = bench_generate(root, model, rows)
                 else:
                     res = bench_job(case, root, model, rows, rows_per_part, steps)
                 results.append(res)
