@@ -39,10 +39,11 @@ INSTANT = f"{REPO / 'scripts' / 'instant_engine.py'}:InstantLLM"
 
 @pytest.fixture
 def collisions(monkeypatch):
-    """Every id hashes to one of three values, and FirstSeen spills every few ids."""
+    """Every id hashes to one of three values, FirstSeen spills every few ids, runs read back in blocks of 2."""
     monkeypatch.setattr(ids_module, "id_hash", lambda row_id: len(row_id) % 3)
     monkeypatch.setattr(seen_module, "SPILL_IDS", 4)
     monkeypatch.setattr(ids_module, "RUN_CAP", 8)
+    monkeypatch.setattr(ids_module, "FENCE", 2)  # equal hashes across blocks of the spilled runs
 
 
 def test_done_ids_are_exact_under_collisions(collisions):

@@ -11,20 +11,22 @@ it costs nothing (a ``str`` caches it).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from itertools import compress, islice
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import numpy as np
-import pyarrow as pa
 
 RUN_CAP = 1 << 20  # sorted runs are merged up to this many hashes (8 MiB), so a merge never doubles memory
 CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next confirmations
 BATCH = 4096  # ids looked up together
+FENCE = 256  # spilled hashes per block read back
 T = TypeVar("T")
 
 
@@ -153,43 +155,72 @@ class DoneIds(AbstractSet[str]):
                     yield row_id
 
 
+@dataclass
+class _Run:
+    """One spilled run's place in the spill file: n sorted hashes, then their keys, then the ids'
+    n + 1 byte offsets, then the ids (UTF-8); ``fence`` is every ``FENCE``-th hash."""
+
+    at: int
+    n: int
+    fence: np.ndarray
+
+    def section(self, which: int) -> int:
+        return self.at + which * 8 * self.n
+
+
 class SpilledIds:
-    """(id, key) pairs in sorted runs in a temporary directory: where ``FirstSeen`` keeps the
-    real ids behind its hashes once it has more than it holds in memory."""
+    """(id, key) pairs in sorted runs in a temporary file: where ``FirstSeen`` keeps the real ids
+    behind its hashes once it has more than it holds in memory. Read back with ``pread`` (the
+    page cache, not this process's memory, holds what was read)."""
 
     def __init__(self) -> None:
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._runs: list[pa.Table] = []
-        self._keys: list[np.ndarray] = []
+        self._file: BinaryIO | None = None
+        self._size = 0
+        self._runs: list[_Run] = []
 
     def spill(self, ids: list[str], keys: list[int]) -> np.ndarray:
         """Write a run; its hashes (for the caller's in-memory set)."""
         hashes = hashes_of(ids)
         order = np.argsort(hashes, kind="stable")
-        table = pa.table({"hash": hashes[order], "key": np.asarray(keys, dtype=np.int64)[order],
-                          "id": pa.array(ids, pa.string()).take(order)})
-        if self._dir is None:
+        encoded = [ids[i].encode("utf-8", "surrogatepass") for i in order.tolist()]
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+        if self._file is None:
             self._dir = tempfile.TemporaryDirectory(prefix="batchgen-ids-")
-        path = Path(self._dir.name) / f"run-{len(self._runs):05d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-        mapped = pa.ipc.open_file(pa.memory_map(str(path))).read_all()  # one batch, read as pages are touched
-        self._runs.append(mapped)
-        self._keys.append(mapped.column("hash").chunk(0).to_numpy())
+            self._file = open(Path(self._dir.name) / "spilled", "w+b")  # closed by close()
+        data = [hashes[order].tobytes(), np.asarray(keys, dtype=np.int64)[order].tobytes(), offsets.tobytes(),
+                b"".join(encoded)]
+        self._file.seek(self._size)
+        self._file.writelines(data)
+        self._file.flush()
+        self._runs.append(_Run(self._size, len(ids), hashes[order][::FENCE].copy()))
+        self._size += sum(map(len, data))
         return hashes
 
     def key_of(self, row_id: str) -> int | None:
         """The key spilled with ``row_id``, or None."""
-        h = id_hash(row_id)
-        for table, hashes in zip(self._runs, self._keys, strict=True):
-            lo, hi = int(np.searchsorted(hashes, h)), int(np.searchsorted(hashes, h, side="right"))
-            for i in range(lo, hi):
-                if table.column("id")[i].as_py() == row_id:
-                    return int(table.column("key")[i].as_py())
+        if self._file is None:
+            return None
+        h, fd, wanted = id_hash(row_id), self._file.fileno(), row_id.encode("utf-8", "surrogatepass")
+        for run in self._runs:
+            start = max(int(np.searchsorted(run.fence, h)) - 1, 0) * FENCE
+            while start < run.n:
+                block = np.frombuffer(os.pread(fd, 8 * min(FENCE, run.n - start), run.section(0) + 8 * start), np.int64)
+                for i in (start + np.flatnonzero(block == h)).tolist():
+                    lo, hi = np.frombuffer(os.pread(fd, 16, run.section(2) + 8 * i), np.int64).tolist()
+                    if os.pread(fd, hi - lo, run.section(3) + 8 + lo) == wanted:
+                        return int(np.frombuffer(os.pread(fd, 8, run.section(1) + 8 * i), np.int64)[0])
+                if block[-1] > h:
+                    break
+                start += FENCE
         return None
 
     def close(self) -> None:
-        self._runs, self._keys = [], []
+        self._runs = []
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
