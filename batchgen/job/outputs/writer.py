@@ -159,10 +159,12 @@ def summarize(path: Location, size: int | None = None) -> tuple[dict[str, str], 
     """A part's metadata and index (``size``: its bytes, if the caller listed them): the index
     written with it, or, for a part written before indexes or rewritten since, read from its rows."""
     meta, index = format_of(path).read_index(path, path.info().size if size is None else size)
-    if index is None:
-        ids, errors = read_part(path)
-        index = PartIndex(ids.column("id").to_pylist(), errors)
-    return meta, index
+    return meta, index or index_from_rows(path)
+
+
+def index_from_rows(path: Location) -> PartIndex:
+    ids, errors = read_part(path)
+    return PartIndex(ids.column("id").to_pylist(), errors)
 
 
 def part_ids(path: Location) -> list[str]:
@@ -194,13 +196,14 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
         same_count = part.shard.count == shard.count
         if same_count and part.shard.index != shard.index:
             continue
-        meta, index = summarize(part.path, part.info.size)
+        meta, indexed = format_of(part.path).read_index(part.path, part.info.size)
         old = meta.get(META_HASH, "?")
         if old != config_hash and not force:
             raise JobError(
                 f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
                 f"this job {config_hash}); use a new output.dir, or pass --force to keep its rows and "
                 "do the rest with the new configuration")
+        index = indexed or index_from_rows(part.path)
         if same_count:
             rec.next_seq = max(rec.next_seq, part.seq + 1)
             if retry_errors and index.errors:
