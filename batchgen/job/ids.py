@@ -48,24 +48,29 @@ def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[
 
 
 class SortedRuns:
-    """A multiset of hashes, each with a uint32 value, as a few sorted runs (LSM-style: a new run
+    """A multiset of hashes, each with a uint32 value (or none), as a few sorted runs (LSM-style: a new run
     is merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32
     only the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false
     match in about n / 2**32 lookups."""
 
-    def __init__(self, dtype: type[np.integer] = np.int64) -> None:
+    def __init__(self, dtype: type[np.integer] = np.int64, values: bool = True) -> None:
         self.dtype = dtype
+        self.values = values  # False: hashes only (the values read as 0 and cost nothing)
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.size = 0
 
     def add(self, hashes: np.ndarray, value: int = 0) -> None:
         if not len(hashes):
             return
-        run = (np.sort(hashes.astype(self.dtype)), np.full(len(hashes), value, dtype=np.uint32))
+        vals = np.full(len(hashes), value, dtype=np.uint32) if self.values else np.empty(0, np.uint32)
+        run = (np.sort(hashes.astype(self.dtype)), vals)
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
             merged = np.concatenate([last[0], run[0]])
+            if not self.values:
+                run = (np.sort(merged), run[1])
+                continue
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)

@@ -23,7 +23,7 @@ class FirstSeen:
     def __init__(self, files: list[InputFile]):
         self._files = files
         self._recent: dict[str, int] = {}
-        self._hashes = SortedRuns(np.int32)  # a false match costs one look at the spilled runs
+        self._hashes = SortedRuns(np.int32, values=False)  # a false match costs one look at the spilled runs
         self._spilled = SpilledIds()
 
     def spilled_maybe(self, hashes: np.ndarray) -> list[bool]:
