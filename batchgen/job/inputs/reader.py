@@ -198,7 +198,9 @@ class InputReader:
                             else [r[1] in skip for r in read])
                     for (record, row_id, _), (out_id, error), was_done in zip(
                             read, self._first_rows(seen, file_no, read, hashes), done, strict=True):
-                        if was_done if out_id == row_id else out_id in skip:
+                        if out_id != row_id:  # a repeated id: the error row has an id of its own
+                            was_done = out_id in skip
+                        if was_done:
                             continue
                         yield self._row(f, record, out_id, error)
                     if seen is not None:
