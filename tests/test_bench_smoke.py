@@ -105,3 +105,24 @@ def test_bucket_bench_quick_pass(tmp_path, tiny_model_dirs):
     assert [r["where"] for r in result["runs"]] == ["local", "bucket"]
     assert all(r["rows"] == 16 and r["output_tokens"] > 0 for r in result["runs"])
     assert result["bucket_over_local"] > 0 and "bucket / local:" in proc.stdout
+
+
+def test_job_bench_quick_pass(tmp_path, tiny_model_dirs):
+    """scripts/bench_jobs.py end to end: the three cases at 2,000 rows, every step timed, a ratio."""
+    import subprocess
+
+    script = BENCH.parent / "bench_jobs.py"
+    out = tmp_path / "jobs.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--model", str(tiny_model_dirs["llama"]),
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["case"]: r for r in report["results"]}
+    assert set(runs) == {"run", "generate", "instant"}
+    for case in ("run", "instant"):
+        r = runs[case]
+        assert r["rows"] == 2000 and r["rows_s"] > 0 and r["first_part_s"] > 0
+        assert set(r["steps"]) == {"rerun", "status", "merge", "retry_errors", "increment"}
+        assert all(s["seconds"] > 0 and 20 < s["peak_rss_mb"] < 4000 for s in r["steps"].values())
+    assert runs["generate"]["rows"] == 1998  # every 1000th row has no prompt
+    assert report["ratios"]["run/generate@2000"] > 0 and "run/generate@2000" in proc.stdout

@@ -16,10 +16,12 @@ from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ...storage import Location, StorageOptions
 from ..errors import JobError, JobInvalid, Problem
+from ..ids import DoneIds, batches, hashes_of
 from ..shard import Shard
 from ..spec import InputSpec, Job
 from . import openai_batch
@@ -30,6 +32,7 @@ from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
 from .rows import CHAT, COMPLETION, EMBEDDING, BadValue, InputFile, InputId, Record, Row, Source
+from .seen import FirstSeen
 from .values import (
     check_carried,
     check_inputs,
@@ -43,27 +46,6 @@ from .values import (
 
 _COUNT_BYTES_LIMIT = 1 << 30  # count the rows of files without a row count only below this many bytes
 _COUNTED = frozenset({"parquet", "dataset"})  # formats that know their row count without a scan
-
-
-class _FirstSeen:
-    """Where each id was first read. Ids are compared as read, in file then row order, so the
-    first row of an id is the same in every run, whatever was done before."""
-
-    def __init__(self, files: list[InputFile]):
-        self._files = files
-        self._first: dict[str, int] = {}
-
-    def check(self, row_id: str, file_no: int, index: int, column: str) -> tuple[str, str | None]:
-        """(row_id, None) for an id's first row; for a later one its own ``<file>:<row>`` id and
-        the error naming the first row."""
-        key = file_no << 40 | index
-        first = self._first.setdefault(row_id, key)
-        if first == key:
-            return row_id, None
-        f = self._files[file_no]
-        where = self._files[first >> 40].where(first & ((1 << 40) - 1))
-        return f"{f.name}:{index}", (f"field {column!r}: duplicate id {row_id!r}, first at {where}; "
-                                     "only that row is generated")
 
 
 class InputReader:
@@ -210,50 +192,87 @@ class InputReader:
         """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set.
 
         A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
-        id, so each id is generated once, from its first row, and a rerun skips both.
+        id, so each id is generated once, from its first row, and a rerun skips both. Records
+        are read and looked up in batches (``DoneIds`` answers a batch at once).
         """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
-        seen = _FirstSeen(self.files) if self.spec.id_key else None
+        seen = FirstSeen(self.files) if self.spec.id_key else None
         columns = self._columns()
-        for file_no, f in enumerate(self.files):
-            for record in self._source(f).records(columns):
-                row_id, id_error = self._row_id(f, record)
-                if shard is not None and not shard.owns(row_id):
-                    continue
-                if seen is not None and id_error is None and record.values is not None:
-                    row_id, id_error = seen.check(row_id, file_no, record.index, self.spec.id_key or "")
-                if row_id in skip:
-                    continue
-                derived, where = f.place(record)
-                if row_id == derived:
-                    where = f.place_of_derived(record)
-                row = Row(id=row_id, where=where)
-                row.error = record.error or id_error or self._fill(row, record.values or {})
-                if row.error:
-                    row.error = f"{where}: {row.error}"
-                    row.prompt, row.overrides, row.carry = None, {}, {}
-                yield row
+        try:
+            for file_no, f in enumerate(self.files):
+                for batch in batches(self._source(f).records(columns)):
+                    read = [(record, *self._row_id(f, record)) for record in batch]
+                    if shard is not None and shard.count > 1:
+                        read = [r for r in read if shard.owns(r[1])]
+                    hashes = hashes_of(r[1] for r in read)
+                    done = (skip.contains_many([r[1] for r in read], hashes) if isinstance(skip, DoneIds)
+                            else [r[1] in skip for r in read])
+                    for (record, row_id, _), (out_id, error), was_done in zip(
+                            read, self._first_rows(seen, file_no, read, hashes), done, strict=True):
+                        if out_id != row_id:  # a repeated id: the error row has an id of its own
+                            was_done = out_id in skip
+                        if was_done:
+                            continue
+                        yield self._row(f, record, out_id, error)
+                    if seen is not None:
+                        seen.end_batch()
+        finally:
+            if seen is not None:
+                seen.close()
+
+    def _first_rows(self, seen: FirstSeen | None, file_no: int, read: list[tuple[Record, str, str | None]],
+                    hashes: np.ndarray) -> Iterator[tuple[str, str | None]]:
+        """(id, id error) of each record of a batch, as read: a row repeating an earlier row's id
+        gets its own ``<file>:<row>`` id and the error naming the first row."""
+        spilled = seen.spilled_maybe(hashes) if seen is not None else [False] * len(read)
+        for (record, row_id, id_error), maybe in zip(read, spilled, strict=True):
+            if seen is None or id_error is not None or record.values is None:
+                yield row_id, id_error
+            else:
+                yield seen.check(row_id, file_no, record.index, self.spec.id_key or "", maybe)
+
+    def _row(self, f: InputFile, record: Record, row_id: str, id_error: str | None) -> Row:
+        derived, where = f.place(record)
+        if row_id == derived:
+            where = f.place_of_derived(record)
+        row = Row(id=row_id, where=where)
+        row.error = record.error or id_error or self._fill(row, record.values or {})
+        if row.error:
+            row.error = f"{where}: {row.error}"
+            row.prompt, row.overrides, row.carry = None, {}, {}
+        return row
 
     def ids(self) -> Iterator[InputId]:
         """Every row's ids (bad rows included), reading as little as possible; for ``status``."""
         id_key = self.spec.id_key
-        seen = _FirstSeen(self.files) if id_key else None
-        for file_no, f in enumerate(self.files):
-            for record in self._source(f).records([id_key] if id_key else [], parse=id_key is not None):
-                row_id, id_error = self._row_id(f, record)
-                if seen is None or id_error is not None or record.values is None:
-                    yield InputId(row_id)
-                    continue
-                out_id, dup_error = seen.check(row_id, file_no, record.index, id_key or "")
-                yield InputId(out_id, row_id, dup_error and f"{f.place_of_derived(record)}: {dup_error}")
+        seen = FirstSeen(self.files) if id_key else None
+        try:
+            for file_no, f in enumerate(self.files):
+                records = self._source(f).records([id_key] if id_key else [], parse=id_key is not None)
+                for batch in batches(records):
+                    read = [(record, *self._row_id(f, record)) for record in batch]
+                    hashes = hashes_of(r[1] for r in read)
+                    for (record, row_id, _), (out_id, error) in zip(
+                            read, self._first_rows(seen, file_no, read, hashes), strict=True):
+                        if out_id == row_id:
+                            yield InputId(row_id)
+                        else:
+                            yield InputId(out_id, row_id, error and f"{f.place_of_derived(record)}: {error}")
+                    if seen is not None:
+                        seen.end_batch()
+        finally:
+            if seen is not None:
+                seen.close()
 
     def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
-        fallback = f.place(record)[0]
         col = self.spec.id_key
         if col is None or record.values is None:
-            return fallback, None
+            return f.place(record)[0], None
         v = decode(record.values.get(col))
+        if type(v) is str and v and encodable(v):  # the common case first
+            return v, None
+        fallback = f.place(record)[0]
         if v is None:
             return fallback, f"field {col!r}: missing id"
         if isinstance(v, bool) or not isinstance(v, (str, int)):

@@ -7,6 +7,11 @@ whether it is an error: that is all recovery and ``status`` need. Parquet keeps 
 metadata (config hash, model, shard) in the file's schema; a JSONL part keeps it in a hidden
 sidecar ``.<part name>.meta`` written before the part, so a part that exists always has it.
 
+The metadata also indexes the part (``PartIndex``): its complete ids and its number of error
+rows, so a rerun and ``status`` read a few metadata bytes per part instead of its rows. The
+index names the part's size (records for Parquet, bytes for JSONL); a part whose size differs,
+or one written before the index existed, is read whole instead.
+
 - ``parquet``: one row per (id, sample), typed columns.
 - ``jsonl``: the same rows and columns, one JSON object per line.
 - ``openai_batch``: one line per input row in the OpenAI Batch output shape
@@ -20,6 +25,7 @@ import datetime
 import decimal
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -31,11 +37,46 @@ from ..errors import JobError
 from .files import remove_file, write_whole
 
 META_FORMAT = "batchgen.format"
+META_IDS = "batchgen.ids"  # JSON list of the part's complete ids, each once
+META_ERRORS = "batchgen.errors"  # its error rows
+META_ROWS = "batchgen.rows"  # its records (Parquet rows), to tell a part rewritten since
+META_BYTES = "batchgen.bytes"  # a JSONL part's size, likewise
+
+
+@dataclass
+class PartIndex:
+    """What recovery and ``status`` need of a part: its complete ids (each once) and error rows."""
+
+    ids: list[str]
+    errors: int
+
+
+def index_meta(ids: list[str], errors: int, records: int) -> dict[str, str]:
+    return {META_IDS: json.dumps(ids, ensure_ascii=False, separators=(",", ":")), META_ERRORS: str(errors),
+            META_ROWS: str(records)}
+
+
+def _index(meta: dict[str, str], size_key: str, size: int) -> PartIndex | None:
+    if META_IDS not in meta or meta.get(size_key) != str(size):
+        return None
+    return PartIndex(json.loads(meta[META_IDS]), int(meta[META_ERRORS]))
+
+
+def sample_key(record: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(id, num_samples, error) of a record or line holding one sample."""
+    return record.get("id"), record.get("num_samples"), record.get("error")
 
 
 class PartFormat(Protocol):
     name: str
     suffix: str
+
+    def key(self, record: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """(id, num_samples, error) of a record as ``write`` takes it."""
+
+    def read_index(self, path: Location, size: int) -> tuple[dict[str, str], PartIndex | None]:
+        """The part's metadata and the index written with it (None: none, or the part's ``size``,
+        its bytes as listed, says it was rewritten since)."""
 
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         """The records of a part, written whole or not at all; ``PartExists`` if the name is taken."""
@@ -52,6 +93,7 @@ class PartFormat(Protocol):
 class ParquetParts:
     name = "parquet"
     suffix = ".parquet"
+    key = staticmethod(sample_key)
 
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         schema = schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
@@ -74,6 +116,9 @@ class ParquetParts:
             return 0
         kept = table.filter(pc.is_null(table.column("error")))
         if kept.num_rows:
+            ids = pc.unique(kept.column("id")).to_pylist()
+            meta = {**_decoded(kept.schema.metadata), **index_meta(ids, 0, kept.num_rows)}
+            kept = kept.replace_schema_metadata(meta)
             write_whole(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
         else:
             remove_file(path)
@@ -81,10 +126,21 @@ class ParquetParts:
 
     def metadata(self, path: Location) -> dict[str, str]:
         try:
-            meta = pq.read_schema(path.arrow_source()).metadata or {}
+            return _decoded(pq.read_schema(path.arrow_source()).metadata)
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"cannot read part {path}: {e}") from None
-        return {k.decode(): v.decode() for k, v in meta.items()}
+
+    def read_index(self, path: Location, size: int) -> tuple[dict[str, str], PartIndex | None]:
+        try:
+            footer = pq.read_metadata(path.arrow_source())
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read part {path}: {e}") from None
+        meta = _decoded(footer.metadata)
+        return meta, _index(meta, META_ROWS, footer.num_rows)
+
+
+def _decoded(meta: dict[bytes, bytes] | None) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (meta or {}).items() if not k.startswith(b"ARROW:")}
 
 
 class JsonlParts:
@@ -92,19 +148,21 @@ class JsonlParts:
 
     name = "jsonl"
     suffix = ".jsonl"
+    key = staticmethod(sample_key)
 
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
-        lines = [self.line(r, schema.names) for r in records]
-        write_whole(meta_path(path), lambda tmp: tmp.write_text(json.dumps({**meta, META_FORMAT: self.name})))
-        create_part(path, lambda tmp: tmp.write_bytes(b"".join(lines)))
+        data = b"".join(self.line(r, schema.names) for r in records)
+        self._write_meta(path, {**meta, META_BYTES: str(len(data))})
+        create_part(path, lambda tmp: tmp.write_bytes(data))
+
+    def _write_meta(self, path: Location, meta: dict[str, str]) -> None:
+        text = json.dumps({**meta, META_FORMAT: self.name})
+        write_whole(meta_path(path), lambda tmp: tmp.write_text(text))
 
     @staticmethod
     def line(record: dict[str, Any], names: list[str]) -> bytes:
         obj = {k: record.get(k) for k in names}
         return json_line(obj)
-
-    def key(self, obj: dict[str, Any]) -> tuple[Any, Any, Any]:
-        return obj.get("id"), obj.get("num_samples"), obj.get("error")
 
     def keys(self, path: Location) -> pa.Table:
         """Also where each line is: its byte offset and length (``merge`` copies lines by them)."""
@@ -127,7 +185,10 @@ class JsonlParts:
         if len(kept) == total:
             return 0
         if kept:
-            write_whole(path, lambda tmp: tmp.write_bytes(b"".join(kept)))
+            data = b"".join(kept)
+            write_whole(path, lambda tmp: tmp.write_bytes(data))
+            ids = list(dict.fromkeys(str(self.key(obj)[0]) for _, _, obj in lines if self.key(obj)[2] is None))
+            self._write_meta(path, {**read_meta(path), **index_meta(ids, 0, len(kept)), META_BYTES: str(len(data))})
         else:
             remove_file(path)
             remove_file(meta_path(path))
@@ -135,6 +196,10 @@ class JsonlParts:
 
     def metadata(self, path: Location) -> dict[str, str]:
         return read_meta(path)
+
+    def read_index(self, path: Location, size: int) -> tuple[dict[str, str], PartIndex | None]:
+        meta = read_meta(path)
+        return meta, _index(meta, META_BYTES, size)
 
     @staticmethod
     def _objects(path: Location) -> Iterator[tuple[int, bytes, dict[str, Any]]]:

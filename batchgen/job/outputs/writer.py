@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,11 @@ import pyarrow.compute as pc
 from ...outputs import RequestOutput
 from ...storage import FileInfo, Location, location
 from ..errors import JobError
+from ..ids import DoneIds
 from ..inputs import Row
 from ..shard import Shard
 from ..structured import parsed_json
-from .formats import ParquetParts, PartFormat, format_of
+from .formats import ParquetParts, PartFormat, PartIndex, format_of, index_meta
 from .task_rows import TaskShape, task_rows, task_schema_columns
 
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
@@ -139,7 +141,7 @@ class SampleRows:
 
 @dataclass
 class Recovered:
-    done: set[str] = field(default_factory=set)  # ids to skip (for other shard counts, not only ours)
+    done: DoneIds = field(default_factory=DoneIds)  # ids to skip (for other shard counts, not only ours)
     done_here: int = 0  # of them, the ids this shard owns
     next_seq: int = 0
     parts: int = 0
@@ -163,6 +165,23 @@ def complete_ids(keys: pa.Table) -> pa.Array:
 def part_metadata(path: Location | Path) -> dict[str, str]:
     path = location(path)
     return format_of(path).metadata(path)
+
+
+def summarize(path: Location, size: int | None = None) -> tuple[dict[str, str], PartIndex]:
+    """A part's metadata and index (``size``: its bytes, if the caller listed them): the index
+    written with it, or, for a part written before indexes or rewritten since, read from its rows."""
+    meta, index = format_of(path).read_index(path, path.info().size if size is None else size)
+    return meta, index or index_from_rows(path)
+
+
+def index_from_rows(path: Location) -> PartIndex:
+    ids, errors = read_part(path)
+    return PartIndex(ids.column("id").to_pylist(), errors)
+
+
+def part_ids(path: Location) -> list[str]:
+    """A part's complete ids, read again (``DoneIds`` confirms a hash match with them)."""
+    return summarize(path)[1].ids
 
 
 def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: bool = False,
@@ -189,22 +208,24 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
         same_count = part.shard.count == shard.count
         if same_count and part.shard.index != shard.index:
             continue
-        old = part_metadata(part.path).get(META_HASH, "?")
+        meta, indexed = format_of(part.path).read_index(part.path, part.info.size)
+        old = meta.get(META_HASH, "?")
         if old != config_hash and not force:
             raise JobError(
                 f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
                 f"this job {config_hash}); use a new output.dir, or pass --force to keep its rows and "
                 "do the rest with the new configuration")
+        index = indexed or index_from_rows(part.path)
         if same_count:
             rec.next_seq = max(rec.next_seq, part.seq + 1)
-            if retry_errors:
+            if retry_errors and index.errors:
                 rec.retried += drop_error_rows(part.path)
                 if not part.path.exists():
                     continue
+                index = summarize(part.path)[1]
             rec.parts += 1
-        id_list = read_part(part.path)[0].column("id").to_pylist()
-        rec.done.update(id_list)
-        rec.done_here += len(id_list) if same_count else sum(map(shard.owns, id_list))
+        rec.done.add_part(index.ids, partial(part_ids, part.path))
+        rec.done_here += len(index.ids) if same_count else sum(map(shard.owns, index.ids))
     return rec
 
 
@@ -235,6 +256,8 @@ class PartWriter:
         self.format: PartFormat = part_format or ParquetParts()
         self._buffer: list[dict[str, Any]] = []
         self._requests = 0
+        self._ids: list[str] = []  # of the buffered requests with all their samples: the part's index
+        self._errors = 0
         self.parts_written = 0
 
     @property
@@ -244,7 +267,11 @@ class PartWriter:
     def add(self, rows: list[dict[str, Any]]) -> Location | None:
         """Add all rows (samples) of one finished request; flushes when the part is full."""
         self._buffer.extend(rows)
+        keys = [self.format.key(r) for r in rows]
         self._requests += 1
+        if len(keys) == (keys[0][1] or 1):  # complete: all its samples are here
+            self._ids.append(str(keys[0][0]))
+        self._errors += sum(k[2] is not None for k in keys)
         return self.flush() if self._requests >= self.rows_per_part else None
 
     def flush(self) -> Location | None:
@@ -258,13 +285,16 @@ class PartWriter:
     def _write_part(self) -> Location:
         if self.guard is not None:
             self.guard()
-        meta = {**self.metadata, "batchgen.created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = {**self.metadata, "batchgen.created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **index_meta(self._ids, self._errors, len(self._buffer))}
         final = self.out_dir / part_name(self.shard, self.seq, self.format.suffix)
         self.format.write(self._buffer, final, self.schema, meta)
         self.seq += 1
         self.parts_written += 1
         self._buffer.clear()
         self._requests = 0
+        self._ids.clear()
+        self._errors = 0
         return final
 
 

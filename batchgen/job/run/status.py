@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from ...storage import Location, location
 from ...storage.locks import lock_states
+from ..ids import DoneIds, batches
 from ..inputs import InputReader
 from ..outputs.saved import load_saved_job, read_saved
-from ..outputs.writer import list_parts, read_part
+from ..outputs.writer import list_parts, part_ids, summarize
 from ..shard import Shard, shard_of
 from .lock import LOCK_DIR, LOCK_RE
 
@@ -48,7 +50,7 @@ class Report:
     count: int
     shards: list[ShardStatus] = field(default_factory=list)
     other_parts: int = 0  # parts written under another shard count
-    written_twice: int = 0  # ids in more than one part (should never happen)
+    written_twice: int = 0  # ids complete again in another part (should never happen)
     duplicates: int = 0  # input rows repeating the id of an earlier row
     duplicate_examples: list[str] = field(default_factory=list)  # the first few, as error messages
     input_error: str | None = None
@@ -69,20 +71,19 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
              else max((pt.shard.count for pt in parts), default=1))
     report = Report(out_dir, str(saved.get("config_hash", "?")), count)
     per = {i: ShardStatus(Shard(i, count)) for i in range(count)}
-    seen: Counter[str] = Counter()
+    done = DoneIds()
     for part in parts:
-        ids, errors = read_part(part.path)
-        id_list = ids.column("id").to_pylist()
-        seen.update(id_list)
+        index = summarize(part.path, part.info.size)[1]
+        done.add_part(index.ids, partial(part_ids, part.path))
         if part.shard.count != count:
             report.other_parts += 1
             continue
         st = per[part.shard.index]
         st.parts += 1
-        st.rows += len(id_list)
-        st.errors += errors
+        st.rows += len(index.ids)
+        st.errors += index.errors
         st.started = True
-    report.written_twice = sum(1 for n in seen.values() if n > 1)
+    report.written_twice = done.twice
     for sh, held in lock_shards.items():
         if sh.count == count:
             per[sh.index].started = True
@@ -92,15 +93,16 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
             reader = InputReader.for_job(job)
             totals: Counter[int] = Counter()
             missing: Counter[int] = Counter()
-            for key in reader.ids():
-                s = shard_of(key.shard_id, count)
-                totals[s] += 1
-                if key.id not in seen:
-                    missing[s] += 1
-                if key.duplicate:
-                    report.duplicates += 1
-                    if len(report.duplicate_examples) < _SHOWN_DUPLICATES:
-                        report.duplicate_examples.append(key.duplicate)
+            for batch in batches(reader.ids()):
+                for key, is_done in zip(batch, done.contains_many([key.id for key in batch]), strict=True):
+                    s = shard_of(key.shard_id, count)
+                    totals[s] += 1
+                    if not is_done:
+                        missing[s] += 1
+                    if key.duplicate:
+                        report.duplicates += 1
+                        if len(report.duplicate_examples) < _SHOWN_DUPLICATES:
+                            report.duplicate_examples.append(key.duplicate)
             for i, st in per.items():
                 st.input_rows, st.missing = totals[i], missing[i]
         except Exception as e:  # the input may have moved; still show what is done
