@@ -1,0 +1,182 @@
+"""LoRA adapters (batchgen/lora): PEFT parity on tiny Llama and Qwen2, mixed batches of many adapters,
+adapter slots in the scheduler, the prefix cache keyed by adapter, and the one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from batchgen import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPT_LENS = [3, 17, 40, 90]
+
+
+def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool = False, **extra):
+    """A PEFT LoRA adapter with random A and B (init_lora_weights=False) on the base model, saved."""
+    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+                             use_rslora=rslora, **extra)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # PEFT's random B is small; larger makes the adapter change the greedy tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def prompts_of(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+CASES = [("llama", 8, ATTENTION, False), ("llama", 64, "all-linear", True), ("qwen2", 8, "all-linear", False),
+         ("qwen2", 64, ATTENTION, True), ("llama", 8, ["q_proj", "v_proj", "up_proj"], False)]
+
+
+@pytest.mark.parametrize(("arch", "rank", "targets", "rslora"), CASES,
+                         ids=["llama-r8-attn", "llama-r64-all-rslora", "qwen2-r8-all", "qwen2-r64-attn-rslora",
+                              "llama-r8-q-v-up"])
+def test_greedy_matches_peft_and_merged(tiny_model_dirs, tmp_path, arch, rank, targets, rslora):
+    base_dir = tiny_model_dirs[arch]
+    adapter = make_adapter(base_dir, tmp_path / "adapter", rank, targets, seed=rank, rslora=rslora)
+    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(base.config.vocab_size)
+    base_refs = hf_greedy(base, prompts)
+    peft_model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    refs = hf_greedy(peft_model, prompts)
+    assert refs != base_refs  # the adapter changes the output: the check below can fail
+    assert hf_greedy(peft_model.merge_and_unload(), prompts) == refs
+    llm = LLM(base_dir, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_lora_rank=64)
+    lora = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+    assert tokens(outputs) == refs
+    assert all(o.lora_request == lora for o in outputs)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == base_refs
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tiny_model_dirs, tmp_path_factory):
+    """Five adapters on the tiny Llama: ranks 4 to 64, attention-only and all-linear, one rsLoRA."""
+    root = tmp_path_factory.mktemp("adapters")
+    specs = [(8, ATTENTION, False), (16, "all-linear", False), (64, "all-linear", True),
+             (4, ["q_proj", "v_proj"], False), (32, ["gate_proj", "up_proj", "down_proj"], False)]
+    return [LoRARequest(f"a{i}", i + 1, str(make_adapter(tiny_model_dirs["llama"], root / f"a{i}", rank, targets,
+                                                         seed=i, rslora=rslora)))
+            for i, (rank, targets, rslora) in enumerate(specs)]
+
+
+def _sampled(i: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_batch_rows_match_each_row_alone(tiny_model_dirs, llama_adapters, dtype):
+    """Five adapters and the base model over 20 prompts, two device slots, a KV cache small enough to preempt:
+    every row's tokens and logprobs are bit-identical to the row run alone with its adapter."""
+    base_dir = tiny_model_dirs["llama"]
+    prompts = prompts_of(400, lens=[5, 20, 33, 47, 64] * 4, seed=3)
+    loras = [None if i % 6 == 5 else llama_adapters[i % 6] for i in range(len(prompts))]
+    params = [_sampled(i) for i in range(len(prompts))]
+    block_bytes = 2 * 2 * 2 * 16 * 64 * (4 if dtype == "float32" else 2)
+    mixed = LLM(base_dir, dtype=dtype, kv_cache_memory=12 * block_bytes, swap_space="4MiB", enable_lora=True,
+                max_loras=2, max_lora_rank=64, max_num_batched_tokens=128, max_num_seqs=16)
+    outputs = mixed.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    stats = mixed.stats()
+    assert stats["num_preemptions"] > 0 and stats["lora_loads"] > len(llama_adapters)
+    alone = LLM(base_dir, dtype=dtype, kv_cache_memory="8MiB", enable_lora=True, max_loras=1, max_lora_rank=64,
+                enable_prefix_caching=False)
+    for prompt, p, lora, out in zip(prompts, params, loras, outputs, strict=True):
+        ref = alone.generate([prompt], p, use_tqdm=False, lora_request=lora)[0].outputs[0]
+        got = out.outputs[0]
+        assert (got.token_ids, got.logprobs, got.cumulative_logprob) == (ref.token_ids, ref.logprobs,
+                                                                         ref.cumulative_logprob)
+    # Adapters matter: the same prompt and seed give other tokens under another adapter.
+    same = [alone.generate([prompts[0]], params[0], use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+            for lora in [None, *llama_adapters]]
+    assert len({tuple(t) for t in same}) == len(same)
+
+
+def test_prefix_cache_keys_blocks_by_adapter(tiny_model_dirs, llama_adapters):
+    prompt = prompts_of(400, lens=[70], seed=5)[0]
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB", enable_lora=True, max_loras=2,
+              max_lora_rank=64)
+    fresh = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB", enable_lora=True, max_loras=2,
+                max_lora_rank=64, enable_prefix_caching=False)
+    order = [llama_adapters[0], None, llama_adapters[1], llama_adapters[0]]
+    hits = []
+    for lora in order:
+        before = llm.stats()["prefix_cache_hits"]
+        got = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+        assert got == fresh.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+        hits.append(llm.stats()["prefix_cache_hits"] - before)
+    assert hits == [0, 0, 0, 64]  # only the same adapter again finds the prompt's 4 full blocks
+
+
+def test_block_manager_never_shares_blocks_across_adapters():
+    from batchgen.engine.block_manager import BlockManager
+    from batchgen.engine.sequence import Sequence
+
+    bm = BlockManager(16, 0, 4)
+    first = Sequence(0, list(range(13)), lora_id=1)
+    bm.allocate(first)
+    bm.mark_computed(first, 0, 13)
+    for seq_id, lora_id, expected in [(1, 2, 0), (2, 0, 0), (3, 1, 12)]:
+        seq = Sequence(seq_id, list(range(13)), lora_id=lora_id)
+        bm.allocate(seq)
+        assert seq.num_computed_tokens == expected, lora_id
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_rows_do_not_depend_on_their_segment(dtype):
+    """A row's low-rank term is the same alone, in a segment of 37 rows, or beside other adapters' rows."""
+    from batchgen.layers.linear import Linear
+    from batchgen.lora.checkpoint import Adapter, LoRAWeights
+    from batchgen.lora.layers import LoRABatch, LoRALinear, LoRATarget, Segment
+
+    gen = torch.Generator().manual_seed(0)
+    target = LoRATarget(0, 96, {"q_proj": (0, 64), "v_proj": (64, 32), "qkv_proj": (0, 96)})
+    base = Linear(96, 96, bias=False).to(dtype).requires_grad_(False)  # batchgen's: rows independent of M
+    batch = LoRABatch()
+    layer = LoRALinear(base, target, batch, num_slots=2)
+    adapters = []
+    for slot, rank in enumerate((8, 64)):
+        def pair(out: int, rank: int = rank) -> LoRAWeights:
+            return LoRAWeights((torch.randn(rank, 96, generator=gen) * 0.1).to(dtype),
+                               (torch.randn(out, rank, generator=gen) * 0.1).to(dtype))
+        adapters.append(Adapter(LoRARequest(f"a{slot}", slot + 1, "."),
+                                {(0, "q_proj"): pair(64), (0, "v_proj"): pair(32)}))
+        layer.load(slot, adapters[-1], torch.device("cpu"))
+    x = torch.randn(40, 96, generator=gen).to(dtype)
+    batch.segments = [Segment(0, 37, 0), Segment(37, 40, 1)]
+    together = layer(x)
+    for row in (0, 5, 36, 37, 39):
+        batch.segments = [Segment(0, 1, 0 if row < 37 else 1)]
+        assert torch.equal(layer(x[row:row + 1])[0], together[row]), row
+    # And it is the adapter's term: x A^T B^T on each part's rows of the output.
+    for rows, adapter in ((slice(0, 37), adapters[0]), (slice(37, 40), adapters[1])):
+        xf = x[rows].float()
+        delta = torch.cat([xf @ adapter.modules[(0, name)].a.float().T @ adapter.modules[(0, name)].b.float().T
+                           for name in ("q_proj", "v_proj")], dim=1)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(together[rows].float(), base(x[rows]).float() + delta, rtol=tol, atol=tol)
