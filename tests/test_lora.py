@@ -3,11 +3,14 @@ adapter slots in the scheduler, the prefix cache keyed by adapter, and the one-l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
 
 from batchgen import LLM, LoRARequest, SamplingParams
+from batchgen.config import ConfigError
 
 peft = pytest.importorskip("peft")
 
@@ -180,3 +183,153 @@ def test_lora_rows_do_not_depend_on_their_segment(dtype):
                            for name in ("q_proj", "v_proj")], dim=1)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(together[rows].float(), base(x[rows]).float() + delta, rtol=tol, atol=tol)
+
+
+def _check_adapter_slots(scheduler, out) -> None:
+    """Running requests' adapters are resident, in distinct slots, at most max_loras of them; every scheduled
+    row's slot is its adapter's."""
+    slots = scheduler.adapters
+    running = {g.lora_id for g in scheduler.running if g.lora_id}
+    assert len(running) <= slots.num_slots
+    resident = {lora_id: slots.slot_of(lora_id) for lora_id in running}
+    assert None not in resident.values() and len(set(resident.values())) == len(resident)
+    for s in out.scheduled:
+        if s.seq.lora_id:
+            assert out.lora_slots[s.seq.lora_id] == slots.slot_of(s.seq.lora_id)
+
+
+def test_scheduler_keeps_busy_adapters_and_does_not_thrash():
+    from fake_runner import FakeEngine
+
+    from batchgen.engine import SchedulerConfig
+
+    eng = FakeEngine(SchedulerConfig(block_size=4, num_device_blocks=200, max_num_seqs=16, max_num_batched_tokens=64,
+                                     watermark=0.0, max_loras=2))
+    groups = [eng.add(list(range(100 * i, 100 * i + 7)), max_tokens=5 + i % 3, lora_id=i % 4) for i in range(40)]
+    while eng.scheduler.has_unfinished():
+        out = eng.step()
+        _check_adapter_slots(eng.scheduler, out)
+    assert all(g.seqs[0].finish_reason == "length" for g in groups)
+    # 3 adapters over 2 slots, 10 requests each, interleaved: each adapter is loaded a few times, not per request.
+    assert 3 <= eng.scheduler.adapters.num_loads <= 6
+
+
+def test_scheduler_serves_a_waiting_adapter_while_others_keep_arriving():
+    """Adapters 1 and 2 hold both slots and keep getting new requests; the request for adapter 3 still runs
+    soon: adapter 1's slot is reserved for it, so 1 gets no new requests until it drains."""
+    from fake_runner import FakeEngine
+
+    from batchgen.engine import SchedulerConfig
+
+    eng = FakeEngine(SchedulerConfig(block_size=4, num_device_blocks=400, max_num_seqs=8, max_num_batched_tokens=64,
+                                     watermark=0.0, max_loras=2))
+    eng.add(list(range(7)), max_tokens=4, lora_id=1)
+    eng.add(list(range(7)), max_tokens=4, lora_id=2)
+    eng.step()
+    waiting = eng.add(list(range(50, 57)), max_tokens=4, lora_id=3)
+    for step in range(30):
+        eng.add(list(range(7)), max_tokens=4, lora_id=1 + step % 2)
+        out = eng.step()
+        _check_adapter_slots(eng.scheduler, out)
+        if waiting in eng.scheduler.running:
+            break
+    assert waiting in eng.scheduler.running and step <= 12, step
+
+
+def _refusal(llm, lora: LoRARequest) -> str:
+    with pytest.raises(ValueError) as info:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=lora)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def _edited(src, dst, config_changes: dict | None = None, tensors=None):
+    """A copy of adapter `src` with its config changed and/or its tensors replaced by tensors(old)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text()) | (config_changes or {})
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model_dirs):
+    return LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB", enable_lora=True, max_lora_rank=16)
+
+
+def test_refusals_are_one_line_naming_the_adapter(tiny_model_dirs, llama_adapters, lora_llm, tmp_path):
+    from pathlib import Path
+
+    base_dir, good = tiny_model_dirs["llama"], Path(llama_adapters[0].lora_path)
+
+    def case(name: str, path) -> str:
+        message = _refusal(lora_llm, LoRARequest(name, 50 + len(cases), str(path)))
+        assert message.startswith(f"lora_request: adapter {name!r}"), message
+        cases.append(name)
+        return message
+
+    cases: list[str] = []
+    dora = make_adapter(base_dir, tmp_path / "dora", 8, ATTENTION, seed=1, use_dora=True)
+    assert "DoRA" in case("dora", dora)
+    embed = make_adapter(base_dir, tmp_path / "embed", 8, ["embed_tokens", "q_proj"], seed=1)
+    assert "embeddings or the LM head" in case("embed", embed)
+    head = make_adapter(base_dir, tmp_path / "head", 8, ["lm_head"], seed=1)
+    assert "embeddings or the LM head" in case("head", head)
+    assert "modules_to_save" in case("saved", _edited(good, tmp_path / "saved", {"modules_to_save": ["lm_head"]}))
+    assert "is a IA3 adapter" in case("ia3", _edited(good, tmp_path / "ia3", {"peft_type": "IA3"}))
+
+    def narrower(weights):
+        return {k: (v[:, :64].contiguous() if "q_proj.lora_A" in k else v) for k, v in weights.items()}
+    assert "do not fit the base model's [256, 128] projection" in case("shape", _edited(good, tmp_path / "shape",
+                                                                                        tensors=narrower))
+
+    def unknown(weights):
+        a = next(v for k, v in weights.items() if "q_proj.lora_A" in k)
+        return weights | {"base_model.model.model.layers.0.mlp.fc1.lora_A.weight": a.clone()}
+    assert "targets 'fc1', which this model does not have" in case("unknown", _edited(good, tmp_path / "unknown",
+                                                                                      tensors=unknown))
+    assert "layer 7" in case("deep", _edited(good, tmp_path / "deep", tensors=lambda w: {
+        k.replace("layers.0.", "layers.7."): v for k, v in w.items()}))
+    rank64 = Path(llama_adapters[2].lora_path)
+    assert "rank 64, more than max_lora_rank 16" in case("big", rank64)
+    assert "no such directory" in case("missing", tmp_path / "nowhere")
+    # The engine goes on serving: a good adapter and the base model still run.
+    assert lora_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=llama_adapters[0])[0].error is None
+    same_id = LoRARequest("other", llama_adapters[0].lora_int_id, str(Path(llama_adapters[1].lora_path)))
+    assert "names adapter 'a0'" in _refusal(lora_llm, same_id)
+
+
+def test_adapter_from_a_bin_file_matches_safetensors(llama_adapters, lora_llm, tmp_path):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    src = Path(llama_adapters[0].lora_path)
+    dst = tmp_path / "bin"
+    dst.mkdir()
+    (dst / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    torch.save(load_file(str(src / "adapter_model.safetensors")), dst / "adapter_model.bin")
+    prompts = prompts_of(400, seed=9)
+    expected = tokens(lora_llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=llama_adapters[0]))
+    assert tokens(lora_llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("bin", 77, dst))) \
+        == expected
+
+
+def test_lora_request_needs_enable_lora(tiny_model_dirs, llama_adapters):
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB")
+    assert "pass enable_lora=True" in _refusal(llm, llama_adapters[0])
+    with pytest.raises(ValueError, match="lora_request: 2 given for 1 prompts"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=[None, None])
+    with pytest.raises(ValueError, match="lora_int_id: must be an integer >= 1"):
+        LoRARequest("x", 0, "/tmp")
+
+
+def test_transformers_backend_refuses_lora(tiny_model_dirs):
+    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters run on batchgen's native models only"):
+        LLM(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
+    problems = LLM.check_config(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
+    assert [p.option for p in problems] == ["enable_lora"]

@@ -2,10 +2,11 @@
 
 An adapter in use by a running request stays in its slot; a slot otherwise goes to a new adapter least
 recently used first. The scheduler admits a request only once its adapter has a slot (see
-Scheduler._admit): when every slot is busy, the oldest such request reserves the least recently used one,
+Scheduler._admit); requests behind it may pass meanwhile, so resident adapters keep batching. Once
+max_num_seqs newer requests have passed the oldest such request, it reserves the least recently used slot,
 whose adapter then gets no new requests until its running ones finish and the slot passes on. Requests
-never evict an adapter that running rows need, so slots do not thrash, and the waiting request is served
-next whatever else keeps arriving.
+never evict an adapter that running rows need, so slots do not thrash, and a waiting request is served
+soon whatever else keeps arriving.
 """
 
 from __future__ import annotations

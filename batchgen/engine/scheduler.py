@@ -104,6 +104,7 @@ class Scheduler:
         self._group_of: dict[int, SequenceGroup] = {}  # seq id -> its group
         self._rejected: list[SequenceGroup] = []  # reported by the next schedule()
         self._pending: SchedulerOutput | None = None
+        self._overtaken: dict[str, int] = {}  # request id -> newer requests admitted while its adapter had no slot
         self._num_swap_preemptions = 0
         self._num_recompute_preemptions = 0
 
@@ -218,6 +219,7 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         del self._groups[group.request_id]
+        self._overtaken.pop(group.request_id, None)
         for seq in group.seqs:
             self._group_of.pop(seq.seq_id, None)
 
@@ -337,10 +339,12 @@ class Scheduler:
                     self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
 
     def _admit(self, out: SchedulerOutput) -> None:
-        """Step 4. A request whose LoRA adapter gets no slot waits, and those behind it may pass; the
-        first such reserves the least recently used adapter's slot (`draining`: see adapter_slots.py)."""
+        """Step 4. A request whose LoRA adapter gets no slot waits, and those behind it may pass; once
+        max_num_seqs of them have, the oldest such reserves the least recently used adapter's slot
+        (`draining`: see adapter_slots.py)."""
         bm = self.block_manager
         draining: int | None = None
+        blocked: SequenceGroup | None = None
         i = 0
         while i < len(self.waiting) and self._tokens_left > 0:
             group = self.waiting[i]
@@ -356,10 +360,16 @@ class Scheduler:
             if group.max_num_running_seqs() > self._seqs_left:
                 return
             if group.lora_id and (group.lora_id == draining or not self._take_adapter(group, out)):
-                draining = self.adapters.eviction_candidate() if draining is None else draining
+                if blocked is None:
+                    blocked = group
+                    if self._overtaken.get(group.request_id, 0) >= self.config.max_num_seqs:
+                        draining = self.adapters.eviction_candidate()
                 i += 1
                 continue
             del self.waiting[i]
+            self._overtaken.pop(group.request_id, None)
+            if blocked is not None:
+                self._overtaken[blocked.request_id] = self._overtaken.get(blocked.request_id, 0) + 1
             for seq in seqs:
                 bm.allocate(seq)
             self._set_running(group, seqs)
