@@ -333,3 +333,40 @@ def test_transformers_backend_refuses_lora(tiny_model_dirs):
         LLM(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
     problems = LLM.check_config(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
     assert [p.option for p in problems] == ["enable_lora"]
+
+
+def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs, llama_adapters, tmp_path):
+    """chat, beam_search, embed and score_completions under an adapter give what batchgen gives on the model
+    with the adapter merged into its weights (PEFT's merge_and_unload)."""
+    import shutil
+    from pathlib import Path
+
+    from batchgen import BeamSearchParams
+
+    base_dir, lora = tiny_model_dirs["llama"], llama_adapters[1]
+    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged_dir = tmp_path / "merged"
+    peft.PeftModel.from_pretrained(base, lora.lora_path).merge_and_unload().save_pretrained(merged_dir)
+    for file in Path(base_dir).iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(file, merged_dir / file.name)
+    with_lora = LLM(base_dir, dtype="float32", kv_cache_memory="8MiB", enable_lora=True, max_lora_rank=16)
+    merged = LLM(merged_dir, dtype="float32", kv_cache_memory="8MiB")
+    chat = [{"role": "user", "content": "the quick brown fox"}]
+    assert tokens(with_lora.chat(chat, GREEDY, use_tqdm=False, lora_request=lora)) == \
+        tokens(merged.chat(chat, GREEDY, use_tqdm=False))
+    prompts = prompts_of(400, lens=[6, 30], seed=4)
+    beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    got = with_lora.beam_search(prompts, beams, use_tqdm=False, lora_request=[lora, lora])
+    want = merged.beam_search(prompts, beams, use_tqdm=False)
+    assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in want]
+    embedded = with_lora.embed(prompts, use_tqdm=False, lora_request=lora)
+    for a, b in zip(embedded, merged.embed(prompts, use_tqdm=False), strict=True):
+        torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
+                                   rtol=1e-4, atol=1e-5)
+    scored = with_lora.score_completions(prompts, [[7, 8, 9], [10, 11]], use_tqdm=False, lora_request=lora)
+    for a, b in zip(scored, merged.score_completions(prompts, [[7, 8, 9], [10, 11]], use_tqdm=False), strict=True):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-4)
+    base_scored = LLM(base_dir, dtype="float32", kv_cache_memory="8MiB").score_completions(
+        prompts, [[7, 8, 9], [10, 11]], use_tqdm=False)
+    assert all(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(scored, base_scored, strict=True))
