@@ -53,16 +53,17 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-CASES = [("llama", 8, ATTENTION, False), ("llama", 64, "all-linear", True), ("qwen2", 8, "all-linear", False),
-         ("qwen2", 64, ATTENTION, True), ("llama", 8, ["q_proj", "v_proj", "up_proj"], False)]
+CASES = [("llama", 8, ATTENTION, False, {}), ("llama", 64, "all-linear", True, {}),
+         ("qwen2", 8, "all-linear", False, {}), ("qwen2", 64, ATTENTION, True, {}),
+         ("llama", 8, ["q_proj", "v_proj", "up_proj"], False, {"rank_pattern": {"v_proj": 32}})]
 
 
-@pytest.mark.parametrize(("arch", "rank", "targets", "rslora"), CASES,
+@pytest.mark.parametrize(("arch", "rank", "targets", "rslora", "extra"), CASES,
                          ids=["llama-r8-attn", "llama-r64-all-rslora", "qwen2-r8-all", "qwen2-r64-attn-rslora",
-                              "llama-r8-q-v-up"])
-def test_greedy_matches_peft_and_merged(tiny_model_dirs, tmp_path, arch, rank, targets, rslora):
+                              "llama-r8-q-v-up-rank-pattern"])
+def test_greedy_matches_peft_and_merged(tiny_model_dirs, tmp_path, arch, rank, targets, rslora, extra):
     base_dir = tiny_model_dirs[arch]
-    adapter = make_adapter(base_dir, tmp_path / "adapter", rank, targets, seed=rank, rslora=rslora)
+    adapter = make_adapter(base_dir, tmp_path / "adapter", rank, targets, seed=rank, rslora=rslora, **extra)
     base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     prompts = prompts_of(base.config.vocab_size)
     base_refs = hf_greedy(base, prompts)
@@ -370,3 +371,28 @@ def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs
     base_scored = LLM(base_dir, dtype="float32", kv_cache_memory="8MiB").score_completions(
         prompts, [[7, 8, 9], [10, 11]], use_tqdm=False)
     assert all(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(scored, base_scored, strict=True))
+
+
+def test_guide_example_runs(tiny_model_dirs, tmp_path):
+    """docs/lora.md's example as written, on the tiny Llama with two adapters at the paths it names."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from jobkit import REPO
+
+    guide = (REPO / "docs" / "lora.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"<!-- readme-test: python lora -->\n```python\n(.*?)```", guide, re.S)
+    home = tmp_path / "home"
+    model = home / ".cache" / "batchgen" / "models" / "SmolLM2-135M-Instruct"
+    model.parent.mkdir(parents=True)
+    model.symlink_to(tiny_model_dirs["llama"], target_is_directory=True)
+    for name, rank in (("sql-lora", 8), ("chat-lora", 16)):
+        make_adapter(tiny_model_dirs["llama"], home / "adapters" / name, rank, "all-linear", seed=rank)
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:3]] == ["sql", "chat", "base"]
+    assert lines[1].split(" ", 1)[1] != lines[2].split(" ", 1)[1]  # the same prompt, another adapter

@@ -280,7 +280,8 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("structured", None), ("python", "beam"), ("beam", None), ("bucket", None), ("python", "s3-read"),
             # docs/scoring-embeddings.md, run by tests/test_scoring_docs.py
             ("python", "prompt-logprobs"), ("python", "score"), ("python", "embed"), ("python", "classify"),
-            ("python", "mixed")}
+            ("python", "mixed"),
+            ("python", "lora")}  # docs/lora.md, run by tests/test_lora.py
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():
