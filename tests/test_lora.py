@@ -396,3 +396,16 @@ def test_guide_example_runs(tiny_model_dirs, tmp_path):
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines[:3]] == ["sql", "chat", "base"]
     assert lines[1].split(" ", 1)[1] != lines[2].split(" ", 1)[1]  # the same prompt, another adapter
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_peft(smollm2_dir, tmp_path):
+    adapter = make_adapter(smollm2_dir, tmp_path / "adapter", 16, "all-linear", seed=0)
+    base = tf.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
+    refs = hf_greedy(peft.PeftModel.from_pretrained(base, adapter).eval(), prompts)
+    llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)) == refs
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) != refs  # the adapter changes the output
