@@ -357,6 +357,10 @@ def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs
     assert tokens(with_lora.chat(chat, GREEDY, use_tqdm=False, lora_request=lora)) == \
         tokens(merged.chat(chat, GREEDY, use_tqdm=False))
     prompts = prompts_of(400, lens=[6, 30], seed=4)
+    samples = SamplingParams(n=3, temperature=0, max_tokens=8)  # children forked after the prefill run it too
+    got = with_lora.generate(prompts, samples, use_tqdm=False, lora_request=lora)
+    assert [[c.token_ids for c in o.outputs] for o in got] == \
+        [[c.token_ids for c in o.outputs] for o in merged.generate(prompts, samples, use_tqdm=False)]
     beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     got = with_lora.beam_search(prompts, beams, use_tqdm=False, lora_request=[lora, lora])
     want = merged.beam_search(prompts, beams, use_tqdm=False)
