@@ -83,16 +83,14 @@ def main() -> None:
         adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(make_adapters(model, Path(tmp), 4, 16))]
         loras = [adapters[i % 4] for i in range(count)]
         lora = dict(options, enable_lora=True, max_lora_rank=16)
-        results = {
-            "base": run(model, prompts, params, options, None),
-            "lora-off": run(model, prompts, params, dict(lora, max_loras=4), None),
-            "lora-4": run(model, prompts, params, dict(lora, max_loras=4), loras),
-            "lora-4of2": run(model, prompts, params, dict(lora, max_loras=2), loras),
-        }
-    base = results["base"]["tok_s"]
-    print(f"{'run':<10} {'tok/s':>8} {'vs base':>8} {'loads':>6}")
-    for name, r in results.items():
-        print(f"{name:<10} {r['tok_s']:8.1f} {r['tok_s'] / base:7.2f}x {r['lora_loads']:6d}")
+        runs = {"base": (options, None), "lora-off": (dict(lora, max_loras=4), None),
+                "lora-4": (dict(lora, max_loras=4), loras), "lora-4of2": (dict(lora, max_loras=2), loras)}
+        results = {}
+        print(f"{'run':<10} {'tok/s':>8} {'vs base':>8} {'loads':>6}", flush=True)
+        for name, (engine_options, requests) in runs.items():
+            r = results[name] = run(model, prompts, params, engine_options, requests)
+            ratio = r["tok_s"] / results["base"]["tok_s"]
+            print(f"{name:<10} {r['tok_s']:8.1f} {ratio:7.2f}x {r['lora_loads']:6d}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"dtype": args.dtype, "count": count, "runs": results}, indent=1))
 
