@@ -106,9 +106,9 @@ class ModelRunner:
         LoRA slot (`lora_slots`: lora id -> slot; the base model's rows first). Returns the input ids,
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
         its first token (its last is that plus num_new_tokens - 1)."""
-        slots = lora_slots or {}
-        order = sorted(range(len(scheduled)),
-                       key=lambda i: (scheduled[i].num_new_tokens != 1, slots.get(scheduled[i].seq.lora_id, -1)))
+        adapter_slot = lora_slots or {}
+        order = sorted(range(len(scheduled)), key=lambda i: (scheduled[i].num_new_tokens != 1,
+                                                             adapter_slot.get(scheduled[i].seq.lora_id, -1)))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
