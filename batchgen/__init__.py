@@ -3,13 +3,14 @@
 `LLM` is imported on first use, so that `import batchgen` (the CLI, the job tools) stays light.
 """
 
+from batchgen.lora.request import LoRARequest
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

@@ -61,6 +61,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in, token ids out: no tokenizer is loaded
     model_impl: str = "auto"  # native | transformers | auto: native where batchgen has one
     served_model_name: str | None = None  # the model's name in outputs (default: `model` as given)
+    enable_lora: bool = False  # requests may name LoRA adapters (docs/lora.md)
+    max_loras: int = 1  # adapters resident at once (device slots); others wait in host memory
+    max_lora_rank: int = 16  # the largest adapter rank accepted
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -97,6 +100,8 @@ class EngineConfig:
             (self.preemption_mode in ("swap", "recompute"), "preemption_mode", "must be swap or recompute"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1"),
             (self.model_impl in MODEL_IMPLS, "model_impl", "must be auto, native or transformers"),
+            (self.max_loras >= 1, "max_loras", "must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

@@ -11,11 +11,14 @@ from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine, Prompt
 from batchgen.engine.pooling import PoolingConfig
 from batchgen.engine.preflight import plan_model
+from batchgen.lora.request import LoRARequest
 from batchgen.models.resolve import ModelNotFound, fetch_note, locate_model, model_source, resolve_model
 from batchgen.outputs import BeamSearchOutput, CompletionScore, PoolingRequestOutput, RequestOutput
 from batchgen.pooling_params import PoolingParams, ScoringParams
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.storage import StorageOptions
+
+AnyLoRA = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -30,7 +33,9 @@ class LLM:
     Engine options (vLLM's names): dtype, device, block_size, kv_cache_memory (CPU), gpu_memory_utilization
     (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
     preemption_mode, seed, num_threads, skip_tokenizer_init, model_impl ("auto", "native" or "transformers":
-    batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention).
+    batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention),
+    enable_lora, max_loras, max_lora_rank (LoRA adapters: every batch call takes `lora_request=`, one
+    `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,
@@ -88,10 +93,10 @@ class LLM:
 
     # --- incremental API (what the job runner streams through) ---
     def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
-                    completion: str | list[int] | None = None) -> None:
+                    completion: str | list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Generation (SamplingParams, BeamSearchParams), embedding or classification (PoolingParams) or
         the scoring of `completion` after `prompt` (ScoringParams); all of them share the engine's steps."""
-        self.engine.add_request(request_id, prompt, params, completion=completion)
+        self.engine.add_request(request_id, prompt, params, completion=completion, lora_request=lora_request)
 
     def step(self) -> list[AnyOutput]:
         return self.engine.step()
@@ -114,20 +119,22 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: AnyLoRA = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids); outputs come back in input order."""
-        return self._run(_prompt_list(prompts), sampling_params, use_tqdm)
+        return self._run(_prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
         conversations: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: AnyLoRA = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run(list(conversations), sampling_params, use_tqdm)
+        return self._run(list(conversations), sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
@@ -138,6 +145,7 @@ class LLM:
         pooling: str | None = None,
         normalize: bool | None = None,
         dimensions: int | None = None,
+        lora_request: AnyLoRA = None,
     ) -> list[PoolingRequestOutput]:
         """One embedding per prompt (text, token ids or a chat conversation), `outputs.embedding`: its final
         hidden states pooled ("last", "mean" or "cls"; by default as the model's sentence-transformers config
@@ -147,19 +155,21 @@ class LLM:
             pooling_params = PoolingParams("embed", pooling=pooling, normalize=normalize, dimensions=dimensions)
         elif (pooling, normalize, dimensions) != (None, None, None):
             raise ValueError("embed: give pooling, normalize and dimensions in pooling_params or as keywords, not both")
-        return self._run(_prompt_list(prompts), _task(pooling_params, "embed"), use_tqdm, "embedding")
+        return self._run(_prompt_list(prompts), _task(pooling_params, "embed"), use_tqdm, "embedding",
+                         lora_request=lora_request)
 
     def classify(
         self,
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: AnyLoRA = None,
     ) -> list[PoolingRequestOutput]:
         """A classifier's (or reward model's) output per prompt: `outputs.probs` (softmax of the logits; a
         sigmoid for one label), `outputs.logits` and `outputs.labels` (the config's names). The head reads the
         last token's final hidden state, as transformers' `...ForSequenceClassification` does."""
         return self._run(_prompt_list(prompts), _task(pooling_params or PoolingParams("classify"), "classify"),
-                         use_tqdm, "classifying")
+                         use_tqdm, "classifying", lora_request=lora_request)
 
     def score_completions(
         self,
@@ -167,6 +177,7 @@ class LLM:
         completions: str | list[int] | Sequence[str | list[int]],
         params: ScoringParams | None = None,
         use_tqdm: bool = True,
+        lora_request: AnyLoRA = None,
     ) -> list[CompletionScore]:
         """The log-likelihood of each completion after its prompt, under the model: `logprob` (the sum of its
         tokens' logprobs), `num_tokens`, `mean_logprob`, `perplexity`, and with `ScoringParams(token_logprobs=True)`
@@ -182,13 +193,14 @@ class LLM:
             prompts = prompts * len(completions)
         if len(prompts) != len(completions):
             raise ValueError(f"completions: {len(completions)} given for {len(prompts)} prompts")
-        return self._run(prompts, params or ScoringParams(), use_tqdm, "scoring", completions)
+        return self._run(prompts, params or ScoringParams(), use_tqdm, "scoring", completions, lora_request)
 
     def beam_search(
         self,
         prompts: Prompt | dict | Sequence[Prompt | dict],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: AnyLoRA = None,
     ) -> list[BeamSearchOutput]:
         """The `params.beam_width` best hypotheses of each prompt, best first. A prompt is a text,
         token ids, vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}`, or a chat conversation
@@ -200,20 +212,22 @@ class LLM:
         single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) or (
             prompts and isinstance(prompts[0], dict) and "role" in prompts[0])
         prompts = [prompts] if single else list(prompts)
-        outputs = self._run([_prompt_of(p) for p in prompts], params, use_tqdm)
+        outputs = self._run([_prompt_of(p) for p in prompts], params, use_tqdm, lora_request=lora_request)
         return [BeamSearchOutput.of(out) for out in outputs]
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, desc: str = "generating",
-             completions: list | None = None) -> list:
+             completions: list | None = None, lora_request: AnyLoRA = None) -> list:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams, PoolingParams, ScoringParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for i, (request_id, prompt, params) in enumerate(zip(ids, prompts, sampling_params, strict=True)):
-            self.add_request(request_id, prompt, params, completion=None if completions is None else completions[i])
+            self.add_request(request_id, prompt, params, completion=None if completions is None else completions[i],
+                             lora_request=loras[i])
         done: dict[str, AnyOutput] = {}
         bar = None
         if use_tqdm:
@@ -229,6 +243,16 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _per_prompt(lora_request: AnyLoRA, num_prompts: int) -> list[LoRARequest | None]:
+    """`lora_request` as one entry per prompt: one request (or None) for all, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request: {len(loras)} given for {num_prompts} prompts")
+    return loras
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

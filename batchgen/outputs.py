@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchgen.lora.request import LoRARequest
+
 
 @dataclass
 class CompletionOutput:
@@ -40,6 +42,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per token a dict of token id ->
     # logprob with the token itself and the top k (vLLM's shape, floats for its Logprob objects)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field); None: the base model
 
 
 @dataclass

@@ -154,11 +154,11 @@ class FakeEngine:
         self.num_steps = 0
 
     def add(self, prompt: list[int], n: int = 1, max_tokens: int = 16, request_id: str | None = None,
-            seed: int | None = None, beam_width: int = 0) -> SequenceGroup:
+            seed: int | None = None, beam_width: int = 0, lora_id: int = 0) -> SequenceGroup:
         k = next(self._ids)
         request_id = request_id or f"r{k}"
         params = SamplingParams(n=n, max_tokens=max_tokens)
-        group = SequenceGroup(request_id, k, params, [Sequence(k, prompt)], beam_width=beam_width)
+        group = SequenceGroup(request_id, k, params, [Sequence(k, prompt, lora_id=lora_id)], beam_width=beam_width)
         self.requests[request_id] = Request(group, k if seed is None else seed, max_tokens)
         self.scheduler.add(group)
         return group

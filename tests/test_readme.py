@@ -313,7 +313,8 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("python", "prompt-logprobs"), ("python", "score"), ("python", "embed"), ("python", "classify"),
             ("python", "mixed"), ("task-data", "answers.jsonl"), ("task-data", "texts.jsonl"),
             ("task-data", "embed_requests.jsonl"), ("task-job", "score"), ("task-job", "embed"),
-            ("task-job", "classify"), ("run-batch-embeddings", None), ("python", "ray-data")}
+            ("task-job", "classify"), ("run-batch-embeddings", None), ("python", "ray-data"),
+            ("python", "lora")}  # docs/lora.md, run by tests/test_lora.py
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():

@@ -1,14 +1,15 @@
 """BlockManager: which physical KV blocks each sequence holds, on the device and in the CPU pool.
 
-Blocks are reference-counted: forked samples share their parent's blocks, and with prefix
-caching, full blocks are shared across requests by content. A full block's key is a hash of its
-parent block's key and its own token ids; a lookup verifies the stored token ids and parent key,
-so a hash collision can never hand out wrong K/V. A cached block whose last holder lets go stays
-findable ("evictable") until its slot is needed: fresh allocations take never-cached free blocks
-first, then evict the least recently freed cached block. Sequences free their blocks last block
-first, so a prefix outlives its tails. Never-cached blocks are handed out last freed first, lowest
-id first among those never used: the host KV cache takes memory as its pages are first written,
-so reusing written blocks keeps RSS at the blocks a run has needed rather than the whole pool.
+Blocks are reference-counted: forked samples share their parent's blocks, and with prefix caching,
+full blocks are shared across requests by content. A full block's key is a hash of its parent
+block's key and its own token ids (a first block's parent: its LoRA adapter, see prefix_root); a
+lookup verifies the stored token ids and parent key, so a hash collision can never hand out wrong
+K/V. A cached block whose last holder lets go stays findable ("evictable") until its slot is needed:
+fresh allocations take never-cached free blocks first, then evict the least recently freed cached
+block. Sequences free their blocks last block first, so a prefix outlives its tails. Never-cached
+blocks are handed out last freed first, lowest id first among those never used: the host KV cache
+takes memory as its pages are first written, so reusing written blocks keeps RSS at the blocks a run
+has needed rather than the whole pool.
 
 The manager only decides; it returns (src, dst) block pairs for the model runner to copy or
 swap. All operations cost O(blocks touched), never O(pool).
@@ -60,6 +61,12 @@ class BlockStats:
 
 def block_key(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def prefix_root(seq: Sequence) -> int | None:
+    """The parent key of a sequence's first block: what its K/V depends on besides the tokens. Under a LoRA
+    adapter the same tokens give other K/V, so each adapter's blocks form a cache of their own."""
+    return block_key(None, ("lora", seq.lora_id)) if seq.lora_id else None
 
 
 class _Blocks(dict[int, Block]):
@@ -173,7 +180,7 @@ class BlockManager:
         bs, hashes, tokens = self.block_size, seq.block_hashes, seq.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_key(hashes[-1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(block_key(hashes[-1] if i else prefix_root(seq), tuple(tokens[i * bs:(i + 1) * bs])))
         return hashes
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -186,7 +193,7 @@ class BlockManager:
         if seq.keep_hidden_from is not None:
             max_blocks = min(max_blocks, seq.keep_hidden_from // bs)
         hits: list[int] = []
-        parent = None
+        parent = prefix_root(seq)
         for i, key in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):
             block_id = self._by_hash.get(key)
             if block_id is None:
@@ -204,7 +211,7 @@ class BlockManager:
         if block.hash is not None or hashes[index] in self._by_hash:
             return  # already registered, or the same content sits in another block
         bs, key = self.block_size, hashes[index]
-        block.hash, block.parent_hash = key, hashes[index - 1] if index else None
+        block.hash, block.parent_hash = key, hashes[index - 1] if index else prefix_root(seq)
         block.token_ids = tuple(seq.token_ids[index * bs:(index + 1) * bs])
         self._by_hash[key] = block_id
 

@@ -43,6 +43,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "swap"
     watermark: float = 0.01
+    max_loras: int = 0  # device slots for LoRA adapters; 0: no adapters
 
     def __post_init__(self) -> None:
         limits = batch_limits_problem(self.max_num_seqs, self.max_num_batched_tokens)
@@ -55,6 +56,7 @@ class SchedulerConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1 or None"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode", "must be 'swap' or 'recompute'"),
             (0 <= self.watermark < 1, "watermark", "must be in [0, 1)"),
+            (self.max_loras >= 0, "max_loras", "must be >= 0"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -32,6 +32,8 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
+from batchgen.lora.manager import LoRAManager
+from batchgen.lora.request import LoRARequest
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.outputs import (
     ClassificationOutput,
@@ -65,6 +67,7 @@ class _Request:
     # What it reads from its prompt's hidden states: logprobs of given tokens, or a pooled vector.
     reader: PromptLogprobs | Pooler | None = None
     pooling: tuple[bool, int | None] | None = None  # embed: (normalize, dimensions) as resolved
+    lora_request: LoRARequest | None = None
 
 
 # A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
@@ -87,7 +90,9 @@ class LLMEngine:
         logger.info("loading weights from %s (%s, %s)", plan.model_dir, str(self.dtype).removeprefix("torch."),
                     self.device)
         model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
-                           plan.model_impl)
+                           plan.model_impl, for_lora=config.enable_lora)
+        self.lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                     if config.enable_lora else None)
         if self.device.type == "cpu":
             release_freed_memory()
         self.vocab_size = model.vocab_size
@@ -100,7 +105,7 @@ class LLMEngine:
         logger.info("allocating the KV cache: %d blocks of %d tokens (%d MiB), swap space %d MiB",
                     num_device_blocks, config.block_size, num_device_blocks * shape.bytes_per_block >> 20,
                     num_cpu_blocks * shape.bytes_per_block >> 20)
-        self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device)
+        self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device, self.lora)
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=config.block_size,
             num_device_blocks=num_device_blocks,
@@ -110,6 +115,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             preemption_mode=config.preemption_mode,
+            max_loras=config.max_loras if config.enable_lora else 0,
         ))
         self.stopper = StopChecker(self.tokenizer, self._eos_ids(plan.model_dir, plan.hf_config), self.max_model_len)
         self._grammars: GrammarBackend | None = None  # built on the first constrained request
@@ -183,11 +189,13 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
-                    completion: str | list[int] | None = None) -> None:
+                    completion: str | list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request: generation (SamplingParams, BeamSearchParams), embedding or classification
-        (PoolingParams), or the scoring of `completion` after `prompt` (ScoringParams)."""
+        (PoolingParams), or the scoring of `completion` after `prompt` (ScoringParams); under the LoRA
+        adapter `lora_request` (loaded and checked here, the first time its id comes) or the base model."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_lora(lora_request)
         if (completion is not None) != isinstance(params, ScoringParams):
             raise ValueError("completion: a scoring request (ScoringParams) takes a completion, and only it")
         if isinstance(params, PoolingParams):
@@ -198,11 +206,23 @@ class LLMEngine:
             req = self._generation_request(request_id, prompt, params)
         if req.reader is not None:
             req.group.seqs[0].keep_hidden_from = req.reader.hidden_from
+        req.group.seqs[0].lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        req.lora_request = lora_request
         self._requests[request_id] = req
         if self._isolating:
             self._held.append(request_id)
         else:
             self.scheduler.add(req.group)
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError("lora_request: this engine was built without LoRA support; pass enable_lora=True "
+                             "(and max_loras, max_lora_rank as needed) to LLM(...)")
+        self.lora.register(lora_request)
 
     def _generation_request(self, request_id: str, prompt: Prompt,
                             params: SamplingParams | BeamSearchParams) -> _Request:
@@ -423,7 +443,7 @@ class LLMEngine:
     def _restart(self, request_id: str) -> None:
         """Puts a request into the scheduler from its prompt again, as a new arrival."""
         req = self._requests[request_id]
-        seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids, lora_id=req.group.lora_id)
         req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width,
                                   prefill_only=req.group.prefill_only)
         req.stop_reasons.clear()
@@ -523,7 +543,7 @@ class LLMEngine:
         completions = self._sample_completions(req) if req.beams is None else self._beam_completions(req)
         prompt_logprobs = req.reader.vllm_list() if req.reader is not None and group.error is None else None
         return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics,
-                             prompt_logprobs)
+                             prompt_logprobs, req.lora_request)
 
     def _pooling_output(self, req: _Request) -> PoolingRequestOutput:
         group, params = req.group, req.params
@@ -605,4 +625,5 @@ class LLMEngine:
             "slot_utilization": s.slot_utilization,
             "peak_device_blocks": s.peak_used_device_blocks,
             "grammar_compiles": self._grammars.num_compiles if self._grammars is not None else 0,
+            "lora_loads": self.scheduler.adapters.num_loads if self.scheduler.adapters is not None else 0,
         }

@@ -12,6 +12,8 @@ import torch
 
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata
+from batchgen.lora.layers import Segment
+from batchgen.lora.manager import LoRAManager
 
 
 @dataclass
@@ -45,8 +47,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: CacheShape, num_device_blocks: int, num_cpu_blocks: int,
-                 device: torch.device):
-        self.model, self.shape, self.device = model, shape, device
+                 device: torch.device, lora: LoRAManager | None = None):
+        self.model, self.shape, self.device, self.lora = model, shape, device, lora
         self.block_size = shape.block_size
         pin = device.type == "cuda"
         # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
@@ -98,11 +100,15 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
 
-    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat batch: decodes (one new token) first, then prefill chunks. Returns the input ids,
+    def prepare(self, scheduled, lora_slots: dict[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat batch: decodes (one new token) first, then prefill chunks, each part's rows grouped by
+        LoRA slot (`lora_slots`: lora id -> slot; the base model's rows first). Returns the input ids,
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
         its first token (its last is that plus num_new_tokens - 1)."""
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
+        adapter_slot = lora_slots or {}
+        order = sorted(range(len(scheduled)), key=lambda i: (scheduled[i].num_new_tokens != 1,
+                                                             adapter_slot.get(scheduled[i].seq.lora_id, -1)))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -146,10 +152,27 @@ class ModelRunner:
         """Runs one scheduler step: logits (float32 from batchgen's bf16 GEMM, else in the model's dtype) of
         the last fed token of every scheduled entry that samples, and the step's hidden states."""
         self._move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        for slot, lora_id in out.adapters_to_load:
+            self.lora.load(slot, lora_id)
         if not out.scheduled:
             return StepOutput(None, None, [])
-        ids, pos, meta, first_row = self.prepare(out.scheduled)
+        ids, pos, meta, first_row = self.prepare(out.scheduled, out.lora_slots)
+        if self.lora is not None:
+            self.lora.batch.segments = lora_segments(out.scheduled, first_row, out.lora_slots)
         hidden = self.model(ids, pos, meta)
         rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         return StepOutput(logits, hidden, first_row)
+
+
+def lora_segments(scheduled, first_row: list[int], lora_slots: dict[int, int]) -> list[Segment]:
+    """The flat batch's runs of rows under one adapter, in row order (see ModelRunner.prepare)."""
+    segments: list[Segment] = []
+    for i in sorted((i for i, s in enumerate(scheduled) if s.seq.lora_id), key=first_row.__getitem__):
+        s = scheduled[i]
+        start, end, slot = first_row[i], first_row[i] + s.num_new_tokens, lora_slots[s.seq.lora_id]
+        if segments and segments[-1].end == start and segments[-1].slot == slot:
+            segments[-1].end = end
+        else:
+            segments.append(Segment(start, end, slot))
+    return segments

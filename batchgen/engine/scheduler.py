@@ -28,6 +28,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchgen.engine.adapter_slots import AdapterSlots
 from batchgen.engine.block_manager import BlockManager, BlockStats
 from batchgen.engine.config import SchedulerConfig, samples_problem
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -62,6 +63,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
     ignored: list[SequenceGroup] = field(default_factory=list)  # given up on: group.error says why
     preempted: list[SequenceGroup] = field(default_factory=list)
+    adapters_to_load: list[tuple[int, int]] = field(default_factory=list)  # (slot, lora id) before the step
+    lora_slots: dict[int, int] = field(default_factory=dict)  # lora id -> device slot, of the scheduled rows
 
     @property
     def num_batched_tokens(self) -> int:
@@ -93,6 +96,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_device_blocks, config.num_cpu_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.adapters = AdapterSlots(config.max_loras) if config.max_loras else None
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -100,6 +104,7 @@ class Scheduler:
         self._group_of: dict[int, SequenceGroup] = {}  # seq id -> its group
         self._rejected: list[SequenceGroup] = []  # reported by the next schedule()
         self._pending: SchedulerOutput | None = None
+        self._overtaken: dict[str, int] = {}  # request id -> newer requests admitted while its adapter had no slot
         self._num_swap_preemptions = 0
         self._num_recompute_preemptions = 0
 
@@ -214,6 +219,7 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         del self._groups[group.request_id]
+        self._overtaken.pop(group.request_id, None)
         for seq in group.seqs:
             self._group_of.pop(seq.seq_id, None)
 
@@ -258,6 +264,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         out.blocks_to_copy += self.block_manager.prepare_write(seq, start, start + num_tokens)
         out.scheduled.append(ScheduledSeq(seq, group, num_tokens, start))
+        if seq.lora_id:
+            out.lora_slots[seq.lora_id] = self.adapters.slot_of(seq.lora_id)
         self._tokens_left -= num_tokens
 
     def _decode_writes(self, group: SequenceGroup) -> list[tuple[Sequence, int, int]]:
@@ -313,6 +321,8 @@ class Scheduler:
                 continue
             if group.max_num_running_seqs() > self._seqs_left or len(writes) > self._tokens_left:
                 return
+            if not self._take_adapter(group, out):
+                return
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(seqs)
             self._set_running(group, seqs)
@@ -329,22 +339,37 @@ class Scheduler:
                     self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
 
     def _admit(self, out: SchedulerOutput) -> None:
-        """Step 4."""
+        """Step 4. A request whose LoRA adapter gets no slot waits, and those behind it may pass; once
+        max_num_seqs of them have, the oldest such reserves the least recently used adapter's slot
+        (`draining`: see adapter_slots.py)."""
         bm = self.block_manager
-        while self.waiting and self._tokens_left > 0:
-            group = self.waiting[0]
+        draining: int | None = None
+        blocked: SequenceGroup | None = None
+        i = 0
+        while i < len(self.waiting) and self._tokens_left > 0:
+            group = self.waiting[i]
             seqs = group.unfinished_seqs()
             need = bm.num_blocks_to_allocate(seqs)
             if not self._fits(need):
                 if self.running:
                     return
-                self.waiting.popleft()
+                del self.waiting[i]
                 verb = "resume" if group.num_preemptions else "start"
                 self._give_up(group, self._too_big(group, need, verb), out.ignored)
                 continue
             if group.max_num_running_seqs() > self._seqs_left:
                 return
-            self.waiting.popleft()
+            if group.lora_id and (group.lora_id == draining or not self._take_adapter(group, out)):
+                if blocked is None:
+                    blocked = group
+                    if self._overtaken.get(group.request_id, 0) >= self.config.max_num_seqs:
+                        draining = self.adapters.eviction_candidate()
+                i += 1
+                continue
+            del self.waiting[i]
+            self._overtaken.pop(group.request_id, None)
+            if blocked is not None:
+                self._overtaken[blocked.request_id] = self._overtaken.get(blocked.request_id, 0) + 1
             for seq in seqs:
                 bm.allocate(seq)
             self._set_running(group, seqs)
@@ -352,6 +377,19 @@ class Scheduler:
                 if self._tokens_left == 0:
                     break
                 self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
+
+    def _take_adapter(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Whether the group's adapter (if any) has a device slot now, given one if it can have it without
+        evicting an adapter of a running request; a new one is loaded before the step (adapters_to_load)."""
+        if not group.lora_id:
+            return True
+        got = self.adapters.acquire(group.lora_id, {g.lora_id for g in self.running})
+        if got is None:
+            return False
+        slot, load = got
+        if load:
+            out.adapters_to_load.append((slot, group.lora_id))
+        return True
 
     def _fits(self, need: int) -> bool:
         """Admissions and swap-ins leave the watermark free, unless nothing else runs."""

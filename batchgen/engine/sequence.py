@@ -44,6 +44,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     keep_hidden_from: int | None = None
+    lora_id: int = 0  # the LoRA adapter it runs with (LoRARequest.lora_int_id); 0: the base model
     # Content hashes of the leading full blocks (prefix caching); kept by the block manager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
 
@@ -88,6 +89,7 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs),
             extra=dict(self.extra),
+            lora_id=self.lora_id,
             block_hashes=list(self.block_hashes),
         )
 
@@ -115,6 +117,10 @@ class SequenceGroup:
     def width(self) -> int:
         """The most sequences the group runs at once: its beams or its samples."""
         return self.beam_width or (1 if self.prefill_only else self.sampling_params.n)
+
+    @property
+    def lora_id(self) -> int:
+        return self.seqs[0].lora_id
 
     @property
     def prompt_token_ids(self) -> list[int]:

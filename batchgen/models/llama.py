@@ -8,7 +8,7 @@ gate/up projections are fused at load time so each layer runs two GEMMs where th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from batchgen.layers.linear import (
     pack_linears,
 )
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
+from batchgen.lora.layers import LoRATarget
 
 
 @dataclass
@@ -202,20 +203,23 @@ class LlamaForCausalLM(nn.Module):
         """A classifier's logits [n, num_labels] in float32 (transformers' head has no bias and no activation)."""
         return linear(hidden.float(), self.score.weight.float())
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, for_lora: bool = False) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
         to the embedding gets a packed copy of its own: the embedding lookup needs the plain one. The
         head's logits come out in float32 where the GEMM can give them so. The GEMM panels then move
-        side by side onto huge pages (`gather_panels`)."""
-        for layer in self.layers:
-            layer.mlp.pack()
+        side by side onto huge pages (`gather_panels`). `for_lora`: LoRA adds to gate and up before the
+        activation, so they stay one plain projection and the layers run in Python (no decoder stack)."""
+        if not for_lora:
+            for layer in self.layers:
+                layer.mlp.pack()
         pack_linears(self.layers)
         if self.lm_head is not None and can_pack(self.lm_head.weight):
             self.lm_head = PackedLinear(self.lm_head.weight, float_out=True)
         if self.lm_head is None and self.has_lm_head and can_pack(self.embed_tokens.weight):
             self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
         gather_panels(self)
-        self._build_decoder_stack()
+        if not for_lora:
+            self._build_decoder_stack()
 
     def _build_decoder_stack(self) -> None:
         """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
@@ -240,16 +244,34 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
             **({"sliding_window": window} if (window := windows.pop()) else {}))
 
+    def _fused_pieces(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint projection -> (the fused projection holding it, first output row, rows)."""
+        cfg = self.cfg
+        q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        return {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+                "gate_proj": ("gate_up_proj", 0, ffn), "up_proj": ("gate_up_proj", ffn, ffn)}
+
+    def lora_targets(self) -> Iterator[tuple[nn.Module, str, LoRATarget]]:
+        """Every projection a LoRA adapter may add to, as (owner, attribute, target); a fused one answers to
+        its parts' checkpoint names and its own. Needs `pack_weights(for_lora=True)` (gate/up unfused)."""
+        cfg, pieces = self.cfg, self._fused_pieces()
+        q, ffn = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if mlp.packed_gate_up is not None:
+                raise RuntimeError("LoRA needs the model packed with pack_weights(for_lora=True)")
+            for owner, fused, width in ((attn, "qkv_proj", cfg.hidden_size), (mlp, "gate_up_proj", cfg.hidden_size)):
+                parts = {name: (first, rows) for name, (target, first, rows) in pieces.items() if target == fused}
+                whole = max(first + rows for first, rows in parts.values())
+                yield owner, fused, LoRATarget(i, width, parts | {fused: (0, whole)})
+            yield attn, "o_proj", LoRATarget(i, q, {"o_proj": (0, cfg.hidden_size)})
+            yield mlp, "down_proj", LoRATarget(i, ffn, {"down_proj": (0, cfg.hidden_size)})
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes Hugging Face checkpoint names; fuses q/k/v and gate/up on the way in."""
         params = dict(self.named_parameters())
-        cfg = self.cfg
-        q, kv, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        pieces = {  # checkpoint projection -> (fused parameter, first row, rows)
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, ffn), "up_proj": ("gate_up_proj", ffn, ffn),
-        }
+        pieces = self._fused_pieces()
         expected = {n for n in params if n.split(".")[-2] not in ("qkv_proj", "gate_up_proj")}
         for n in params:
             module = n.split(".")[-2]
