@@ -166,3 +166,46 @@ def test_greedy_and_logprobs_match_torch(vocab, dtype):
         for token, lp in top.items():
             assert math.isclose(lp, expected[r, token].item(), rel_tol=1e-6, abs_tol=1e-5), (r, token)
     assert result.top_logprobs[2] is None
+
+
+def random_bitmask(rows: int, words: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=gen, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [4099, *VOCABS])  # 4,099: a last word cut short; the others a word to spare
+def test_mask_logits_matches_the_reference(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab + 5)
+    logits = (3 * torch.randn(6, vocab, generator=gen)).to(dtype)
+    logits[2, 7] = float("nan")
+    allowed = random_bitmask(6, vocab // 32 + 1, gen)
+    allowed[3] = 0  # nothing allowed
+    allowed[4] = -1  # everything
+    expected = reference.mask_logits(logits, allowed)
+    got = ops.mask_logits(logits, allowed)
+    assert got.dtype == torch.float32 and torch.equal(bits(got), bits(expected))
+    assert bool(torch.isinf(got[3]).all()) and torch.equal(got[4], logits[4].float())
+    assert torch.isneginf(got).float().mean().item() == pytest.approx(3 / 6, abs=0.01)  # half of 4 random rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_grammar_rows_pick_among_their_allowed_tokens(dtype):
+    """Constrained rows, alone in a chunk or among free ones, greedy and random: the token is the allowed argmax,
+    or an allowed token."""
+    vocab = 128256
+    gen = torch.Generator().manual_seed(21)
+    logits = (3 * torch.randn(6, vocab, generator=gen)).to(dtype)
+    allowed = random_bitmask(6, vocab // 32, gen)
+    unpacked = reference.mask_logits(torch.zeros(6, vocab), allowed) == 0
+    logits[:, logits[0].float().argmax()] = 30  # the free argmax, refused where the grammar says so
+    greedy, drawn = SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9)
+    for constrained in ([0, 1, 2, 3, 4, 5], [1, 4]):
+        rows = [row(greedy if r % 2 else drawn, seed=r) for r in range(6)]
+        for r in constrained:
+            rows[r].allowed = allowed[r]
+        tokens = sample(logits, rows).token_ids
+        for r in constrained:
+            assert unpacked[r, tokens[r]], (constrained, r)
+            if r % 2:
+                expected = logits[r].float().masked_fill(~unpacked[r], float("-inf")).argmax()
+                assert tokens[r] == expected, (constrained, r)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchgen import ops
@@ -56,21 +55,16 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _grammar_masked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The logits with -inf where a row's grammar refuses a token: a new tensor when a row is
-    constrained (made by the mask itself, not by a copy first), else `logits` itself. numpy's
-    unpackbits (the int32 words read as little-endian bytes) is the fast unpack."""
+def _editable_copy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A float32 copy of the rows' logits with -inf where a row's grammar refuses a token, made in one pass
+    (`ops.mask_logits`) for the constrained rows."""
     masked = [r for r, row in enumerate(rows) if row.allowed is not None]
-    if not masked:
-        return logits
-    packed = torch.stack([rows[r].allowed for r in masked]).cpu().numpy()
-    allowed = np.unpackbits(packed.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
-    refused = torch.from_numpy(allowed).to(logits.device) == 0
     if len(masked) == len(rows):
-        return logits.masked_fill(refused, float("-inf"))
-    out = logits.clone()
-    index = torch.tensor(masked, device=logits.device)
-    out[index] = out[index].masked_fill(refused, float("-inf"))
+        return ops.mask_logits(logits, torch.stack([row.allowed for row in rows]).cpu())
+    out = logits.to(torch.float32, copy=True)
+    if masked:
+        allowed = torch.stack([rows[r].allowed for r in masked]).cpu()
+        out[masked] = ops.mask_logits(logits[masked], allowed).to(out.device)
     return out
 
 
@@ -148,11 +142,8 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
         if any(row.edits_logits for row in edited_samples):
-            # A copy, unless float32 logits are taken whole and no row is constrained; the
-            # grammar's mask comes before bans and penalties.
-            edited = _grammar_masked(edited.float(), edited_samples)
-            if edited is logits:
-                edited = edited.clone()  # the caller's logits stay as they are
+            # The grammar's mask comes before bans and penalties; the caller's logits stay as they are.
+            edited = _editable_copy(edited, edited_samples)
             _apply_bans_and_penalties(edited, edited_samples)
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
         greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/dtype.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "ops.h"
@@ -138,6 +139,9 @@ int64_t draw_row(CollectRowFn collect_row, const float* w, int64_t n, float tota
 // level-1 cache between summarise_block's passes.
 constexpr int64_t kSummaryBlock = 8192;
 
+// mask_logits splits rows into blocks of this many words of 32 tokens, spread over the threads.
+constexpr int64_t kMaskBlockWords = 256;
+
 // A row's first argmax and logsumexp from the summaries of its blocks, in order.
 std::pair<int64_t, float> combine_blocks(const BlockSummary* blocks, int64_t count) {
   for (int64_t b = 0; b < count; ++b) {
@@ -199,6 +203,49 @@ void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch:
     index[r] = argmax_r;
     total[r] = log_total_r;
   }
+}
+
+namespace {
+
+// out[0, 32 * words) from x and one row's allowed bits, 32 tokens a word; the last word may be cut at n.
+template <typename T>
+void mask_row(const T* x, const uint32_t* allowed, int64_t first_word, int64_t end_word, int64_t n, float* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t w = first_word; w < end_word; ++w) {
+    const uint32_t bits = allowed[w];
+    const int64_t base = 32 * w;
+    if (base + 32 <= n) {
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) out[base + j] = (bits >> j) & 1u ? to_float(x[base + j]) : kNegInf;
+    } else {
+      for (int64_t i = base; i < n; ++i) out[i] = (bits >> (i - base)) & 1u ? to_float(x[i]) : kNegInf;
+    }
+  }
+}
+
+}  // namespace
+
+void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out) {
+  const int64_t rows = logits.size(0), n = logits.size(1), words = (n + 31) / 32;
+  const int64_t blocks = (words + kMaskBlockWords - 1) / kMaskBlockWords;
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  const char* x = static_cast<const char*>(logits.data_ptr());
+  const int64_t x_stride = logits.stride(0) * logits.element_size();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(allowed.data_ptr<int32_t>());
+  const int64_t bits_stride = allowed.stride(0);
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / blocks, first = unit % blocks * kMaskBlockWords;
+      const int64_t last = std::min(first + kMaskBlockWords, words);
+      const uint32_t* row_bits = bits + r * bits_stride;
+      if (bf16) {
+        mask_row(reinterpret_cast<const BF16*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+      } else {
+        mask_row(reinterpret_cast<const float*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+      }
+    }
+  });
 }
 
 }  // namespace batchgen::cpu
