@@ -17,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/dtype.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
 #include "ops.h"
@@ -207,18 +206,27 @@ void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch:
 
 namespace {
 
-// out[0, 32 * words) from x and one row's allowed bits, 32 tokens a word; the last word may be cut at n.
-template <typename T>
-void mask_row(const T* x, const uint32_t* allowed, int64_t first_word, int64_t end_word, int64_t n, float* out) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The bits of x as a float32: a float's own, a bf16's shifted into the high half.
+inline uint32_t float32_bits(uint32_t x) { return x; }
+inline uint32_t float32_bits(uint16_t x) { return uint32_t{x} << 16; }
+
+// out[32 * first_word, min(32 * end_word, n)) from x and one row's allowed bits, 32 tokens a word, as integer
+// bit patterns (x is uint32_t for float32 logits, uint16_t for bf16), which the compiler vectorises.
+template <typename Bits>
+void mask_row(const Bits* x, const uint32_t* allowed, int64_t first_word, int64_t end_word, int64_t n,
+              uint32_t* out) {
+  constexpr uint32_t kNegInfBits = 0xff800000u;
   for (int64_t w = first_word; w < end_word; ++w) {
     const uint32_t bits = allowed[w];
     const int64_t base = 32 * w;
     if (base + 32 <= n) {
 #pragma omp simd
-      for (int j = 0; j < 32; ++j) out[base + j] = (bits >> j) & 1u ? to_float(x[base + j]) : kNegInf;
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t keep = 0u - ((bits >> j) & 1u);  // all ones or all zeros: a select without a branch
+        out[base + j] = (float32_bits(x[base + j]) & keep) | (kNegInfBits & ~keep);
+      }
     } else {
-      for (int64_t i = base; i < n; ++i) out[i] = (bits >> (i - base)) & 1u ? to_float(x[i]) : kNegInf;
+      for (int64_t i = base; i < n; ++i) out[i] = (bits >> (i - base)) & 1u ? float32_bits(x[i]) : kNegInfBits;
     }
   }
 }
@@ -233,16 +241,16 @@ void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torc
   const int64_t x_stride = logits.stride(0) * logits.element_size();
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(allowed.data_ptr<int32_t>());
   const int64_t bits_stride = allowed.stride(0);
-  float* dst = out.data_ptr<float>();
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
   at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / blocks, first = unit % blocks * kMaskBlockWords;
       const int64_t last = std::min(first + kMaskBlockWords, words);
       const uint32_t* row_bits = bits + r * bits_stride;
       if (bf16) {
-        mask_row(reinterpret_cast<const BF16*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+        mask_row(reinterpret_cast<const uint16_t*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
       } else {
-        mask_row(reinterpret_cast<const float*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+        mask_row(reinterpret_cast<const uint32_t*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
       }
     }
   });
