@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchgen import ops
@@ -56,21 +55,16 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _grammar_masked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The logits with -inf where a row's grammar refuses a token: a new tensor when a row is
-    constrained (made by the mask itself, not by a copy first), else `logits` itself. numpy's
-    unpackbits (the int32 words read as little-endian bytes) is the fast unpack."""
+def _editable_copy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A float32 copy of the rows' logits with -inf where a row's grammar refuses a token, made in one pass
+    (`ops.mask_logits`) for the constrained rows."""
     masked = [r for r, row in enumerate(rows) if row.allowed is not None]
-    if not masked:
-        return logits
-    packed = torch.stack([rows[r].allowed for r in masked]).cpu().numpy()
-    allowed = np.unpackbits(packed.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
-    refused = torch.from_numpy(allowed).to(logits.device) == 0
     if len(masked) == len(rows):
-        return logits.masked_fill(refused, float("-inf"))
-    out = logits.clone()
-    index = torch.tensor(masked, device=logits.device)
-    out[index] = out[index].masked_fill(refused, float("-inf"))
+        return ops.mask_logits(logits, torch.stack([row.allowed for row in rows]).cpu())
+    out = logits.to(torch.float32, copy=True)
+    if masked:
+        allowed = torch.stack([rows[r].allowed for r in masked]).cpu()
+        out[masked] = ops.mask_logits(logits[masked], allowed).to(out.device)
     return out
 
 
@@ -93,10 +87,12 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         if row.banned_token_ids:
             logits[r, row.banned_token_ids] = float("-inf")
         p = row.params
-        if p.presence_penalty or p.frequency_penalty:
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            # Only the generated tokens change: the work follows the output's length, not the vocabulary's.
             out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-            logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            seen, counts = torch.unique(out, return_counts=True)
+            counts = counts.to(logits.dtype)
+            logits[r, seen] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
             picked = logits[r, seen]
@@ -132,8 +128,9 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
                              per_row([p.min_p for p in params]), per_row([_uniform(row) for row in rows]))
 
 
-def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and their log-probabilities under the model's distribution (before bans and penalties).
+def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, their log-probabilities under the model's distribution (before bans and penalties) and each
+    row's logsumexp.
 
     A plain greedy row needs only its argmax; the other rows are read as float32, in a float32 copy
     where bans or penalties edit them."""
@@ -145,36 +142,37 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         edited_samples = [rows[r] for r in edited_rows]
         edited = _take(logits, edited_rows)
         if any(row.edits_logits for row in edited_samples):
-            # A copy, unless float32 logits are taken whole and no row is constrained; the
-            # grammar's mask comes before bans and penalties.
-            edited = _grammar_masked(edited.float(), edited_samples)
-            if edited is logits:
-                edited = edited.clone()  # the caller's logits stay as they are
+            # The grammar's mask comes before bans and penalties; the caller's logits stay as they are.
+            edited = _editable_copy(edited, edited_samples)
             _apply_bans_and_penalties(edited, edited_samples)
         random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
         greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
-        picks = edited.argmax(dim=-1) if greedy_edited else torch.empty_like(chosen[edited_rows])
+        picks = ops.argmax_logsumexp(edited)[0] if greedy_edited else torch.empty_like(chosen[edited_rows])
         if random_rows:
             picks[random_rows] = _draw(_take(edited, random_rows), [edited_samples[i] for i in random_rows])
         chosen[edited_rows] = picks
-    return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total
+    return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total, log_total
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     """logits: [len(rows), vocab] in the model's dtype (float32 or bfloat16); left as they are."""
-    chosen, logprobs = [], []
+    chosen, logprobs, log_totals = [], [], []
     for start in range(0, len(rows), _CHUNK_ROWS):
-        tokens, lps = _sample_chunk(logits[start : start + _CHUNK_ROWS], rows[start : start + _CHUNK_ROWS])
+        tokens, lps, log_total = _sample_chunk(logits[start : start + _CHUNK_ROWS], rows[start : start + _CHUNK_ROWS])
         chosen.append(tokens)
         logprobs.append(lps)
+        log_totals.append(log_total)
     token_ids = torch.cat(chosen).tolist()
     chosen_logprobs = torch.cat(logprobs).tolist()
     top: list[dict[int, float] | None] = [None] * len(rows)
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
     if wanted:
+        # The most likely tokens straight from the logits (log_softmax keeps their order), then
+        # logit - logsumexp: no float32 copy of the rows' whole vocabulary.
         k = max(rows[r].params.logprobs for r in wanted)
-        values, indices = logits[wanted].float().log_softmax(dim=-1).topk(max(k, 1), dim=-1)
+        values, indices = _take(logits, wanted).topk(max(k, 1), dim=-1)
+        values = values.float() - torch.cat(log_totals)[wanted, None]
         for i, r in enumerate(wanted):
             n = rows[r].params.logprobs
             entry = dict(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))

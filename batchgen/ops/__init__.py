@@ -44,6 +44,7 @@ __all__ = [
     "gemm_on_tiles",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
+    "mask_logits",
     "on_huge_pages",
     "pack_gemm_weight",
     "paged_attention_decode",
@@ -211,6 +212,16 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     log_total = torch.empty(logits.shape[0], dtype=torch.float32)
     _C.argmax_logsumexp(logits, argmax, log_total)
     return argmax, log_total
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `logits` `[n, vocab]` with -inf where a row's grammar refuses a token: bit j of word i of
+    `allowed` (int32 `[n, >= vocab / 32]`) allows token 32 i + j."""
+    if not (_has_kernel(logits) and allowed.is_cpu and allowed.dtype == torch.int32):
+        return reference.mask_logits(logits, allowed)
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    _C.mask_logits(logits, allowed, out)
+    return out
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -8,6 +8,7 @@ against these functions.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -146,6 +147,14 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), torch.logsumexp(logits.float(), dim=-1)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of logits with -inf where bit i % 32 of allowed[r, i // 32] is 0. numpy's unpackbits (the
+    int32 words read as little-endian bytes) is the fast unpack."""
+    bits = np.unpackbits(allowed.cpu().numpy().view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+    refused = torch.from_numpy(bits).to(logits.device) == 0
+    return logits.float().masked_fill(refused, float("-inf"))
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

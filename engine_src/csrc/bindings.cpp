@@ -374,6 +374,25 @@ void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor
   batchgen::cpu::sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens);
 }
 
+void mask_logits(const Tensor& logits, const Tensor& allowed, Tensor& out) {
+  const char* op = "mask_logits";
+  check_activation(op, "logits", logits);
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [n, vocab], got shape ",
+                    logits.sizes());
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  check_rank(op, "allowed", allowed, 2, "[n, words]");
+  TORCH_CHECK_VALUE(allowed.is_cpu() && allowed.scalar_type() == torch::kInt32 && allowed.stride(1) == 1 &&
+                        allowed.size(0) == n && allowed.size(1) * 32 >= vocab,
+                    op, ": allowed must be an int32 CPU tensor [", n, ", >= ", (vocab + 31) / 32,
+                    "] with contiguous rows, got ", allowed.scalar_type(), " ", allowed.sizes(), " on ",
+                    allowed.device());
+  check_tensor(op, "out", out, 2, "[n, vocab]");
+  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == torch::kFloat32 && out.sizes() == logits.sizes(), op,
+                    ": out must be a float32 CPU tensor of logits' shape ", logits.sizes(), ", got ",
+                    out.scalar_type(), " ", out.sizes());
+  batchgen::cpu::mask_logits(logits, allowed, out);
+}
+
 // The bf16 GEMMs: x [rows, depth] bf16 and out [rows, cols] bf16 or float32 on the host with unit stride
 // in their last dimension; weights packed in panels [ceil(cols / panel cols), depth / 2, panel cols, 2].
 void check_gemm_operands(const char* op, const Tensor& out, const Tensor& x, const Tensor& weight, const char* name) {
@@ -466,6 +485,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One token per row of float32 logits, drawn at u from softmax(logits / temperature) under top-k/top-p/min-p",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("tokens"), no_gil);
+  m.def("mask_logits", &mask_logits, "float32 logits with -inf where a packed int32 bitmask refuses a token",
+        py::arg("logits"), py::arg("allowed"), py::arg("out"), no_gil);
   m.attr("GEMM_PANEL_COLS") = batchgen::cpu::kGemmPanelCols;
   m.def("has_gemm_bf16", &batchgen::cpu::has_gemm_bf16, "Whether the active CPU kernels have the bf16 GEMM");
   m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ bias) on bf16 weights packed in panels", py::arg("out"),

@@ -51,6 +51,9 @@ void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch:
 void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                    torch::Tensor& tokens);
+// out [n, vocab] float32 = logits [n, vocab] (float32 or bfloat16) as float32, -inf where bit i % 32 of
+// allowed[r, i / 32] (int32 [n, words], words * 32 >= vocab) is 0: a grammar's mask applied in one pass.
+void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out);
 
 // bf16 GEMMs on weights packed in panels [cols / kGemmPanelCols rounded up, depth / 2, kGemmPanelCols, 2]
 // (cpu/gemm_ops.cpp): out[rows, cols] = x w^T (+ bias, float32), or silu(x gate^T) * (x up^T); out is

@@ -26,7 +26,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&norm_row<float>, &norm_row<BF16>, nullptr},
                              {&add_norm_row<float>, &add_norm_row<BF16>, nullptr},
                              {&rotary_row<float>, &rotary_row<BF16>, nullptr},
-                             {&summarise_row<float>, &summarise_row<BF16>, nullptr},
+                             {&summarise_block<float>, &summarise_block<BF16>, nullptr},
                              {&weights_row<float>, &weights_row<BF16>, nullptr},
                              &collect_row,
 #ifdef BATCHGEN_AMX

@@ -95,8 +95,16 @@ inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
 using NormRowFn = void (*)(const void* x, const void* weight, void* out, int64_t n, float eps);
 using AddNormRowFn = void (*)(void* x, void* residual, const void* weight, int64_t n, float eps);
 using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_t half);
-// The sampler's summary of one row of logits: index of the first maximum, log(sum(exp(row))).
-using SummariseRowFn = void (*)(const void* row, int64_t n, int64_t* argmax, float* log_total);
+// The sampler's summary of one block of a row of logits, [begin, end): its maximum, the index of its first
+// maximum (of its first NaN where it holds one) and sum(exp(x - max)) over it (0 when max is -inf).
+// sampling_ops.cpp combines a row's blocks in order, so a row's argmax and logsumexp depend on its data alone.
+struct BlockSummary {
+  float max;
+  float sum;
+  int64_t argmax;
+  bool nan;
+};
+using SummariseBlockFn = void (*)(const void* row, int64_t begin, int64_t end, BlockSummary* out);
 // The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 // The sampler's candidates: ids of the weights >= threshold (and > 0) in id order, their sum; returns their count.
@@ -141,7 +149,7 @@ struct KernelTable {
   NormRowFn norm_row[kNumDTypes];
   AddNormRowFn add_norm_row[kNumDTypes];
   RotaryRowFn rotary_row[kNumDTypes];
-  SummariseRowFn summarise_row[kNumDTypes];
+  SummariseBlockFn summarise_block[kNumDTypes];
   WeightsRowFn weights_row[kNumDTypes];
   CollectRowFn collect_row;
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product

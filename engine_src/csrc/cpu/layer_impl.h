@@ -68,52 +68,64 @@ void rotary_row(void* x_, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-// The index of the first maximum of row[0 .. n) (the first NaN if there is one, as torch.argmax)
-// and log(sum(exp(row))), in two passes over a row that stays in cache.
+// The summary of row[begin, end) (see BlockSummary), in passes over a block small enough to stay in
+// the level-1 cache: the maximum (and whether a NaN is there), the first index holding it, the sum of
+// exp(x - max). end - begin is a multiple of Vec::N except in a row's last block.
 template <typename T>
-void summarise_row(const void* row_, int64_t n, int64_t* argmax, float* log_total) {
+void summarise_block(const void* row_, int64_t begin, int64_t end, BlockSummary* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const T* row = static_cast<const T*>(row_);
-  float best = -std::numeric_limits<float>::infinity();
-  int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-  for (int64_t i = 0; i < n; ++i) {
+  const int64_t whole = begin + (end - begin) / Vec::N * Vec::N;
+  Vec vmax = Vec::set1(kNegInf);
+  uint32_t nan = 0;
+  for (int64_t i = begin; i < whole; i += Vec::N) {
+    const Vec x = Vec::load(row + i);
+    vmax = max(vmax, x);
+    nan |= lanes_nan(x);
+  }
+  float best = reduce_max(vmax);
+  for (int64_t i = whole; i < end; ++i) {
     const float v = to_float(row[i]);
     best = v > best ? v : best;
     nan |= v != v;
   }
-  // The first index holding `best` (or a NaN): chunks are tested whole, vectorised, then the one
-  // that has it is searched element by element.
-  constexpr int64_t kChunk = 64;
-  *argmax = 0;
-  for (int64_t c = 0, found = 0; c < n && !found; c += kChunk) {
-    const int64_t end = c + kChunk < n ? c + kChunk : n;
-    int hit = 0;
-#pragma omp simd reduction(| : hit)
-    for (int64_t i = c; i < end; ++i) {
+  out->nan = nan != 0;
+  out->max = best;
+  out->sum = 0.0f;
+  out->argmax = begin;
+  if (nan != 0) {  // the first NaN, as torch.argmax
+    for (int64_t i = begin; i < end; ++i) {
       const float v = to_float(row[i]);
-      hit |= nan ? v != v : v == best;
-    }
-    for (int64_t i = c; hit && i < end; ++i) {
-      const float v = to_float(row[i]);
-      if (nan ? v != v : v == best) {
-        *argmax = i;
-        found = 1;
-        break;
+      if (v != v) {
+        out->argmax = i;
+        return;
       }
     }
   }
-  if (nan || std::isinf(best)) {
-    *log_total = nan ? std::numeric_limits<float>::quiet_NaN() : best;
-    return;
+  // The first index holding `best`: x >= best only there.
+  int64_t i = begin;
+  uint32_t hits = 0;
+  for (; i < whole; i += Vec::N) {
+    hits = lanes_at_least(Vec::load(row + i), best);
+    if (hits != 0) break;
   }
+  if (hits != 0) {
+    out->argmax = i + __builtin_ctz(hits);
+  } else {
+    for (; i < end && !(to_float(row[i]) >= best); ++i) {
+    }
+    out->argmax = i < end ? i : begin;
+  }
+  if (std::isinf(best)) return;  // -inf: nothing allowed; +inf: the row's logsumexp is +inf
   const Vec shift = Vec::set1(-best);
   Vec sum = Vec::zero();
-  int64_t i = 0;
-  for (; i + Vec::N <= n; i += Vec::N) sum = sum + exp_nonpositive(Vec::load(row + i) + shift);
-  float tail[Vec::N];
-  for (int j = 0; j < Vec::N; ++j) tail[j] = i + j < n ? to_float(row[i + j]) : -std::numeric_limits<float>::infinity();
-  sum = sum + exp_nonpositive(Vec::load(tail) + shift);  // exp(-inf) is 0
-  *log_total = best + std::log(reduce_add(sum));
+  for (i = begin; i < whole; i += Vec::N) sum = sum + exp_nonpositive(Vec::load(row + i) + shift);
+  if (whole < end) {
+    float tail[Vec::N];
+    for (int j = 0; j < Vec::N; ++j) tail[j] = whole + j < end ? to_float(row[whole + j]) : kNegInf;
+    sum = sum + exp_nonpositive(Vec::load(tail) + shift);  // exp(-inf) is 0
+  }
+  out->sum = reduce_add(sum);
 }
 
 // The sampler's weights of a row of logits (float32, or bf16 read as float32): w = exp((x - max x)

@@ -64,6 +64,11 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ)));
 }
 
+// Bit i set where lane i of x is NaN.
+inline uint32_t lanes_nan(Vec x) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q)));
+}
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   return {_mm256_and_ps(value.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ))};
 }

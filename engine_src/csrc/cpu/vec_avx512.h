@@ -60,6 +60,9 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
   return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
 }
 
+// Bit i set where lane i of x is NaN.
+inline uint32_t lanes_nan(Vec x) { return _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q); }
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
   return {_mm512_maskz_mov_ps(keep, value.v)};

@@ -87,6 +87,13 @@ inline uint32_t lanes_at_least(Vec x, float limit) {
   return bits;
 }
 
+// Bit i set where lane i of x is NaN.
+inline uint32_t lanes_nan(Vec x) {
+  uint32_t bits = 0;
+  for (int i = 0; i < Vec::N; ++i) bits |= static_cast<uint32_t>(x.x[i] != x.x[i]) << i;
+  return bits;
+}
+
 inline Vec zero_if_below(Vec value, Vec x, float limit) {
   for (int i = 0; i < Vec::N; ++i) value.x[i] = x.x[i] >= limit ? value.x[i] : 0.0f;
   return value;

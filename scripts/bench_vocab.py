@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""The vocabulary side of a step at large vocabularies: the sampler's ops on the logits of a random-weight
+lm_head with a tiny hidden size, so that reading [rows, vocab] logits is the work, at Llama 3's 128,256 and
+Gemma 3's 262,144 tokens.
+
+Each op's rate is the bytes of logits it must read (rows x vocab x element size) over its time, set against
+the machine's read bandwidth: a sum over a float32 tensor far larger than the caches, timed in alternation
+with the op so that both see the same machine (shared VMs drift). Every time is the fastest of several calls.
+Logits of a few rows sit in the caches after the lm_head, as they do in the engine, so small batches can read
+faster than memory allows; the share at 64 rows is the one to read as "at bandwidth".
+
+    python scripts/bench_vocab.py                        # both vocabularies, bf16 and fp32 logits
+    python scripts/bench_vocab.py --quick --json /tmp/vocab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import time_interleaved  # noqa: E402
+
+from batchgen import _C, ops  # noqa: E402
+from batchgen.layers.sampler import SamplingRow, sample  # noqa: E402
+from batchgen.sampling_params import SamplingParams  # noqa: E402
+
+VOCABS = {"llama3": 128256, "gemma3": 262144}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+READ_PROBE_BYTES = 512 << 20
+
+
+@dataclass
+class Result:
+    vocab: int
+    dtype: str
+    rows: int
+    op: str
+    ms: float
+    gb_s: float  # logits bytes read / time
+    read_gb_s: float  # the read probe, timed with the op
+    share: float  # gb_s / read_gb_s
+
+
+def random_logits(rows: int, vocab: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A random-weight lm_head's logits of random hidden states (std ~1), with 24 tokens a row raised 14-20
+    above them as a language model's likely next tokens: a top-p 0.95 nucleus of a few tokens, as real
+    models mostly give (a random model alone gives nuclei of thousands, which only measures the sort)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dtype)
+    hidden_states = torch.randn(rows, hidden, generator=gen).to(dtype)
+    logits = torch.nn.functional.linear(hidden_states, weight)
+    for r in range(rows):
+        likely = torch.randperm(vocab, generator=gen)[:24]
+        logits[r, likely] += (14 + 0.25 * torch.arange(24)).to(dtype)
+    return logits
+
+
+def sampler_rows(rows: int, vocab: int, params: SamplingParams, outputs: int, allowed: bool) -> list[SamplingRow]:
+    """Rows of `params`, each with `outputs` generated tokens (for the penalties) and a grammar allowing a
+    random half of the vocabulary when `allowed`."""
+    gen = torch.Generator().manual_seed(1)
+    result = []
+    for r in range(rows):
+        tokens = torch.randint(vocab, (64 + outputs,), generator=gen).tolist()
+        mask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), generator=gen, dtype=torch.int32)
+        result.append(SamplingRow(params, seed=r, sample_index=0, prompt_token_ids=tokens[:64],
+                                  output_token_ids=tokens[64:], banned_token_ids=[],
+                                  allowed=mask if allowed else None))
+    return result
+
+
+def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
+    rows, vocab = logits.shape
+    per_row = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(2))
+    plain = (per_row(1.0), per_row(0, torch.int64), per_row(1.0), per_row(0.0), u)
+    filtered = (per_row(0.8), per_row(50, torch.int64), per_row(0.95), per_row(0.05), u)
+    greedy = SamplingParams(temperature=0)
+    random_p = SamplingParams(temperature=0.8, top_p=0.95)
+    penalized = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5,
+                               frequency_penalty=0.5)
+    cases = {
+        "argmax_logsumexp": lambda: ops.argmax_logsumexp(logits),
+        "sample_tokens plain": lambda: ops.sample_tokens(logits, *plain),
+        "sample_tokens top-k/p/min-p": lambda: ops.sample_tokens(logits, *filtered),
+        "sample() greedy": (logits, sampler_rows(rows, vocab, greedy, 0, False)),
+        "sample() top-p": (logits, sampler_rows(rows, vocab, random_p, 0, False)),
+        "sample() penalties": (logits, sampler_rows(rows, vocab, penalized, 256, False)),
+        "sample() logprobs=5": (logits, sampler_rows(rows, vocab, SamplingParams(temperature=0, logprobs=5), 0,
+                                                     False)),
+        "sample() grammar": (logits, sampler_rows(rows, vocab, random_p, 0, True)),
+    }
+    return {name: case if callable(case) else (lambda case=case: sample(*case)) for name, case in cases.items()}
+
+
+def bench(vocab: int, dtype_name: str, rows: int, hidden: int, min_time: float, probe: torch.Tensor) -> list[Result]:
+    logits = random_logits(rows, vocab, hidden, DTYPES[dtype_name], seed=rows)
+    nbytes = logits.numel() * logits.element_size()
+    read = lambda: probe.sum()  # noqa: E731
+    results = []
+    for name, fn in op_table(logits).items():
+        op_s, read_s = time_interleaved([fn, read], torch.device("cpu"), min_time)
+        read_gb_s = probe.numel() * 4 / read_s / 1e9
+        gb_s = nbytes / op_s / 1e9
+        results.append(Result(vocab, dtype_name, rows, name, op_s * 1e3, gb_s, read_gb_s, gb_s / read_gb_s))
+        print(f"{vocab:>7} {dtype_name} {rows:>3} rows  {name:<28} {op_s * 1e3:8.3f} ms  {gb_s:7.2f} GB/s  "
+              f"{100 * gb_s / read_gb_s:5.1f}% of {read_gb_s:.1f} GB/s", flush=True)
+    return results
+
+
+def processor() -> str:
+    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocabs", default=",".join(VOCABS), help=f"comma list of {sorted(VOCABS)} or sizes")
+    parser.add_argument("--dtype", default="bf16,fp32", help="logits dtypes: bf16, fp32")
+    parser.add_argument("--rows", default="1,16,64", help="comma list of batch rows")
+    parser.add_argument("--hidden", type=int, default=256, help="the random lm_head's hidden size")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="short timings, one batch size")
+    parser.add_argument("--json", help="write every result here")
+    args = parser.parse_args(argv)
+    args.vocabs = [VOCABS.get(v.strip(), None) or int(v) for v in args.vocabs.split(",")]
+    args.dtypes = [d.strip() for d in args.dtype.split(",")]
+    args.rows = [16] if args.quick else [int(r) for r in args.rows.split(",")]
+    return args
+
+
+def main(argv=None) -> list[Result]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    min_time = 0.05 if args.quick else 0.3
+    probe = torch.ones(READ_PROBE_BYTES // 4)
+    print(f"{processor()}, {args.threads} threads, kernels {_C.cpu_isa()}, torch {torch.__version__}")
+    results = [r for vocab in args.vocabs for dtype in args.dtypes for rows in args.rows
+               for r in bench(vocab, dtype, rows, args.hidden, min_time, probe)]
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
