@@ -120,11 +120,13 @@ def batchgen_cmd(*args: str) -> list[str]:
 
 
 def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], int], rng: Any, rounds: int,
-                           anywhere: float, after_kill: Callable[[], None], cmd: list[str] | None = None) -> int:
+                           anywhere: float, after_kill: Callable[[], None], cmd: list[str] | None = None,
+                           linger: float = 0.25) -> int:
     """Start `batchgen run job` (or `cmd`) up to `rounds` times and SIGKILL it: with probability `anywhere`
     after a random delay (start-up included), else once it has written a part (`parts()` counts
-    them) and a little after; `after_kill()` checks the output after each kill. The number of kills;
-    stops early when a run finishes (it must exit 0)."""
+    them) and up to `linger` seconds after (0 for a prefill-only job, which a quiet machine finishes
+    within a quarter of a second of its first part); `after_kill()` checks the output after each
+    kill. The number of kills; stops early when a run finishes (it must exit 0)."""
     import subprocess
     import time
 
@@ -139,7 +141,7 @@ def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], i
             deadline = time.monotonic() + 60
             while parts() == before and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.25))
+            time.sleep(rng.uniform(0.0, linger))
         if proc.poll() is not None:
             assert proc.returncode == 0, proc.stderr.read().decode()
             break

@@ -115,7 +115,7 @@ def check_kill_resume_and_shards(tmp_path, make_job, expected: dict[str, dict]) 
             seen.append(len(read(out_dir)[1]))
 
     kills = kill_at_random_moments(job, _env(), lambda: parts(out_dir), random.Random(1), rounds=3, anywhere=0.2,
-                                   after_kill=after_kill)
+                                   after_kill=after_kill, linger=0.0)
     assert kills >= 1 and any(n < len(expected) for n in seen), (kills, seen)  # a run was cut mid-way
     assert cli("run", job).exit_code == 0
     assert read(out_dir)[1] == expected

@@ -163,7 +163,7 @@ def test_killed_run_batch_resumes_to_each_line_once(tmp_path, whole, tiny_model_
         seen.append(done)
 
     kills = kill_at_random_moments(tmp_path / "unused", env, parts, random.Random(3), rounds=3, anywhere=0.2,
-                                   after_kill=after_kill, cmd=cmd)
+                                   after_kill=after_kill, cmd=cmd, linger=0.0)
     assert kills >= 1 and any(0 < n < len(whole) for n in seen), (kills, seen)
     r = cli(*run_batch_cmd(tmp_path, tiny_model_dirs["llama"]))
     assert r.exit_code == 0, r.output
