@@ -109,8 +109,10 @@ def vllm_score(python: str, model_dir: str, dtype: str, threads: int, prompts, c
         rows, out = Path(tmp) / "rows.json", Path(tmp) / "out.json"
         rows.write_text(json.dumps({"prompts": prompts, "completions": completions}))
         script = Path(__file__).resolve().parent / "bench_vllm.py"
-        subprocess.run([python, str(script), "--model", model_dir, "--dtype", dtype, "--score-rows", str(rows),
-                        "--out", str(out)], env=env, check=True)
+        proc = subprocess.run([python, str(script), "--model", model_dir, "--dtype", dtype, "--score-rows",
+                               str(rows), "--out", str(out)], env=env)
+        if not out.exists():  # vLLM 0.32 may abort in its shutdown after the results are written
+            raise SystemExit(f"vLLM's scoring run failed (exit {proc.returncode})")
         return json.loads(out.read_text())
 
 
