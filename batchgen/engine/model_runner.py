@@ -107,8 +107,11 @@ class ModelRunner:
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
         its first token (its last is that plus num_new_tokens - 1)."""
         adapter_slot = lora_slots or {}
-        order = sorted(range(len(scheduled)), key=lambda i: (scheduled[i].num_new_tokens != 1,
-                                                             adapter_slot.get(scheduled[i].seq.lora_id, -1)))
+        if adapter_slot:
+            order = sorted(range(len(scheduled)), key=lambda i: (scheduled[i].num_new_tokens != 1,
+                                                                 adapter_slot.get(scheduled[i].seq.lora_id, -1)))
+        else:  # no adapter in this step: no per-row slot lookup on the engine's hot path
+            order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -233,9 +233,7 @@ class InputReader:
                 yield seen.check(row_id, file_no, record.index, self.spec.id_key or "", maybe)
 
     def _row(self, f: InputFile, record: Record, row_id: str, id_error: str | None) -> Row:
-        derived, where = f.place(record)
-        if row_id == derived:
-            where = f.place_of_derived(record)
+        where = f.place_for(record, row_id)
         row = Row(id=row_id, where=where)
         row.error = record.error or id_error or self._fill(row, record.values or {})
         if row.error:
@@ -258,7 +256,7 @@ class InputReader:
                         if out_id == row_id:
                             yield InputId(row_id)
                         else:
-                            yield InputId(out_id, row_id, error and f"{f.place_of_derived(record)}: {error}")
+                            yield InputId(out_id, row_id, error and f"{f.place_for(record, out_id)}: {error}")
                     if seen is not None:
                         seen.end_batch()
         finally:

@@ -67,12 +67,12 @@ class InputFile:
             return f"{self.name}:{record.unnumbered}", f"{self.shown} {record.unnumbered}"
         return f"{self.name}:{record.index}", self.where(record.index)
 
-    def place_of_derived(self, record: Record) -> str:
-        """The place in messages of a row whose id is derived. Lines count from 1 and derived
-        ids from 0, so a message about ``in.jsonl:3`` leads with that id and names the line
+    def place_for(self, record: Record, row_id: str) -> str:
+        """The place in messages of `record` read as row `row_id`. Lines count from 1 and derived ids
+        from 0, so a row whose id is derived (``in.jsonl:3``) leads with that id and names the line
         beside it (``in.jsonl:3 (line 4)``): one record, one numbering."""
         derived, where = self.place(record)
-        if self.format in TEXT_LINES and record.unnumbered is None:
+        if row_id == derived and self.format in TEXT_LINES and record.unnumbered is None:
             return f"{derived} (line {record.index + 1})"
         return where
 
