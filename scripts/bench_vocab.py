@@ -11,6 +11,11 @@ faster than memory allows; the share at 64 rows is the one to read as "at bandwi
 
     python scripts/bench_vocab.py                        # both vocabularies, bf16 and fp32 logits
     python scripts/bench_vocab.py --quick --json /tmp/vocab.json
+    python scripts/bench_vocab.py --engine               # the whole engine on 128k- and 262k-vocab models
+
+`--engine` runs LLM.generate on a random-weight model of Llama 3's shape family with a tiny hidden size (2 layers,
+hidden 256, GQA), at each vocabulary, over rows that mix greedy, top-p, penalties and logprobs: how much of the
+step the vocabulary side takes (lm_head, sampler) and the sampler's rate as a share of the read bandwidth.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -116,6 +123,100 @@ def bench(vocab: int, dtype_name: str, rows: int, hidden: int, min_time: float, 
     return results
 
 
+@dataclass
+class EngineResult:
+    vocab: int
+    dtype: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    logits_s: float  # lm_head (compute_logits)
+    sample_s: float  # the sampler over the step's logits
+    sampled_rows: int
+    logits_bytes: int  # bytes of the logits the sampler read
+    read_gb_s: float
+
+    @property
+    def sample_share_of_read(self) -> float:
+        return self.logits_bytes / self.sample_s / 1e9 / self.read_gb_s
+
+
+def vocab_model(root: Path, vocab: int) -> Path:
+    """A random bf16 Llama with `vocab` tokens and a tied head, 2 layers of hidden 256: the vocabulary dominates.
+    The embedding is drawn wide enough (std 0.25) that the logits of the last hidden state spread over several
+    units, like a trained model's, rather than the near-uniform ones of the default init."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                            tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
+    torch.manual_seed(vocab)
+    model = tf.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.25)
+    path = root / f"llama-{vocab}"
+    model.save_pretrained(path)
+    return path
+
+
+def engine_params(count: int, max_tokens: int) -> list[SamplingParams]:
+    """A quarter each of greedy, top-p, top-p with the three penalties, and greedy with 5 top logprobs."""
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.95),
+             dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+             dict(temperature=0, logprobs=5)]
+    return [SamplingParams(**kinds[i % 4], max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(count)]
+
+
+def engine_run(vocab: int, dtype: str, threads: int, count: int, max_tokens: int, probe: torch.Tensor) -> EngineResult:
+    from batchgen import LLM
+    from batchgen.engine import llm_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(model=str(vocab_model(Path(tmp), vocab)), dtype=str(DTYPES[dtype]).removeprefix("torch."),
+                  skip_tokenizer_init=True, seed=0, num_threads=threads, kv_cache_memory=256 << 20,
+                  max_num_seqs=count)
+    gen = torch.Generator().manual_seed(vocab)
+    prompts = [torch.randint(2, vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(32, 129, (count,), generator=gen)]
+    spent, read = {"logits": 0.0, "sample": 0.0}, {"rows": 0, "bytes": 0}
+    model, sample_fn = llm.engine.runner.model, llm_engine.sample
+
+    def timed_logits(hidden, _inner=model.compute_logits):
+        start = time.perf_counter()
+        out = _inner(hidden)
+        spent["logits"] += time.perf_counter() - start
+        return out
+
+    def timed_sample(logits, rows):
+        start = time.perf_counter()
+        out = sample_fn(logits, rows)
+        spent["sample"] += time.perf_counter() - start
+        read["rows"] += logits.shape[0]
+        read["bytes"] += logits.numel() * logits.element_size()
+        return out
+
+    model.compute_logits, llm_engine.sample = timed_logits, timed_sample
+    try:
+        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        spent.update(logits=0.0, sample=0.0)
+        read.update(rows=0, bytes=0)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, engine_params(count, max_tokens), use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        llm_engine.sample = sample_fn
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == count * max_tokens, "every row runs to max_tokens (ignore_eos)"
+    (read_s,) = time_interleaved([lambda: probe.sum()], torch.device("cpu"), 0.3)
+    result = EngineResult(vocab, dtype, count, tokens, seconds, spent["logits"], spent["sample"], read["rows"],
+                          read["bytes"], probe.numel() * 4 / read_s / 1e9)
+    print(f"engine {vocab:>7} {dtype}: {count} rows x {max_tokens} tokens in {seconds:.2f} s "
+          f"({tokens / seconds:.0f} out tok/s); lm_head {spent['logits'] / seconds:.0%} of the run, sampler "
+          f"{spent['sample'] / seconds:.0%} ({read['rows']} rows, {read['bytes'] / spent['sample'] / 1e9:.1f} GB/s of "
+          f"logits = {100 * result.sample_share_of_read:.0f}% of {result.read_gb_s:.1f} GB/s read)", flush=True)
+    return result
+
+
 def processor() -> str:
     lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
@@ -129,6 +230,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="the random lm_head's hidden size")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="short timings, one batch size")
+    parser.add_argument("--engine", action="store_true", help="run the whole engine on random models instead")
+    parser.add_argument("--requests", type=int, default=64, help="--engine: rows (a quarter per sampling kind)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="--engine: tokens each row generates")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args(argv)
     args.vocabs = [VOCABS.get(v.strip(), None) or int(v) for v in args.vocabs.split(",")]
@@ -137,14 +241,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> list[Result]:
+def main(argv=None) -> list[Result] | list[EngineResult]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     min_time = 0.05 if args.quick else 0.3
     probe = torch.ones(READ_PROBE_BYTES // 4)
     print(f"{processor()}, {args.threads} threads, kernels {_C.cpu_isa()}, torch {torch.__version__}")
-    results = [r for vocab in args.vocabs for dtype in args.dtypes for rows in args.rows
-               for r in bench(vocab, dtype, rows, args.hidden, min_time, probe)]
+    if args.engine:
+        count, max_tokens = (8, 8) if args.quick else (args.requests, args.max_tokens)
+        results = [engine_run(vocab, dtype, args.threads, count, max_tokens, probe)
+                   for vocab in args.vocabs for dtype in args.dtypes]
+    else:
+        results = [r for vocab in args.vocabs for dtype in args.dtypes for rows in args.rows
+                   for r in bench(vocab, dtype, rows, args.hidden, min_time, probe)]
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return results

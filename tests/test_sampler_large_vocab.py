@@ -50,6 +50,45 @@ def test_argmax_logsumexp_matches_torch(vocab, dtype, cpu_isas):
         torch.testing.assert_close(log_total, expected_total, rtol=1e-6, atol=1e-5, equal_nan=True, msg=isa)
 
 
+@pytest.mark.parametrize("k", [1, 5, 20, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_top_k_is_a_stable_descending_sorts_first_k(vocab, dtype, k, cpu_isas):
+    """Values and ids equal a stable descending sort's first k (NaN first, ties by the lower id), on every table:
+    ties across block edges, -inf rows, NaN, +inf and a flat row included."""
+    logits = edge_case_logits(vocab, dtype, seed=vocab + k)
+    logits[10, BLOCK - 3 : BLOCK + 80] = float(logits[10].float().max()) + 2  # more ties than k, over an edge
+    expected_values, expected_ids = reference.top_k(logits, k)
+    assert expected_ids[10, 0] == BLOCK - 3 and expected_ids[9].tolist() == list(range(k))  # the cases hold
+    assert math.isnan(expected_values[6, 0]) and expected_ids[6, 0] == 3 * BLOCK + 1
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        values, ids = ops.top_k(logits, k)
+        assert torch.equal(ids, expected_ids), isa
+        assert torch.equal(bits(values), bits(expected_values)), isa
+
+
+def test_top_k_is_batch_and_thread_invariant(cpu_isas):
+    logits = edge_case_logits(151936, torch.bfloat16, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        for isa in cpu_isas:
+            _C.set_cpu_isa(isa)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                values, ids = ops.top_k(logits, 8)
+                alone = [ops.top_k(logits[r : r + 1], 8) for r in range(len(logits))]
+                assert torch.equal(ids, torch.cat([i for _, i in alone])), (isa, count)
+                assert torch.equal(bits(values), bits(torch.cat([v for v, _ in alone]))), (isa, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_top_k_refuses_k_outside_the_vocabulary():
+    with pytest.raises(ValueError, match="k <= vocab"):
+        ops.top_k(torch.zeros(2, 10), 11)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """float32 values as their bit patterns: equal NaNs compare equal."""
     return t.view(torch.int32)

@@ -81,22 +81,40 @@ def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[i
     return {r for r, bit in zip(candidates, bits.tolist(), strict=True) if bit}
 
 
+def _flat_positions(logits: torch.Tensor, tokens_of_rows: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """Indices into logits.view(-1) of each (row, its tokens) pair's tokens (int64, repeats kept)."""
+    if not tokens_of_rows:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
+    vocab = logits.shape[1]
+    return torch.cat([torch.tensor(tokens, dtype=torch.long, device=logits.device) + r * vocab
+                      for r, tokens in tokens_of_rows])
+
+
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place, on a float32 copy of the rows' logits."""
-    for r, row in enumerate(rows):
-        if row.banned_token_ids:
-            logits[r, row.banned_token_ids] = float("-inf")
-        p = row.params
-        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            # Only the generated tokens change: the work follows the output's length, not the vocabulary's.
-            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            seen, counts = torch.unique(out, return_counts=True)
-            counts = counts.to(logits.dtype)
-            logits[r, seen] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
-            picked = logits[r, seen]
-            logits[r, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    """In place, on a float32 copy of the rows' logits: every row's bans, then its presence and frequency
+    penalties, then its repetition penalty. Each is one gather and scatter over all rows' (row, token) pairs:
+    the work follows the tokens the rows have seen, not the vocabulary, nor the number of rows."""
+    flat, vocab = logits.view(-1), logits.shape[1]
+
+    def per_pair(positions: torch.Tensor, value) -> torch.Tensor:
+        by_row = torch.tensor([value(row.params) for row in rows], dtype=logits.dtype, device=logits.device)
+        return by_row[positions // vocab]
+
+    flat[_flat_positions(logits, [(r, row.banned_token_ids) for r, row in enumerate(rows)
+                                        if row.banned_token_ids])] = float("-inf")
+    counted = [(r, row.output_token_ids) for r, row in enumerate(rows)
+               if (row.params.presence_penalty or row.params.frequency_penalty) and row.output_token_ids]
+    if counted:
+        seen, counts = torch.unique(_flat_positions(logits, counted), return_counts=True)
+        counts = counts.to(logits.dtype)
+        flat[seen] -= (per_pair(seen, lambda p: p.frequency_penalty) * counts
+                       + per_pair(seen, lambda p: p.presence_penalty) * (counts > 0).to(logits.dtype))
+    repeated = [(r, row.prompt_token_ids + row.output_token_ids) for r, row in enumerate(rows)
+                if row.params.repetition_penalty != 1.0]
+    if repeated:
+        seen = torch.unique(_flat_positions(logits, repeated))
+        picked, penalty = flat[seen], per_pair(seen, lambda p: p.repetition_penalty)
+        flat[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
 # Rows are sampled in chunks of this many: every temporary is then a few MB, which the allocator
@@ -170,9 +188,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     if wanted:
         # The most likely tokens straight from the logits (log_softmax keeps their order), then
         # logit - logsumexp: no float32 copy of the rows' whole vocabulary.
-        k = max(rows[r].params.logprobs for r in wanted)
-        values, indices = _take(logits, wanted).topk(max(k, 1), dim=-1)
-        values = values.float() - torch.cat(log_totals)[wanted, None]
+        k = min(max(1, *(rows[r].params.logprobs for r in wanted)), logits.shape[1])
+        values, indices = ops.top_k(_take(logits, wanted), k)
+        values = values - torch.cat(log_totals)[wanted, None]
         for i, r in enumerate(wanted):
             n = rows[r].params.logprobs
             entry = dict(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))

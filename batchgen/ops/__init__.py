@@ -54,6 +54,7 @@ __all__ = [
     "rotary_embedding",
     "sample_tokens",
     "swap_blocks",
+    "top_k",
 ]
 
 
@@ -212,6 +213,18 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     log_total = torch.empty(logits.shape[0], dtype=torch.float32)
     _C.argmax_logsumexp(logits, argmax, log_total)
     return argmax, log_total
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` `[n, vocab]`: its k largest values (float32) and their indices (int64), largest
+    first, NaN above everything and ties by the lower index (a stable descending sort's first k), read once
+    from the model's own dtype. 1 <= k <= vocab."""
+    if not _has_kernel(logits):
+        return reference.top_k(logits, k)
+    values = torch.empty(logits.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+    _C.top_k(logits, k, values, ids)
+    return values, ids
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,11 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), torch.logsumexp(logits.float(), dim=-1)
 
 
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+    return values[:, :k].contiguous(), ids[:, :k].contiguous()
+
+
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """A float32 copy of logits with -inf where bit i % 32 of allowed[r, i // 32] is 0. numpy's unpackbits (the
     int32 words read as little-endian bytes) is the fast unpack."""

@@ -347,6 +347,19 @@ void argmax_logsumexp(const Tensor& logits, Tensor& argmax, Tensor& log_total) {
   batchgen::cpu::argmax_logsumexp(logits, argmax, log_total);
 }
 
+void top_k(const Tensor& logits, int64_t k, Tensor& values, Tensor& ids) {
+  const char* op = "top_k";
+  check_activation(op, "logits", logits);
+  TORCH_CHECK_VALUE(logits.dim() == 2 && k >= 1 && k <= logits.size(1), op,
+                    ": logits must be [n, vocab] and 1 <= k <= vocab, got shape ", logits.sizes(), " and k ", k);
+  check_index(op, "ids", ids, torch::kInt64, 2, "[n, k]");
+  TORCH_CHECK_VALUE(values.is_cpu() && values.scalar_type() == torch::kFloat32 && values.is_contiguous() &&
+                        ids.is_cpu() && values.sizes() == ids.sizes() && values.size(0) == logits.size(0) &&
+                        values.size(1) == k,
+                    op, ": values (float32) and ids must be contiguous CPU tensors [", logits.size(0), ", ", k, "]");
+  batchgen::cpu::top_k(logits, k, values, ids);
+}
+
 void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
                    const Tensor& min_p, const Tensor& u, Tensor& tokens) {
   const char* op = "sample_tokens";
@@ -481,6 +494,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), no_gil);
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per row of logits: first argmax and logsumexp", py::arg("logits"),
         py::arg("argmax"), py::arg("log_total"), no_gil);
+  m.def("top_k", &top_k, "Per row of logits: the k largest as float32 (NaN first, ties lower index first)",
+        py::arg("logits"), py::arg("k"), py::arg("values"), py::arg("ids"), no_gil);
   m.def("sample_tokens", &sample_tokens,
         "One token per row of float32 logits, drawn at u from softmax(logits / temperature) under top-k/top-p/min-p",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),

@@ -48,6 +48,7 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const to
 // For each row of logits [n, vocab] (float32 or bfloat16): the index of its first maximum and
 // log(sum(exp(row))) in float32 (cpu/sampling_ops.cpp).
 void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch::Tensor& log_total);
+void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids);
 void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
                    torch::Tensor& tokens);

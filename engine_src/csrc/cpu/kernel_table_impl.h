@@ -29,6 +29,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&summarise_block<float>, &summarise_block<BF16>, nullptr},
                              {&weights_row<float>, &weights_row<BF16>, nullptr},
                              &collect_row,
+                             {&top_k_block<float>, &top_k_block<BF16>, nullptr},
 #ifdef BATCHGEN_AMX
                              &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>
 #elif defined(BATCHGEN_DOT_BF16)

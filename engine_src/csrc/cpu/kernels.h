@@ -110,6 +110,35 @@ using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, floa
 // The sampler's candidates: ids of the weights >= threshold (and > 0) in id order, their sum; returns their count.
 using CollectRowFn = int64_t (*)(const float* w, int64_t n, float threshold, int32_t* ids, float* mass);
 
+// The k most likely tokens of a row so far, best first: larger values first, NaN above everything (as
+// torch.sort orders them), ties broken by the lower index. Offered in increasing index order (a block's
+// elements, then blocks in order), a token never displaces an equal one already in.
+struct TopKList {
+  float* values;  // room for k
+  int64_t* ids;
+  int64_t k;
+  int64_t count = 0;
+
+  static bool before(float a, int64_t ia, float b, int64_t ib) {
+    if (a != a) return b == b || ia < ib;
+    if (b != b) return false;
+    return a > b || (a == b && ia < ib);
+  }
+  bool full() const { return count == k; }
+  void offer(float v, int64_t i) {
+    if (full() && !before(v, i, values[k - 1], ids[k - 1])) return;
+    int64_t at = full() ? k - 1 : count++;
+    for (; at > 0 && before(v, i, values[at - 1], ids[at - 1]); --at) {
+      values[at] = values[at - 1];
+      ids[at] = ids[at - 1];
+    }
+    values[at] = v;
+    ids[at] = i;
+  }
+};
+// The sampler's top k of one block of a row, row[begin, end), into `list` (empty, k >= 1).
+using TopKBlockFn = void (*)(const void* row, int64_t begin, int64_t end, TopKList* list);
+
 // One bf16 GEMM call (gemm_impl.h): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < rows, n < cols;
 // or, with `up` set, silu(x w^T) * (x up^T). out is bf16, or float32 (the sums unrounded) with
 // `float_out`. Weights are packed in panels of kGemmPanelCols output columns, each panel
@@ -152,6 +181,7 @@ struct KernelTable {
   SummariseBlockFn summarise_block[kNumDTypes];
   WeightsRowFn weights_row[kNumDTypes];
   CollectRowFn collect_row;
+  TopKBlockFn top_k_block[kNumDTypes];
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product
 };
 

@@ -128,6 +128,25 @@ void summarise_block(const void* row_, int64_t begin, int64_t end, BlockSummary*
   out->sum = reduce_add(sum);
 }
 
+// The top k of row[begin, end) into `list`: a vector compare against the list's last value skips every
+// vector with nothing to offer, which once the list is full is almost all of them (random order: about
+// k ln(n / k) offers in all).
+template <typename T>
+void top_k_block(const void* row_, int64_t begin, int64_t end, TopKList* list) {
+  const T* row = static_cast<const T*>(row_);
+  constexpr uint32_t kAllLanes = (1u << Vec::N) - 1u;
+  const int64_t whole = begin + (end - begin) / Vec::N * Vec::N;
+  for (int64_t i = begin; i < whole; i += Vec::N) {
+    const Vec x = Vec::load(row + i);
+    uint32_t hits = list->full() ? lanes_at_least(x, list->values[list->k - 1]) | lanes_nan(x) : kAllLanes;
+    for (; hits != 0; hits &= hits - 1) {
+      const int lane = __builtin_ctz(hits);
+      list->offer(to_float(row[i + lane]), i + lane);
+    }
+  }
+  for (int64_t i = whole; i < end; ++i) list->offer(to_float(row[i]), i);
+}
+
 // The sampler's weights of a row of logits (float32, or bf16 read as float32): w = exp((x - max x)
 // / temperature), 1 at the maximum and 0 for -inf logits (banned tokens); returns their sum.
 // temperature > 0.

@@ -204,6 +204,32 @@ void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch:
   }
 }
 
+void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids) {
+  const TopKBlockFn top_k_block = active_kernels().top_k_block[static_cast<int>(dtype_of(logits))];
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0) * logits.element_size();
+  const int64_t blocks = (n + kSummaryBlock - 1) / kSummaryBlock;
+  const char* data = static_cast<const char*>(logits.data_ptr());
+  std::vector<float> block_values(rows * blocks * k);
+  std::vector<int64_t> block_ids(rows * blocks * k), block_counts(rows * blocks);
+  // The same fixed blocks as argmax_logsumexp's, merged in order: a row's result is its data's alone.
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / blocks, first = unit % blocks * kSummaryBlock;
+      TopKList list{&block_values[unit * k], &block_ids[unit * k], k};
+      top_k_block(data + r * stride, first, std::min(first + kSummaryBlock, n), &list);
+      block_counts[unit] = list.count;
+    }
+  });
+  float* out_values = values.data_ptr<float>();
+  int64_t* out_ids = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TopKList list{out_values + r * k, out_ids + r * k, k};
+    for (int64_t unit = r * blocks; unit < (r + 1) * blocks; ++unit) {
+      for (int64_t j = 0; j < block_counts[unit]; ++j) list.offer(block_values[unit * k + j], block_ids[unit * k + j]);
+    }
+  }
+}
+
 namespace {
 
 // The bits of x as a float32: a float's own, a bf16's shifted into the high half.
