@@ -126,3 +126,17 @@ def test_job_bench_quick_pass(tmp_path, tiny_model_dirs):
         assert all(s["seconds"] > 0 and 20 < s["peak_rss_mb"] < 4000 for s in r["steps"].values())
     assert runs["generate"]["rows"] == 1998  # every 1000th row has no prompt
     assert report["ratios"]["run/generate@2000"] > 0 and "run/generate@2000" in proc.stdout
+
+
+def test_vocab_engine_pass_runs_every_sampling_kind(tmp_path):
+    """scripts/bench_vocab.py --engine on a small vocabulary: every row runs to max_tokens and the sampler's
+    share is measured."""
+    spec = importlib.util.spec_from_file_location("bench_vocab", BENCH.parent / "bench_vocab.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_vocab"] = module
+    spec.loader.exec_module(module)
+    out = tmp_path / "vocab.json"
+    (result,) = module.main(["--engine", "--quick", "--vocabs", "4096", "--dtype", "fp32", "--json", str(out)])
+    assert result.output_tokens == result.requests * 8 and result.sampled_rows >= result.output_tokens
+    assert 0 < result.sample_s < result.seconds and result.logits_bytes == result.sampled_rows * 4096 * 4
+    assert json.loads(out.read_text())[0]["vocab"] == 4096
