@@ -96,6 +96,8 @@ def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
                                frequency_penalty=0.5)
     cases = {
         "argmax_logsumexp": lambda: ops.argmax_logsumexp(logits),
+        "top_k 20": lambda: ops.top_k(logits, 20),
+        "torch.topk 20 (peer)": lambda: logits.topk(20, dim=-1),
         "sample_tokens plain": lambda: ops.sample_tokens(logits, *plain),
         "sample_tokens top-k/p/min-p": lambda: ops.sample_tokens(logits, *filtered),
         "sample() greedy": (logits, sampler_rows(rows, vocab, greedy, 0, False)),

@@ -96,9 +96,11 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     the work follows the tokens the rows have seen, not the vocabulary, nor the number of rows."""
     flat, vocab = logits.view(-1), logits.shape[1]
 
-    def per_pair(positions: torch.Tensor, value) -> torch.Tensor:
-        by_row = torch.tensor([value(row.params) for row in rows], dtype=logits.dtype, device=logits.device)
-        return by_row[positions // vocab]
+    def per_pair(positions: torch.Tensor, value) -> torch.Tensor | float:
+        values = [value(row.params) for row in rows]
+        if len(set(values)) == 1:  # one value for every row (a job's rows mostly share their parameters)
+            return values[0]
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[positions // vocab]
 
     flat[_flat_positions(logits, [(r, row.banned_token_ids) for r, row in enumerate(rows)
                                         if row.banned_token_ids])] = float("-inf")
