@@ -35,8 +35,10 @@ from batchgen.job.inputs import reader as reader_module
 from batchgen.job.inputs import seen as seen_module
 from batchgen.job.inputs.rows import InputFile
 from batchgen.job.inputs.seen import FirstSeen, row_key
+from batchgen.job.outputs import merge as merge_module
 from batchgen.job.outputs import writer as writer_module
 from batchgen.job.outputs.formats import META_IDS
+from batchgen.job.outputs.writer import part_name
 from batchgen.job.shard import Shard
 from batchgen.job.spec import InputSpec
 
@@ -296,3 +298,30 @@ def test_status_and_a_rerun_read_no_row_whole_when_all_is_done(tmp_path, monkeyp
     write_input(tmp_path / "in" / "b.parquet", 3000, 10)
     assert run(job).exit_code == 0
     assert made == 10 and len(output_ids(tmp_path / "out")) == 3010
+
+
+def test_merge_streams_input_order_with_extras_and_an_id_in_two_parts(tmp_path, monkeypatch):
+    job = setup_job(tmp_path, rows=30, output={"dir": "out", "rows_per_part": 4, "format": "jsonl"})
+    write_jsonl(tmp_path / "in.jsonl", list(reversed(prompts(30))))  # input order is not the parts' order
+    assert run(job).exit_code == 0
+    out = tmp_path / "out"
+    lines: dict[str, list[str]] = {}  # id -> its lines, in part then line order
+    for part in sorted(out.glob("part-*.jsonl")):
+        for line in part.read_text().splitlines(keepends=True):
+            lines.setdefault(json.loads(line)["id"], []).append(line)
+    twice = next(iter(lines))  # also complete in a later part: the first part wins
+    clone = out / part_name(Shard(), 999_999, ".jsonl")
+    clone.write_text("".join(lines[twice]))
+    meta = json.loads(next(out.glob(".part-*.meta")).read_text())
+    meta.update({META_IDS: json.dumps([twice]), "batchgen.errors": "0", "batchgen.bytes": str(clone.stat().st_size)})
+    (out / f".{clone.name}.meta").write_text(json.dumps(meta))
+    dropped = ["q0017", "q0003"]  # rows no longer in the input: at the end, in part order
+    kept = [r for r in reversed(prompts(30)) if r["id"] not in dropped]
+    write_jsonl(tmp_path / "in.jsonl", kept)
+    monkeypatch.setattr(merge_module, "CONFIRM_CACHE_IDS", 5)  # part lines read again after eviction
+    result = cli("merge", out, "-o", tmp_path / "all.jsonl")
+    assert result.exit_code == 0, result.output
+    extra = [row_id for row_id in lines if row_id in dropped]
+    assert extra == dropped
+    expected = [line for row_id in [r["id"] for r in kept] + extra for line in lines[row_id]]
+    assert (tmp_path / "all.jsonl").read_text() == "".join(expected)

@@ -186,15 +186,25 @@ class DoneIds(AbstractSet[str]):
 
     def contains(self, ids: pa.Array, hashes: np.ndarray | None = None) -> np.ndarray:
         """Per id of an Arrow array (``hashes``: theirs, if the caller has them): is it done?"""
+        return self.locate(ids, hashes) >= 0
+
+    def locate(self, ids: pa.Array, hashes: np.ndarray | None = None) -> np.ndarray:
+        """Per id of an Arrow array: the number of the first part (as added) holding it, or -1."""
         hashes = hash_ids(ids) if hashes is None else hashes
-        found = np.zeros(len(ids), dtype=bool)
+        found = np.full(len(ids), -1, dtype=np.int64)
         for rows, parts in self._hashes.matches(hashes):
             for part in np.unique(parts).tolist():
-                asked = rows[(parts == part) & ~found[rows]]
+                asked = rows[parts == part]
+                asked = asked[(found[asked] < 0) | (found[asked] > part)]
                 if len(asked):
                     taken = as_bytes(ids.take(pa.array(asked)))
-                    found[asked] = pc.is_in(taken, value_set=self._part_ids(part)).to_numpy(zero_copy_only=False)
+                    hit = pc.is_in(taken, value_set=self._part_ids(part)).to_numpy(zero_copy_only=False)
+                    found[asked[hit]] = part
         return found
+
+    def part_ids(self, part: int) -> pa.Array:
+        """The complete ids of a part (its number as added), as bytes."""
+        return self._part_ids(part)
 
     def contains_many(self, ids: list[str], hashes: np.ndarray | None = None) -> list[bool]:
         """Per id of a list: is it done?"""
