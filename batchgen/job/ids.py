@@ -29,6 +29,7 @@ RUN_CAP = 1 << 20  # sorted runs are merged up to this many hashes (8 MiB), so a
 CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next confirmations
 BATCH = 4096  # ids looked up together
 FENCE = 256  # spilled hashes per block read back
+HASH_BYTES = 1 << 16  # bytes of ids hashed together
 T = TypeVar("T")
 
 _BASE = np.uint64(0x100000001B3)  # odd: the polynomial's base (FNV's 64-bit prime)
@@ -56,24 +57,36 @@ def as_bytes(ids: pa.Array | pa.ChunkedArray) -> pa.Array:
 def hash_ids(ids: pa.Array) -> np.ndarray:
     """Each id's 64-bit hash (int64), computed over the whole array at once: a polynomial over its
     UTF-8 bytes (mod 2**64), its length mixed in, then splitmix64's finalizer. The same in every
-    process; not meant to resist ids chosen to collide (a collision costs one confirmation)."""
-    global _powers
+    process; not meant to resist ids chosen to collide (a collision costs one confirmation).
+    Hashed ``HASH_BYTES`` of ids at a time, so the per-byte temporaries stay small."""
     ids = as_bytes(ids)
     n = len(ids)
     offsets = np.frombuffer(ids.buffers()[1], np.int64, n + 1, ids.offset * 8)
-    lengths = np.diff(offsets)
     total = int(offsets[-1] - offsets[0])
     data = np.frombuffer(ids.buffers()[2], np.uint8, total, int(offsets[0])) if total else np.zeros(0, np.uint8)
-    longest = int(lengths.max()) if n else 0
+    out = np.empty(n, dtype=np.int64)
+    start = 0
+    while start < n:
+        end = min(max(int(np.searchsorted(offsets, offsets[start] + HASH_BYTES, side="right")) - 1, start + 1), n)
+        out[start:end] = _hash_range(data, offsets[start:end + 1] - offsets[0])
+        start = end
+    return out
+
+
+def _hash_range(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    global _powers
+    lengths = np.diff(offsets)
+    longest = int(lengths.max())
     if longest > len(_powers):
         grown = np.full(longest, _BASE, dtype=np.uint64)
         grown[0] = 1
         _powers = np.cumprod(grown, dtype=np.uint64)
-    ends = np.repeat(offsets[1:] - offsets[0], lengths)
-    terms = (data.astype(np.uint64) + np.uint64(1)) * _powers[ends - 1 - np.arange(total)]
+    lo, total = int(offsets[0]), int(offsets[-1] - offsets[0])
+    ends = np.repeat(offsets[1:] - lo, lengths)
+    terms = (data[lo:lo + total].astype(np.uint64) + np.uint64(1)) * _powers[ends - 1 - np.arange(total)]
     sums = np.zeros(total + 1, dtype=np.uint64)
     np.cumsum(terms, out=sums[1:])
-    starts = offsets - offsets[0]
+    starts = offsets - lo
     h = (sums[starts[1:]] - sums[starts[:-1]]) ^ (lengths.astype(np.uint64) * _GOLDEN)
     h ^= h >> np.uint64(30)
     h *= _MIX[0]
