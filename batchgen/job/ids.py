@@ -158,18 +158,19 @@ class SortedRuns:
         whose hash is in a run more than once."""
         if not self.runs or not len(hashes):
             return
-        order = np.argsort(hashes)
-        query = hashes.astype(self.dtype)[order]
+        query = hashes.astype(self.dtype)
+        order = np.argsort(query)
+        query = query[order]
         for keys, values in self.runs:
-            lo = np.searchsorted(keys, query)
-            hit = np.flatnonzero(keys[np.minimum(lo, len(keys) - 1)] == query)
-            if not len(hit):
-                continue
-            hi = np.searchsorted(keys, query[hit], side="right")
-            repeat = hi - lo[hit]  # (position, value) pairs: one per match, several where hashes repeat
-            rows = np.repeat(hit, repeat)
-            at = np.repeat(lo[hit] - np.cumsum(repeat) + repeat, repeat) + np.arange(len(rows))
-            yield order[rows], values[at]
+            at = np.searchsorted(keys, query)
+            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query)
+            at = at[hit]
+            while len(hit):  # the first match of each, then the next ones where a hash repeats in the run
+                yield order[hit], values[at]
+                at = at + 1
+                more = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[hit])
+                more = more[at[more] < len(keys)]
+                hit, at = hit[more], at[more]
 
 
 class DoneIds(AbstractSet[str]):
@@ -183,19 +184,41 @@ class DoneIds(AbstractSet[str]):
         self._loaders: list[Callable[[], Iterable[str]]] = []
         self._cache: OrderedDict[int, pa.Array] = OrderedDict()
         self._cached_ids = 0
-        self._count = 0
-        self.twice = 0  # ids complete in more than one part (should never happen)
+        self._total = 0  # ids of all parts, an id complete in two parts counted twice
+        self._twice: int | None = 0
 
     def add_part(self, ids: list[str], load: Callable[[], Iterable[str]]) -> None:
         """A part's complete ids, each once (``load`` gives them again to confirm a match)."""
-        arr = id_array(ids)
-        hashes = hash_ids(arr)
-        maybe = np.flatnonzero(self._hashes.contains(hashes))
-        again = int(self.contains(arr.take(pa.array(maybe)), hashes[maybe]).sum()) if len(maybe) else 0
-        self._hashes.add(hashes, len(self._loaders))
+        self._hashes.add(hashes_of(ids), len(self._loaders))
         self._loaders.append(load)
-        self._count += len(ids) - again
-        self.twice += again
+        self._total += len(ids)
+        self._twice = None
+
+    @property
+    def twice(self) -> int:
+        """Ids complete in more than one part (should never happen), counted once asked: the
+        hashes found in two runs or twice in one, each confirmed on the ids of their parts."""
+        if self._twice is None:
+            self._twice = self._count_twice()
+        return self._twice
+
+    def _count_twice(self) -> int:
+        runs = self._hashes.runs
+        found = [keys[1:][keys[1:] == keys[:-1]] for keys, _ in runs]
+        for i, (keys, _) in enumerate(runs):
+            for later, _ in runs[i + 1:]:
+                at = np.minimum(np.searchsorted(keys, later), len(keys) - 1)
+                found.append(later[keys[at] == later])
+        suspects = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+        if not len(suspects):
+            return 0
+        parts = np.unique(np.concatenate([values[np.isin(keys, suspects)] for keys, values in runs]))
+        seen: dict[bytes, int] = {}
+        for part in parts.tolist():
+            ids = self._part_ids(part)
+            for row_id in ids.filter(pa.array(np.isin(hash_ids(ids), suspects))).to_pylist():
+                seen[row_id] = seen.get(row_id, 0) + 1
+        return sum(n - 1 for n in seen.values())
 
     def contains(self, ids: pa.Array, hashes: np.ndarray | None = None) -> np.ndarray:
         """Per id of an Arrow array (``hashes``: theirs, if the caller has them): is it done?"""
@@ -206,8 +229,10 @@ class DoneIds(AbstractSet[str]):
         hashes = hash_ids(ids) if hashes is None else hashes
         found = np.full(len(ids), -1, dtype=np.int64)
         for rows, parts in self._hashes.matches(hashes):
-            for part in np.unique(parts).tolist():
-                asked = rows[parts == part]
+            order = np.argsort(parts, kind="stable")
+            rows, parts = rows[order], parts[order]
+            cuts = np.flatnonzero(parts[1:] != parts[:-1]) + 1
+            for asked, part in zip(np.split(rows, cuts), parts[np.concatenate([[0], cuts])].tolist(), strict=True):
                 asked = asked[(found[asked] < 0) | (found[asked] > part)]
                 if len(asked):
                     taken = as_bytes(ids.take(pa.array(asked)))
@@ -239,7 +264,7 @@ class DoneIds(AbstractSet[str]):
         return ids
 
     def __len__(self) -> int:
-        return self._count
+        return self._total - self.twice
 
     @classmethod
     def _from_iterable(cls, it: Iterable[str]) -> set[str]:
@@ -297,22 +322,25 @@ class SpilledIds:
         self._runs.append(_Run(self._size, len(order), hashes[order][::FENCE].astype(np.int64)))
         self._size += sum(map(len, sections))
 
-    def key_of(self, row_id: bytes, h: int) -> int | None:
-        """The key spilled with ``row_id`` (its UTF-8 bytes; ``h`` its hash), or None."""
+    @property
+    def runs(self) -> int:
+        return len(self._runs)
+
+    def key_of(self, row_id: bytes, h: int, run_no: int) -> int | None:
+        """The key spilled with ``row_id`` (its UTF-8 bytes; ``h`` its hash) in run ``run_no``, or None."""
         if self._file is None:
             return None
-        fd = self._file.fileno()
-        for run in self._runs:
-            start = max(int(np.searchsorted(run.fence, h)) - 1, 0) * FENCE
-            while start < run.n:
-                block = np.frombuffer(os.pread(fd, 8 * min(FENCE, run.n - start), run.section(0) + 8 * start), np.int64)
-                for i in (start + np.flatnonzero(block == h)).tolist():
-                    lo, hi = np.frombuffer(os.pread(fd, 16, run.section(2) + 8 * i), np.int64).tolist()
-                    if os.pread(fd, hi - lo, run.section(3) + 8 + lo) == row_id:
-                        return int(np.frombuffer(os.pread(fd, 8, run.section(1) + 8 * i), np.int64)[0])
-                if block[-1] > h:
-                    break
-                start += FENCE
+        fd, run = self._file.fileno(), self._runs[run_no]
+        start = max(int(np.searchsorted(run.fence, h)) - 1, 0) * FENCE
+        while start < run.n:
+            block = np.frombuffer(os.pread(fd, 8 * min(FENCE, run.n - start), run.section(0) + 8 * start), np.int64)
+            for i in (start + np.flatnonzero(block == h)).tolist():
+                lo, hi = np.frombuffer(os.pread(fd, 16, run.section(2) + 8 * i), np.int64).tolist()
+                if os.pread(fd, hi - lo, run.section(3) + 8 + lo) == row_id:
+                    return int(np.frombuffer(os.pread(fd, 8, run.section(1) + 8 * i), np.int64)[0])
+            if block[-1] > h:
+                break
+            start += FENCE
         return None
 
     def close(self) -> None:

@@ -25,8 +25,8 @@ class FirstSeen:
 
     A batch of ids is looked up at once (``first_of``) by its hashes: against the newest
     ``SPILL_IDS`` ids (Arrow arrays and their 64-bit hashes), the older ones spilled with their keys
-    to sorted runs in a temporary file (only 32 bits of their hashes stay in memory: 4 bytes an
-    id), and the batch itself. Only a hash match is looked at row by row, settled on the id itself.
+    to sorted runs in a temporary file (32 bits of their hashes and the number of their run stay in
+    memory: 8 bytes an id), and the batch itself. Only a hash match is looked at row by row, settled on the id itself.
     """
 
     def __init__(self, files: list[InputFile]):
@@ -37,7 +37,7 @@ class FirstSeen:
         self._recent_keys: list[np.ndarray] = []
         self._recent_starts: list[int] = []
         self._recent_count = 0
-        self._hashes = SortedRuns(np.int32, values=False)  # a false match costs one look at the spilled runs
+        self._hashes = SortedRuns(np.int32)  # hash -> spilled run: a false match costs one look at that run
         self._spilled = SpilledIds()
 
     def first_of(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -47,10 +47,12 @@ class FirstSeen:
         if not len(ids):
             return first
         ids = as_bytes(ids)
-        for i in np.flatnonzero(self._hashes.contains(hashes)).tolist():
-            key = self._spilled.key_of(ids[i].as_py(), int(hashes[i]))
-            if key is not None:
-                first[i] = key
+        for rows, runs in self._hashes.matches(hashes):
+            for i, run_no in zip(rows.tolist(), runs.tolist(), strict=True):
+                if first[i] < 0:
+                    key = self._spilled.key_of(ids[i].as_py(), int(hashes[i]), run_no)
+                    if key is not None:
+                        first[i] = key
         for rows, at in self._recent.matches(hashes):
             for i, a in zip(rows.tolist(), at.tolist(), strict=True):
                 if first[i] < 0 and self._recent_id(a) == ids[i].as_py():
@@ -82,8 +84,8 @@ class FirstSeen:
         self._recent_count += len(new)
         if self._recent_count >= SPILL_IDS:
             hashes = np.concatenate(self._recent_hashes)
+            self._hashes.add(hashes, self._spilled.runs)
             self._spilled.spill(pa.concat_arrays(self._recent_ids), hashes, np.concatenate(self._recent_keys))
-            self._hashes.add(hashes)
             self._recent = SortedRuns(values=True)
             self._recent_ids, self._recent_hashes, self._recent_keys, self._recent_starts = [], [], [], []
             self._recent_count = 0
