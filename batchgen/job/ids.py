@@ -111,14 +111,14 @@ def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[
 
 
 class SortedRuns:
-    """A multiset of hashes, each with a uint32 value (or none), as a few sorted runs (LSM-style: a new run
-    is merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32
-    only the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false
-    match in about n / 2**32 lookups."""
+    """A multiset of hashes, each with a value, as a few sorted runs (LSM-style: a new run is
+    merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32 only
+    the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false match
+    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row)."""
 
-    def __init__(self, dtype: type[np.integer] = np.int64, values: bool = True) -> None:
+    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32) -> None:
         self.dtype = dtype
-        self.values = values  # False: hashes only (the values read as 0 and cost nothing)
+        self.value_type = values
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.size = 0
 
@@ -126,17 +126,13 @@ class SortedRuns:
         """Add ``hashes``, each with ``value`` (one for all, or one each)."""
         if not len(hashes):
             return
-        vals = np.broadcast_to(np.asarray(value, dtype=np.uint32), len(hashes)) if self.values \
-            else np.empty(0, np.uint32)
-        order = np.argsort(hashes.astype(self.dtype), kind="stable")
-        run = (hashes.astype(self.dtype)[order], vals[order] if self.values else vals)
+        keys = hashes.astype(self.dtype)
+        order = np.argsort(keys, kind="stable")
+        run = (keys[order], np.broadcast_to(np.asarray(value, dtype=self.value_type), len(keys))[order])
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
             merged = np.concatenate([last[0], run[0]])
-            if not self.values:
-                run = (np.sort(merged), run[1])
-                continue
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)

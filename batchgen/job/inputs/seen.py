@@ -8,6 +8,7 @@ from itertools import groupby
 import numpy as np
 import pyarrow as pa
 
+from ..errors import JobError
 from ..ids import SortedRuns, SpilledIds, as_bytes
 from .rows import InputFile
 
@@ -26,18 +27,19 @@ class FirstSeen:
     A batch of ids is looked up at once (``first_of``) by its hashes: against the newest
     ``SPILL_IDS`` ids (Arrow arrays and their 64-bit hashes), the older ones spilled with their keys
     to sorted runs in a temporary file (32 bits of their hashes and the number of their run stay in
-    memory: 8 bytes an id), and the batch itself. Only a hash match is looked at row by row, settled on the id itself.
+    memory: 6 bytes an id), and the batch itself. Only a hash match is looked at row by row,
+    settled on the id itself.
     """
 
     def __init__(self, files: list[InputFile]):
         self._files = files
-        self._recent = SortedRuns(values=True)  # hash -> number among the recent ids
+        self._recent = SortedRuns()  # hash -> number among the recent ids
         self._recent_ids: list[pa.Array] = []
         self._recent_hashes: list[np.ndarray] = []
         self._recent_keys: list[np.ndarray] = []
         self._recent_starts: list[int] = []
         self._recent_count = 0
-        self._hashes = SortedRuns(np.int32)  # hash -> spilled run: a false match costs one look at that run
+        self._hashes = SortedRuns(np.int32, np.uint16)  # hash -> spilled run: a false match costs one look there
         self._spilled = SpilledIds()
 
     def first_of(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -83,10 +85,12 @@ class FirstSeen:
         self._recent_keys.append(keys[new])
         self._recent_count += len(new)
         if self._recent_count >= SPILL_IDS:
+            if self._spilled.runs >= 1 << 16:
+                raise JobError(f"more than {SPILL_IDS * (1 << 16):,} distinct ids in one job's input")
             hashes = np.concatenate(self._recent_hashes)
             self._hashes.add(hashes, self._spilled.runs)
             self._spilled.spill(pa.concat_arrays(self._recent_ids), hashes, np.concatenate(self._recent_keys))
-            self._recent = SortedRuns(values=True)
+            self._recent = SortedRuns()
             self._recent_ids, self._recent_hashes, self._recent_keys, self._recent_starts = [], [], [], []
             self._recent_count = 0
 
