@@ -5,8 +5,8 @@ An id is held as a 64-bit hash in sorted numpy arrays (8 bytes a row, where a Py
 set costs about 100) and answered in batches. A hash only says "maybe": every match is confirmed
 against the real id, read back from where its owner keeps it (a part of the output, or a run of
 ids this process spilled to a temporary file), so a hash collision never drops or wrongly flags a
-row. The hash is Python's own ``hash`` of the string: these structures live in one process, and
-it costs nothing (a ``str`` caches it).
+row. Ids travel in batches as Arrow arrays and are hashed columnar (``hash_ids``), so a batch read
+from a Parquet column is looked up without making a Python object per row.
 """
 
 from __future__ import annotations
@@ -17,24 +17,87 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress, islice
+from itertools import islice
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 RUN_CAP = 1 << 20  # sorted runs are merged up to this many hashes (8 MiB), so a merge never doubles memory
 CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next confirmations
 BATCH = 4096  # ids looked up together
 FENCE = 256  # spilled hashes per block read back
+HASH_BYTES = 1 << 16  # bytes of ids hashed together
 T = TypeVar("T")
 
+_BASE = np.uint64(0x100000001B3)  # odd: the polynomial's base (FNV's 64-bit prime)
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))  # splitmix64's finalizer
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_powers = np.ones(1, dtype=np.uint64)  # _BASE ** k (mod 2**64), grown on demand
 
-id_hash = hash  # a row id's hash (the builtin itself: ``map`` calls it without a Python frame)
+
+def id_array(ids: Iterable[str]) -> pa.Array:
+    """Ids as an Arrow array: UTF-8 text, or bytes (lone surrogates kept) where some are not UTF-8."""
+    ids = ids if isinstance(ids, list) else list(ids)
+    try:
+        return pa.array(ids, pa.string())
+    except (UnicodeEncodeError, pa.ArrowException):
+        return pa.array([i.encode("utf-8", "surrogatepass") for i in ids], pa.binary())
+
+
+def as_bytes(ids: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """The ids' bytes (a view of a string array), for comparing ids of either kind."""
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    return ids if pa.types.is_large_binary(ids.type) else ids.cast(pa.large_binary())
+
+
+def hash_ids(ids: pa.Array) -> np.ndarray:
+    """Each id's 64-bit hash (int64), computed over the whole array at once: a polynomial over its
+    UTF-8 bytes (mod 2**64), its length mixed in, then splitmix64's finalizer. The same in every
+    process; not meant to resist ids chosen to collide (a collision costs one confirmation).
+    Hashed ``HASH_BYTES`` of ids at a time, so the per-byte temporaries stay small."""
+    ids = as_bytes(ids)
+    n = len(ids)
+    offsets = np.frombuffer(ids.buffers()[1], np.int64, n + 1, ids.offset * 8)
+    total = int(offsets[-1] - offsets[0])
+    data = np.frombuffer(ids.buffers()[2], np.uint8, total, int(offsets[0])) if total else np.zeros(0, np.uint8)
+    out = np.empty(n, dtype=np.int64)
+    start = 0
+    while start < n:
+        end = min(max(int(np.searchsorted(offsets, offsets[start] + HASH_BYTES, side="right")) - 1, start + 1), n)
+        out[start:end] = _hash_range(data, offsets[start:end + 1] - offsets[0])
+        start = end
+    return out
+
+
+def _hash_range(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    global _powers
+    lengths = np.diff(offsets)
+    longest = int(lengths.max())
+    if longest > len(_powers):
+        grown = np.full(longest, _BASE, dtype=np.uint64)
+        grown[0] = 1
+        _powers = np.cumprod(grown, dtype=np.uint64)
+    lo, total = int(offsets[0]), int(offsets[-1] - offsets[0])
+    ends = np.repeat(offsets[1:] - lo, lengths)
+    terms = (data[lo:lo + total].astype(np.uint64) + np.uint64(1)) * _powers[ends - 1 - np.arange(total)]
+    sums = np.zeros(total + 1, dtype=np.uint64)
+    np.cumsum(terms, out=sums[1:])
+    starts = offsets - lo
+    h = (sums[starts[1:]] - sums[starts[:-1]]) ^ (lengths.astype(np.uint64) * _GOLDEN)
+    h ^= h >> np.uint64(30)
+    h *= _MIX[0]
+    h ^= h >> np.uint64(27)
+    h *= _MIX[1]
+    h ^= h >> np.uint64(31)
+    return h.view(np.int64)
 
 
 def hashes_of(ids: Iterable[str]) -> np.ndarray:
-    return np.fromiter(map(id_hash, ids), dtype=np.int64)
+    return hash_ids(id_array(ids))
 
 
 def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[list[T]]:
@@ -48,29 +111,28 @@ def batches(items: Iterable[T], first: int = 16, size: int = BATCH) -> Iterator[
 
 
 class SortedRuns:
-    """A multiset of hashes, each with a uint32 value (or none), as a few sorted runs (LSM-style: a new run
-    is merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32
-    only the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false
-    match in about n / 2**32 lookups."""
+    """A multiset of hashes, each with a value, as a few sorted runs (LSM-style: a new run is
+    merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32 only
+    the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false match
+    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row)."""
 
-    def __init__(self, dtype: type[np.integer] = np.int64, values: bool = True) -> None:
+    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32) -> None:
         self.dtype = dtype
-        self.values = values  # False: hashes only (the values read as 0 and cost nothing)
+        self.value_type = values
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.size = 0
 
-    def add(self, hashes: np.ndarray, value: int = 0) -> None:
+    def add(self, hashes: np.ndarray, value: int | np.ndarray = 0) -> None:
+        """Add ``hashes``, each with ``value`` (one for all, or one each)."""
         if not len(hashes):
             return
-        vals = np.full(len(hashes), value, dtype=np.uint32) if self.values else np.empty(0, np.uint32)
-        run = (np.sort(hashes.astype(self.dtype)), vals)
+        keys = hashes.astype(self.dtype)
+        order = np.argsort(keys, kind="stable")
+        run = (keys[order], np.broadcast_to(np.asarray(value, dtype=self.value_type), len(keys))[order])
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
             merged = np.concatenate([last[0], run[0]])
-            if not self.values:
-                run = (np.sort(merged), run[1])
-                continue
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)
@@ -78,65 +140,119 @@ class SortedRuns:
     def contains(self, hashes: np.ndarray) -> np.ndarray:
         """Per hash: is it (maybe: another id may have the same hash) in the set?"""
         found = np.zeros(len(hashes), dtype=bool)
-        hashes = hashes.astype(self.dtype)
+        if not self.runs or not len(hashes):
+            return found
+        order = np.argsort(hashes.astype(self.dtype))  # sorted queries: searchsorted walks each run once
+        query = hashes.astype(self.dtype)[order]
         for keys, _ in self.runs:
-            at = np.minimum(np.searchsorted(keys, hashes), len(keys) - 1)
-            found |= keys[at] == hashes
+            at = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
+            found[order] |= keys[at] == query
         return found
+
+    def matches(self, hashes: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(positions in ``hashes``, values) of every match, run by run; several for a position
+        whose hash is in a run more than once."""
+        if not self.runs or not len(hashes):
+            return
+        query = hashes.astype(self.dtype)
+        order = np.argsort(query)
+        query = query[order]
+        for keys, values in self.runs:
+            at = np.searchsorted(keys, query)
+            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query)
+            at = at[hit]
+            while len(hit):  # the first match of each, then the next ones where a hash repeats in the run
+                yield order[hit], values[at]
+                at = at + 1
+                more = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[hit])
+                more = more[at[more] < len(keys)]
+                hit, at = hit[more], at[more]
 
 
 class DoneIds(AbstractSet[str]):
     """The ids complete in an output dir's parts: each id's hash with the number of the part that
     holds it. A hash match is confirmed against the ids of that part, read back through the part's
-    ``load`` function (recently read parts are cached: a rerun reads the input in about the order
-    the parts were written). Ask many ids at once (``contains_many``): one lookup per batch."""
+    ``load`` function (recently read parts are cached as Arrow arrays: a rerun reads the input in
+    about the order the parts were written). Ask many ids at once (``contains``): one lookup per batch."""
 
     def __init__(self) -> None:
         self._hashes = SortedRuns()
         self._loaders: list[Callable[[], Iterable[str]]] = []
-        self._cache: OrderedDict[int, frozenset[str]] = OrderedDict()
+        self._cache: OrderedDict[int, pa.Array] = OrderedDict()
         self._cached_ids = 0
-        self._count = 0
-        self.twice = 0  # ids complete in more than one part (should never happen)
+        self._total = 0  # ids of all parts, an id complete in two parts counted twice
+        self._twice: int | None = 0
 
     def add_part(self, ids: list[str], load: Callable[[], Iterable[str]]) -> None:
         """A part's complete ids, each once (``load`` gives them again to confirm a match)."""
-        hashes = hashes_of(ids)
-        maybe = self._hashes.contains(hashes)
-        again = sum(self.contains_many(list(compress(ids, maybe)))) if maybe.any() else 0
-        self._hashes.add(hashes, len(self._loaders))
+        self._hashes.add(hashes_of(ids), len(self._loaders))
         self._loaders.append(load)
-        self._count += len(ids) - again
-        self.twice += again
+        self._total += len(ids)
+        self._twice = None
+
+    @property
+    def twice(self) -> int:
+        """Ids complete in more than one part (should never happen), counted once asked: the
+        hashes found in two runs or twice in one, each confirmed on the ids of their parts."""
+        if self._twice is None:
+            self._twice = self._count_twice()
+        return self._twice
+
+    def _count_twice(self) -> int:
+        runs = self._hashes.runs
+        found = [keys[1:][keys[1:] == keys[:-1]] for keys, _ in runs]
+        for i, (keys, _) in enumerate(runs):
+            for later, _ in runs[i + 1:]:
+                at = np.minimum(np.searchsorted(keys, later), len(keys) - 1)
+                found.append(later[keys[at] == later])
+        suspects = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+        if not len(suspects):
+            return 0
+        parts = np.unique(np.concatenate([values[np.isin(keys, suspects)] for keys, values in runs]))
+        seen: dict[bytes, int] = {}
+        for part in parts.tolist():
+            ids = self._part_ids(part)
+            for row_id in ids.filter(pa.array(np.isin(hash_ids(ids), suspects))).to_pylist():
+                seen[row_id] = seen.get(row_id, 0) + 1
+        return sum(n - 1 for n in seen.values())
+
+    def contains(self, ids: pa.Array, hashes: np.ndarray | None = None) -> np.ndarray:
+        """Per id of an Arrow array (``hashes``: theirs, if the caller has them): is it done?"""
+        return self.locate(ids, hashes) >= 0
+
+    def locate(self, ids: pa.Array, hashes: np.ndarray | None = None) -> np.ndarray:
+        """Per id of an Arrow array: the number of the first part (as added) holding it, or -1."""
+        hashes = hash_ids(ids) if hashes is None else hashes
+        found = np.full(len(ids), -1, dtype=np.int64)
+        for rows, parts in self._hashes.matches(hashes):
+            order = np.argsort(parts, kind="stable")
+            rows, parts = rows[order], parts[order]
+            cuts = np.flatnonzero(parts[1:] != parts[:-1]) + 1
+            for asked, part in zip(np.split(rows, cuts), parts[np.concatenate([[0], cuts])].tolist(), strict=True):
+                asked = asked[(found[asked] < 0) | (found[asked] > part)]
+                if len(asked):
+                    taken = as_bytes(ids.take(pa.array(asked)))
+                    hit = pc.is_in(taken, value_set=self._part_ids(part)).to_numpy(zero_copy_only=False)
+                    found[asked[hit]] = part
+        return found
+
+    def part_ids(self, part: int) -> pa.Array:
+        """The complete ids of a part (its number as added), as bytes."""
+        return self._part_ids(part)
 
     def contains_many(self, ids: list[str], hashes: np.ndarray | None = None) -> list[bool]:
-        """Per id (``hashes``: theirs, if the caller has them): is it done?"""
-        hashes = hashes_of(ids) if hashes is None else hashes
-        found = [False] * len(ids)
-        for keys, parts in self._hashes.runs:
-            lo, hi = np.searchsorted(keys, hashes), np.searchsorted(keys, hashes, side="right")
-            matched = np.flatnonzero(hi > lo)
-            # (id, part) pairs to confirm: one per match, several where hashes collide in this run
-            repeat = (hi - lo)[matched]
-            rows = np.repeat(matched, repeat)
-            at = np.repeat(lo[matched] - np.cumsum(repeat) + repeat, repeat) + np.arange(len(rows))
-            last, last_ids = -1, frozenset[str]()
-            for i, part in zip(rows.tolist(), parts[at].tolist(), strict=True):
-                if not found[i]:
-                    if part != last:
-                        last, last_ids = part, self._part_ids(part)
-                    found[i] = ids[i] in last_ids
-        return found
+        """Per id of a list: is it done?"""
+        return self.contains(id_array(ids), hashes).tolist()
 
     def __contains__(self, row_id: object) -> bool:
         return isinstance(row_id, str) and self.contains_many([row_id])[0]
 
-    def _part_ids(self, part: int) -> frozenset[str]:
+    def _part_ids(self, part: int) -> pa.Array:
         ids = self._cache.get(part)
         if ids is not None:
             self._cache.move_to_end(part)
             return ids
-        ids = frozenset(self._loaders[part]())
+        ids = as_bytes(id_array(self._loaders[part]()))
         self._cache[part] = ids
         self._cached_ids += len(ids)
         while self._cached_ids > CONFIRM_CACHE_IDS and len(self._cache) > 1:
@@ -144,7 +260,7 @@ class DoneIds(AbstractSet[str]):
         return ids
 
     def __len__(self) -> int:
-        return self._count
+        return self._total - self.twice
 
     @classmethod
     def _from_iterable(cls, it: Iterable[str]) -> set[str]:
@@ -184,41 +300,43 @@ class SpilledIds:
         self._size = 0
         self._runs: list[_Run] = []
 
-    def spill(self, ids: list[str], keys: list[int]) -> np.ndarray:
-        """Write a run; its hashes (for the caller's in-memory set)."""
-        hashes = hashes_of(ids)
+    def spill(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> None:
+        """Write a run of ``ids`` with their ``hashes`` and ``keys``."""
         order = np.argsort(hashes, kind="stable")
-        encoded = [ids[i].encode("utf-8", "surrogatepass") for i in order.tolist()]
-        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+        taken = as_bytes(ids.take(pa.array(order)))
+        offsets = np.frombuffer(taken.buffers()[1], np.int64, len(taken) + 1, taken.offset * 8)
+        data = taken.buffers()[2]
+        body = b"" if data is None else data.to_pybytes()[int(offsets[0]):int(offsets[-1])]
         if self._file is None:
             self._dir = tempfile.TemporaryDirectory(prefix="batchgen-ids-")
             self._file = open(Path(self._dir.name) / "spilled", "w+b")  # closed by close()
-        data = [hashes[order].tobytes(), np.asarray(keys, dtype=np.int64)[order].tobytes(), offsets.tobytes(),
-                b"".join(encoded)]
+        sections = [hashes[order].astype(np.int64).tobytes(), keys[order].astype(np.int64).tobytes(),
+                    (offsets - offsets[0]).tobytes(), body]
         self._file.seek(self._size)
-        self._file.writelines(data)
+        self._file.writelines(sections)
         self._file.flush()
-        self._runs.append(_Run(self._size, len(ids), hashes[order][::FENCE].copy()))
-        self._size += sum(map(len, data))
-        return hashes
+        self._runs.append(_Run(self._size, len(order), hashes[order][::FENCE].astype(np.int64)))
+        self._size += sum(map(len, sections))
 
-    def key_of(self, row_id: str) -> int | None:
-        """The key spilled with ``row_id``, or None."""
+    @property
+    def runs(self) -> int:
+        return len(self._runs)
+
+    def key_of(self, row_id: bytes, h: int, run_no: int) -> int | None:
+        """The key spilled with ``row_id`` (its UTF-8 bytes; ``h`` its hash) in run ``run_no``, or None."""
         if self._file is None:
             return None
-        h, fd, wanted = id_hash(row_id), self._file.fileno(), row_id.encode("utf-8", "surrogatepass")
-        for run in self._runs:
-            start = max(int(np.searchsorted(run.fence, h)) - 1, 0) * FENCE
-            while start < run.n:
-                block = np.frombuffer(os.pread(fd, 8 * min(FENCE, run.n - start), run.section(0) + 8 * start), np.int64)
-                for i in (start + np.flatnonzero(block == h)).tolist():
-                    lo, hi = np.frombuffer(os.pread(fd, 16, run.section(2) + 8 * i), np.int64).tolist()
-                    if os.pread(fd, hi - lo, run.section(3) + 8 + lo) == wanted:
-                        return int(np.frombuffer(os.pread(fd, 8, run.section(1) + 8 * i), np.int64)[0])
-                if block[-1] > h:
-                    break
-                start += FENCE
+        fd, run = self._file.fileno(), self._runs[run_no]
+        start = max(int(np.searchsorted(run.fence, h)) - 1, 0) * FENCE
+        while start < run.n:
+            block = np.frombuffer(os.pread(fd, 8 * min(FENCE, run.n - start), run.section(0) + 8 * start), np.int64)
+            for i in (start + np.flatnonzero(block == h)).tolist():
+                lo, hi = np.frombuffer(os.pread(fd, 16, run.section(2) + 8 * i), np.int64).tolist()
+                if os.pread(fd, hi - lo, run.section(3) + 8 + lo) == row_id:
+                    return int(np.frombuffer(os.pread(fd, 8, run.section(1) + 8 * i), np.int64)[0])
+            if block[-1] > h:
+                break
+            start += FENCE
         return None
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,7 +38,7 @@ class ParamsBuilder:
         if self.job_seed is not None and "seed" not in overrides:
             changes["seed"] = row_seed(self.job_seed, row_id)
         if not overrides:
-            return dataclasses.replace(self.base, **changes)
+            return self._with_seed(changes.get("seed"))
         values = row_constraint(overrides)
         try:
             merged = SamplingSpec.model_validate({**self._defaults, **values})
@@ -53,6 +53,16 @@ class ParamsBuilder:
             msg = str(e)
             key = msg.split(":", 1)[0].removeprefix("SamplingParams.")
             raise RowParamsError(self._where(key, msg.split(": ", 1)[-1], sources)) from None
+
+    def _with_seed(self, seed: int | None) -> SamplingParams:
+        """The job's params, shared by the rows without overrides (the engine never changes a
+        request's params, as ``LLM.generate`` shares one among its prompts), or a copy with a row's
+        seed: no per-row validation of what the job file's check validated once."""
+        if seed is None:
+            return self.base
+        params = copy.copy(self.base)
+        params.seed = seed
+        return params
 
     def _override_key(self, key: str) -> str | None:
         """The override column behind a field path: itself, the field above it, or, for a field

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ..errors import JobError
@@ -48,7 +49,15 @@ def batch_records(batches: Iterable[pa.RecordBatch | pa.Table], columns: list[st
     """The rows of ``batches``, numbered from 0, with the values of ``columns``."""
     index = 0
     for batch in batches:
-        values = {c: to_python(cast_column(batch.column(c), types.get(c), file_name, c)) for c in columns}
-        for j in range(batch.num_rows):
-            yield Record(index, {c: values[c][j] for c in columns})
-            index += 1
+        yield from records_of(batch, columns, types, file_name, index)
+        index += batch.num_rows
+
+
+def records_of(batch: pa.RecordBatch | pa.Table, columns: list[str], types: Mapping[str, pa.DataType],
+               file_name: str, start: int, positions: np.ndarray | None = None) -> list[Record]:
+    """The rows of a batch whose first row is number ``start`` (only those at ``positions``, if given)."""
+    if positions is not None:
+        batch = batch.take(pa.array(positions, pa.int64()))
+    values = {c: to_python(cast_column(batch.column(c), types.get(c), file_name, c)) for c in columns}
+    numbers = range(start, start + batch.num_rows) if positions is None else (start + positions).tolist()
+    return [Record(i, {c: values[c][j] for c in columns}) for j, i in enumerate(numbers)]

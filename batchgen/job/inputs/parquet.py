@@ -4,14 +4,32 @@ object is fetched in ranges as pyarrow asks for them). Rows are numbered from 0 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import JobError
-from .arrow import BATCH_ROWS, batch_records
+from .arrow import BATCH_ROWS, batch_records, records_of
 from .rows import InputFile, Record
+
+COLUMN_BATCH_ROWS = 1 << 16  # rows read together as columns (``column_batches``)
+
+
+@dataclass
+class ColumnBatch:
+    """Rows ``start``.. of a file as Arrow columns; ``records`` makes Records of the rows asked for."""
+
+    start: int
+    columns: pa.RecordBatch
+    source: ParquetSource
+    names: list[str]
+
+    def records(self, positions: np.ndarray) -> list[Record]:
+        s = self.source
+        return records_of(self.columns, self.names, s.types, s.file.name, self.start, positions)
 
 
 class ParquetSource:
@@ -42,16 +60,37 @@ class ParquetSource:
     def count(self) -> tuple[int, bool]:
         return self.parquet.metadata.num_rows, True
 
+    def column_batches(self, columns: list[str]) -> Iterator[ColumnBatch]:
+        """The file's rows as column batches, read whole (the columnar path of the reader)."""
+        self._check_columns(columns)
+        start = 0
+        try:
+            for batch in self._batches(COLUMN_BATCH_ROWS, columns):
+                yield ColumnBatch(start, batch, self, columns)
+                start += batch.num_rows
+        except (OSError, pa.ArrowException) as e:
+            raise JobError(f"cannot read input file {self.file.name} near row {start}: {e}") from None
+
+    def _batches(self, size: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """One row group at a time: pyarrow pre-buffers every row group it is asked for at once,
+        so asking for all of them would hold the whole file's columns (~13 bytes a row of a
+        10M-row file of short prompts) until the last batch."""
+        for group in range(self.parquet.num_row_groups):
+            yield from self.parquet.iter_batches(batch_size=size, row_groups=[group], columns=columns)
+
+    def _check_columns(self, columns: list[str]) -> None:
+        missing = [c for c in columns if c not in self.schema.names]
+        if missing:
+            raise JobError(f"input file {self.file.name} has no column {missing[0]!r}")
+
     def records(self, columns: list[str], parse: bool = True) -> Iterator[Record]:
         if not parse:
             yield from (Record(i, None) for i in range(self.parquet.metadata.num_rows))
             return
-        missing = [c for c in columns if c not in self.schema.names]
-        if missing:
-            raise JobError(f"input file {self.file.name} has no column {missing[0]!r}")
+        self._check_columns(columns)
         index = 0
         try:
-            batches = self.parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            batches = self._batches(BATCH_ROWS, columns)
             for record in batch_records(batches, columns, self.types, self.file.name):
                 index = record.index
                 yield record

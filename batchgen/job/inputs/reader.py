@@ -21,18 +21,19 @@ import pyarrow as pa
 
 from ...storage import Location, StorageOptions
 from ..errors import JobError, JobInvalid, Problem
-from ..ids import DoneIds, batches, hashes_of
+from ..ids import BATCH, DoneIds, batches, hash_ids, id_array
 from ..shard import Shard
 from ..spec import InputSpec, Job
 from . import openai_batch
 from .csv import DELIMITERS, CsvColumns, CsvSource
 from .discover import discover
 from .hf_dataset import DatasetSource
+from .id_batches import IdBatch, InputIds, column_ids
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
 from .rows import CHAT, COMPLETION, EMBEDDING, BadValue, InputFile, InputId, Record, Row, Source
-from .seen import FirstSeen
+from .seen import FirstSeen, row_key
 from .values import (
     check_carried,
     check_inputs,
@@ -192,8 +193,9 @@ class InputReader:
         """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set.
 
         A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
-        id, so each id is generated once, from its first row, and a rerun skips both. Records
-        are read and looked up in batches (``DoneIds`` answers a batch at once).
+        id, so each id is generated once, from its first row, and a rerun skips both. Ids are
+        read, looked up and checked for repeats a batch at a time (columnar for a Parquet id
+        column); only the rows not in ``skip`` are read whole.
         """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
@@ -201,36 +203,70 @@ class InputReader:
         columns = self._columns()
         try:
             for file_no, f in enumerate(self.files):
-                for batch in batches(self._source(f).records(columns)):
-                    read = [(record, *self._row_id(f, record)) for record in batch]
+                for b in self._id_batches(f, columns):
                     if shard is not None and shard.count > 1:
-                        read = [r for r in read if shard.owns(r[1])]
-                    hashes = hashes_of(r[1] for r in read)
-                    done = (skip.contains_many([r[1] for r in read], hashes) if isinstance(skip, DoneIds)
-                            else [r[1] in skip for r in read])
-                    for (record, row_id, _), (out_id, error), was_done in zip(
-                            read, self._first_rows(seen, file_no, read, hashes), done, strict=True):
-                        if out_id != row_id:  # a repeated id: the error row has an id of its own
-                            was_done = out_id in skip
-                        if was_done:
-                            continue
-                        yield self._row(f, record, out_id, error)
-                    if seen is not None:
-                        seen.end_batch()
+                        b = b.take(np.flatnonzero(np.fromiter(map(shard.owns, b.ids.to_pylist()), bool, len(b.ids))))
+                    ids, hashes, errors, _ = self._first_rows(seen, file_no, f, b)
+                    done = (skip.contains(ids, hashes) if isinstance(skip, DoneIds)
+                            else np.fromiter((i in skip for i in ids.to_pylist()), bool, len(ids)))
+                    for todo in _chunks(np.flatnonzero(~done)):
+                        for record, at, row_id in zip(b.read(todo), todo.tolist(), ids.take(todo).to_pylist(),
+                                                      strict=True):
+                            yield self._row(f, record, row_id, errors.get(at))
         finally:
             if seen is not None:
                 seen.close()
 
-    def _first_rows(self, seen: FirstSeen | None, file_no: int, read: list[tuple[Record, str, str | None]],
-                    hashes: np.ndarray) -> Iterator[tuple[str, str | None]]:
-        """(id, id error) of each record of a batch, as read: a row repeating an earlier row's id
-        gets its own ``<file>:<row>`` id and the error naming the first row."""
-        spilled = seen.spilled_maybe(hashes) if seen is not None else [False] * len(read)
-        for (record, row_id, id_error), maybe in zip(read, spilled, strict=True):
-            if seen is None or id_error is not None or record.values is None:
-                yield row_id, id_error
-            else:
-                yield seen.check(row_id, file_no, record.index, self.spec.id_key or "", maybe)
+    def _id_batches(self, f: InputFile, columns: list[str], parse: bool = True) -> Iterator[IdBatch]:
+        """The file's rows by their ids: a Parquet id column columnar, other rows record by record."""
+        source = self._source(f)
+        id_key = self.spec.id_key
+        if not (id_key and parse and isinstance(source, ParquetSource)):
+            for batch in batches(source.records(columns, parse)):
+                yield self._record_batch(f, batch)
+            return
+        for cb in source.column_batches(columns):
+            got = column_ids(cb.columns.column(id_key), f, cb.start, id_key)
+            if got is None:
+                yield self._record_batch(f, cb.records(None))
+                continue
+            ids, errors = got
+            checked = np.ones(len(ids), dtype=bool)
+            checked[list(errors)] = False
+            yield IdBatch(ids, cb.start + np.arange(len(ids), dtype=np.int64), checked, errors, cb.records)
+
+    def _record_batch(self, f: InputFile, records: list[Record]) -> IdBatch:
+        read = [self._row_id(f, record) for record in records]
+        checked = [self.spec.id_key is not None and error is None and record.values is not None
+                   for record, (_, error) in zip(records, read, strict=True)]
+        return IdBatch(id_array([row_id for row_id, _ in read]),
+                       np.fromiter((record.index for record in records), np.int64, len(records)),
+                       np.array(checked, dtype=bool), {i: e for i, (_, e) in enumerate(read) if e is not None},
+                       lambda at: [records[i] for i in at.tolist()])
+
+    def _first_rows(self, seen: FirstSeen | None, file_no: int, f: InputFile, b: IdBatch
+                    ) -> tuple[pa.Array, np.ndarray, dict[int, str], np.ndarray]:
+        """(output ids, their hashes, errors by position, the positions of repeats) of a batch: a row
+        repeating an earlier row's id gets its own ``<file>:<row>`` id and the error naming the first row."""
+        hashes = hash_ids(b.ids)
+        checked = np.flatnonzero(b.checked)
+        if seen is None or not len(checked):
+            return b.ids, hashes, b.errors, checked[:0]
+        first = seen.first_of(b.ids.take(pa.array(checked)), hashes[checked],
+                              row_key(file_no, b.index[checked]))
+        repeats = checked[first >= 0]
+        if not len(repeats):
+            return b.ids, hashes, b.errors, repeats
+        ids, errors = b.ids.to_pylist(), dict(b.errors)
+        column = self.spec.id_key or ""
+        for at, key in zip(repeats.tolist(), first[first >= 0].tolist(), strict=True):
+            errors[at] = (f"field {column!r}: duplicate id {ids[at]!r}, first at {seen.where(key)}; "
+                          "only that row is generated")
+            ids[at] = f"{f.name}:{b.index[at]}"
+        out = id_array(ids)
+        hashes = hashes.copy()
+        hashes[repeats] = hash_ids(out.take(pa.array(repeats)))
+        return out, hashes, errors, repeats
 
     def _row(self, f: InputFile, record: Record, row_id: str, id_error: str | None) -> Row:
         where = f.place_for(record, row_id)
@@ -241,27 +277,32 @@ class InputReader:
             row.prompt, row.overrides, row.carry = None, {}, {}
         return row
 
-    def ids(self) -> Iterator[InputId]:
-        """Every row's ids (bad rows included), reading as little as possible; for ``status``."""
+    def id_batches(self) -> Iterator[InputIds]:
+        """Every row's output ids (bad rows included), a batch at a time, reading as little as
+        possible (a Parquet id column alone, columnar); for ``status`` and ``merge``."""
         id_key = self.spec.id_key
         seen = FirstSeen(self.files) if id_key else None
         try:
             for file_no, f in enumerate(self.files):
-                records = self._source(f).records([id_key] if id_key else [], parse=id_key is not None)
-                for batch in batches(records):
-                    read = [(record, *self._row_id(f, record)) for record in batch]
-                    hashes = hashes_of(r[1] for r in read)
-                    for (record, row_id, _), (out_id, error) in zip(
-                            read, self._first_rows(seen, file_no, read, hashes), strict=True):
-                        if out_id == row_id:
-                            yield InputId(row_id)
-                        else:
-                            yield InputId(out_id, row_id, error and f"{f.place_for(record, out_id)}: {error}")
-                    if seen is not None:
-                        seen.end_batch()
+                for b in self._id_batches(f, [id_key] if id_key else [], parse=id_key is not None):
+                    ids, hashes, errors, repeats = self._first_rows(seen, file_no, f, b)
+                    duplicates = {}
+                    for at in repeats.tolist():
+                        place = f.place_for(Record(int(b.index[at]), None), ids[at].as_py())
+                        duplicates[at] = f"{place}: {errors[at]}"
+                    yield InputIds(ids, hashes, b.ids, duplicates)
         finally:
             if seen is not None:
                 seen.close()
+
+    def ids(self) -> Iterator[InputId]:
+        """Every row's ids, one by one (``id_batches``)."""
+        for batch in self.id_batches():
+            for at, (row_id, owner) in enumerate(zip(batch.ids.to_pylist(), batch.owners.to_pylist(), strict=True)):
+                if at in batch.duplicates:
+                    yield InputId(row_id, owner, batch.duplicates[at])
+                else:
+                    yield InputId(row_id)
 
     def _row_id(self, f: InputFile, record: Record) -> tuple[str, str | None]:
         col = self.spec.id_key
@@ -326,3 +367,11 @@ class InputReader:
                 return f"field {col!r}: {error}"
             row.carry[col] = v
         return None
+
+
+def _chunks(positions: np.ndarray, first: int = 16) -> Iterator[np.ndarray]:
+    """``positions`` in slices doubling from ``first`` to ``BATCH``: the first rows come at once."""
+    start, n = 0, first
+    while start < len(positions):
+        yield positions[start:start + n]
+        start, n = start + n, min(2 * n, BATCH)

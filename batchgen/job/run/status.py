@@ -1,19 +1,20 @@
 """``batchgen status OUTPUT_DIR``: rows done, errors and rows still missing, per shard.
 
 Needs only the output dir: the run saved its job there (``_job.json``), which tells where the
-input is, so missing rows are counted by reading the input ids (only the id column of Parquet).
+input is, so missing rows are counted by reading the input ids (only the id column of Parquet, columnar).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from ...storage import Location, location
 from ...storage.locks import lock_states
-from ..ids import DoneIds, batches
+from ..ids import DoneIds
 from ..inputs import InputReader
 from ..outputs.saved import load_saved_job, read_saved
 from ..outputs.writer import list_parts, part_ids, summarize
@@ -91,20 +92,19 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
     if with_input:
         try:
             reader = InputReader.for_job(job)
-            totals: Counter[int] = Counter()
-            missing: Counter[int] = Counter()
-            for batch in batches(reader.ids()):
-                for key, is_done in zip(batch, done.contains_many([key.id for key in batch]), strict=True):
-                    s = shard_of(key.shard_id, count)
-                    totals[s] += 1
-                    if not is_done:
-                        missing[s] += 1
-                    if key.duplicate:
-                        report.duplicates += 1
-                        if len(report.duplicate_examples) < _SHOWN_DUPLICATES:
-                            report.duplicate_examples.append(key.duplicate)
+            totals = np.zeros(count, dtype=np.int64)
+            missing = np.zeros(count, dtype=np.int64)
+            for batch in reader.id_batches():
+                not_done = ~done.contains(batch.ids, batch.hashes)
+                shards = (np.zeros(len(batch.ids), dtype=np.int64) if count == 1 else
+                          np.fromiter((shard_of(i, count) for i in batch.owners.to_pylist()), np.int64, len(batch.ids)))
+                totals += np.bincount(shards, minlength=count)
+                missing += np.bincount(shards[not_done], minlength=count)
+                report.duplicates += len(batch.duplicates)
+                report.duplicate_examples += list(batch.duplicates.values())[:_SHOWN_DUPLICATES - len(
+                    report.duplicate_examples)]
             for i, st in per.items():
-                st.input_rows, st.missing = totals[i], missing[i]
+                st.input_rows, st.missing = int(totals[i]), int(missing[i])
         except Exception as e:  # the input may have moved; still show what is done
             report.input_error = str(e).splitlines()[0]
     report.shards = list(per.values())
