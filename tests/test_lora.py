@@ -13,25 +13,11 @@ from batchgen import LLM, LoRARequest, SamplingParams
 from batchgen.config import ConfigError
 
 peft = pytest.importorskip("peft")
+from lora_kit import make_adapter  # noqa: E402  (after the skip: it imports peft)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPT_LENS = [3, 17, 40, 90]
-
-
-def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool = False, **extra):
-    """A PEFT LoRA adapter with random A and B (init_lora_weights=False) on the base model, saved."""
-    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                             use_rslora=rslora, **extra)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # PEFT's random B is small; larger makes the adapter change the greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def prompts_of(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:

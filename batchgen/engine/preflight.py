@@ -37,7 +37,7 @@ def plan_model(config: EngineConfig) -> ModelPlan:
     """Resolves the options against the model; raises ConfigError naming every option that
     cannot work (FileNotFoundError when there is no model at that path)."""
     model_dir = resolve_model_dir(config.model)
-    hf_config = _read_hf_config(model_dir)
+    hf_config = read_hf_config(model_dir)
     try:
         impl = pick_impl(config.model_impl, hf_config)
     except ValueError as e:
@@ -72,7 +72,7 @@ def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
                                             "gpu_memory_utilization (CUDA)")
 
 
-def _read_hf_config(model_dir: Path) -> Any:
+def read_hf_config(model_dir: Path) -> Any:
     from transformers import AutoConfig
 
     try:
