@@ -445,7 +445,7 @@ def _lora_modules(pairs: list[str]) -> dict[str, str] | None:
 def spread_lora_modules(args: list[str]) -> list[str]:
     """vLLM's spelling, ``--lora-modules a=PATH b=PATH``, as one flag per adapter (what typer reads)."""
     out: list[str] = []
-    values = 0  # of the --lora-modules just read; None: another flag's
+    values: int | None = None  # values read after --lora-modules; None: not in its list
     for arg in args:
         if arg.startswith("-"):
             values = 0 if arg == "--lora-modules" else None

@@ -207,6 +207,8 @@ def test_lora_modules_flag_takes_vllm_spelling():
 
     assert spread_lora_modules(["run-batch", "--lora-modules", "a=x", "b=y", "--model", "m"]) == [
         "run-batch", "--lora-modules", "a=x", "--lora-modules", "b=y", "--model", "m"]
+    others = ["run", "job.yaml", "--shard", "0/2"]
+    assert spread_lora_modules(others) == others
 
 
 def test_host_memory_cap_drops_least_recently_used_never_one_in_a_slot(tiny_model_dirs, adapters):
@@ -231,3 +233,49 @@ def test_host_memory_cap_drops_least_recently_used_never_one_in_a_slot(tiny_mode
     alone = [free.generate([p], greedy, use_tqdm=False, lora_request=requests[i % 3])[0]
              for i, p in enumerate(prompts * 3)]
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_guide_job_and_run_batch_examples_run(tiny_model_dirs, adapters, tmp_path):
+    """docs/lora.md's job file and run-batch command and the README's LoRA example as written, in a HOME
+    where their model and adapter paths lead to the tiny Llama and two of the adapters."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from jobkit import REPO
+
+    guide = (REPO / "docs" / "lora.md").read_text(encoding="utf-8")
+    (job_text,) = re.findall(r"<!-- readme-test: lora-job -->\n```yaml\n(.*?)```", guide, re.S)
+    (command,) = re.findall(r"<!-- readme-test: lora-run-batch -->\n```bash\n(.*?)```", guide, re.S)
+    home = tmp_path / "home"
+    model = home / ".cache" / "batchgen" / "models" / "SmolLM2-135M-Instruct"
+    model.parent.mkdir(parents=True)
+    model.symlink_to(tiny_model_dirs["llama"], target_is_directory=True)
+    for name in ("sql", "chat"):
+        (home / "adapters").mkdir(exist_ok=True)
+        (home / "adapters" / f"{name}-lora").symlink_to(adapters[name], target_is_directory=True)
+    work = home / "work"
+    work.mkdir()
+    (work / "job.yaml").write_text(job_text)
+    write_jsonl(work / "tickets.jsonl", [{"id": "t1", "prompt": "list the tables", "adapter": "sql"},
+                                         {"id": "t2", "prompt": "list the tables", "adapter": None},
+                                         {"id": "t3", "prompt": "list the tables", "adapter": "sq1"}])
+    write_jsonl(work / "requests.jsonl", [request("r1", "list the tables", "chat"),
+                                          request("r2", "list the tables", "SmolLM2-135M-Instruct")])
+    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_ENGINE"}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO), PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"<!-- readme-test: python lora-readme -->\n```python\n(.*?)```", readme, re.S)
+    (work / "readme.py").write_text(snippet)
+    for script in ("batchgen run job.yaml", command, f"{sys.executable} readme.py"):
+        proc = subprocess.run(["bash", "-c", f"set -euo pipefail\n{script}"], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _, rows = read(work / "out" / "tickets")
+    assert [rows[i]["lora"] for i in ("t1", "t2", "t3")] == ["sql", None, "sq1"]
+    assert rows["t1"]["text"] != rows["t2"]["text"]
+    assert rows["t3"]["error"] == ("tickets.jsonl line 3: field 'adapter': unknown adapter 'sq1' "
+                                   "(model.lora_modules has: sql, chat)")
+    lines = [json.loads(x) for x in (work / "results.jsonl").read_text().splitlines()]
+    assert [x["response"]["body"]["model"] for x in lines] == ["chat", "SmolLM2-135M-Instruct"]
