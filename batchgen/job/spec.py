@@ -176,8 +176,8 @@ class InputSpec(_Section):
             given = [k for k in ("id_column", "prompt_column", "messages_column", "completion_column",
                                  "lora_column") if getattr(self, k)]
             if given:
-                raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt (and "
-                                 f"body.model names the adapter); remove {', '.join(given)}")
+                raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt; "
+                                 f"remove {', '.join(given)}")
         elif (self.prompt_column is None) == (self.messages_column is None):
             raise ValueError("set exactly one of prompt_column (text or token ids) or messages_column (chat)")
         if self.check_model and self.format != "openai_batch":

@@ -17,8 +17,9 @@ from batchgen.models.loader import first_line
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT drops the adapter's own name on save)
-_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:\w+)\.(\w+)"
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT drops the adapter's own name on save;
+# the decoder's own name is model, gpt_neox, transformer, ...)
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:\w+\.)?layers\.(\d+)\.(?:\w+)\.(\w+)"
                      r"\.lora_([AB])\.weight$")
 _HEAD_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
