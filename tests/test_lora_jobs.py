@@ -279,3 +279,28 @@ def test_guide_job_and_run_batch_examples_run(tiny_model_dirs, adapters, tmp_pat
                                    "(model.lora_modules has: sql, chat)")
     lines = [json.loads(x) for x in (work / "results.jsonl").read_text().splitlines()]
     assert [x["response"]["body"]["model"] for x in lines] == ["chat", "SmolLM2-135M-Instruct"]
+
+
+def test_adapter_in_a_bucket_is_copied_once_and_hashed_by_content(tiny_model_dirs, adapters, tmp_path, bucket,
+                                                                   monkeypatch):
+    from bucketkit import upload
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    url = f"{bucket}/adapters/sql"
+    for file in adapters["sql"].iterdir():
+        upload(f"{url}/{file.name}", file)
+    model = tiny_model_dirs["llama"]
+    data = {"id": ["a", "b"], "prompt": [[5, 6, 7], [9, 10]], "adapter": [None, None]}
+    local = lora_job(tmp_path / "local", model, {"sql": adapters["sql"]}, data, input={"lora_column": None},
+                     sampling={"lora": "sql"})
+    remote = lora_job(tmp_path / "remote", model, {"sql": url}, data, input={"lora_column": None},
+                      sampling={"lora": "sql"})
+    checked = cli("validate", remote)
+    assert checked.exit_code == 0 and "not copied to this node yet" in checked.output, checked.output
+    for job in (local, remote):
+        result = cli("run", job)
+        assert result.exit_code == 0, result.output
+    assert load_job(remote).config_hash == load_job(local).config_hash  # the same bytes: the same job
+    assert read(tmp_path / "remote" / "out")[1] == read(tmp_path / "local" / "out")[1]
+    assert (tmp_path / "cache" / "models").is_dir()
+    assert "not copied" not in cli("validate", remote).output  # the run's copy is checked now
