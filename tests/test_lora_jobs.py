@@ -304,3 +304,15 @@ def test_adapter_in_a_bucket_is_copied_once_and_hashed_by_content(tiny_model_dir
     assert read(tmp_path / "remote" / "out")[1] == read(tmp_path / "local" / "out")[1]
     assert (tmp_path / "cache" / "models").is_dir()
     assert "not copied" not in cli("validate", remote).output  # the run's copy is checked now
+
+
+def test_validate_takes_transformers_backend_module_names(tmp_path):
+    """GPT-NeoX runs on the transformers backend, where adapters name its own linears (query_key_value):
+    validate checks the adapter's config and leaves the modules to the run's load."""
+    from model_zoo import build_zoo_model
+
+    model = build_zoo_model(tmp_path / "gpt_neox", "gpt_neox")
+    adapter = make_adapter(model, tmp_path / "neox-lora", 8, None, seed=0)
+    job = lora_job(tmp_path / "j", model, {"neox": adapter}, {"id": ["a"], "prompt": [[5]], "adapter": ["neox"]})
+    result = cli("validate", job)
+    assert result.exit_code == 0, result.output

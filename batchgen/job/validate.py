@@ -167,17 +167,22 @@ def _adapter_here(name: str, path: str, base_dir: Path, storage: StorageOptions 
 
 
 def _projection_shapes(model: ModelSpec, base_dir: Path) -> dict[tuple[int, str], tuple[int, int]] | None:
-    """The base model's LoRA projections from its config, when it is a local dir whose config reads."""
+    """The base model's LoRA projections from its config, when it is a local dir whose config reads and it
+    runs natively (on the transformers backend, the linears' names are its code's: the run checks them)."""
     source = model_source(model.path, base_dir, model.revision)
     if source.kind != "local" or not (Path(source.ref) / "config.json").is_file():
         return None
     from ..config import ConfigError
     from ..engine.preflight import read_hf_config
     from ..lora.shapes import projection_shapes
+    from ..models.architectures import pick_impl
 
     try:
-        return projection_shapes(read_hf_config(Path(source.ref)))
-    except (ConfigError, AttributeError, TypeError):  # the model's own problem, reported at model.path
+        hf_config = read_hf_config(Path(source.ref))
+        if pick_impl(model.model_impl, hf_config) != "native":
+            return None
+        return projection_shapes(hf_config)
+    except (ConfigError, ValueError, AttributeError, TypeError):  # the model's own problem, reported at model.path
         return None
 
 
