@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 from . import __version__
 from .job.errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, JobError, JobInvalid
 from .job.shard import parse_shard
-from .storage import Location, StorageError, location
+from .storage import Location, StorageError, is_url, location
 
 # Where each command is told about at length (README sections until the docs/ guides exist); the
 # "\b" of click keeps a link on one line however narrow the terminal.
@@ -218,6 +218,14 @@ def run_batch(
         help="The model name written in responses (default: the model dir's name, or the Hub id).")] = None,
     check_model: Annotated[bool, typer.Option(
         "--check-model", help="A request whose body.model is not the served name becomes an error line.")] = False,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        "--lora-modules", metavar="NAME=PATH",
+        help="LoRA adapters (PEFT dirs or bucket URLs) that body.model may name, as vLLM's flag: "
+             "--lora-modules sql=/adapters/sql chat=/adapters/chat.")] = None,
+    max_loras: Annotated[int | None, typer.Option(
+        "--max-loras", metavar="N", help="Adapters resident at once (default: all of --lora-modules).")] = None,
+    max_cpu_loras: Annotated[int | None, typer.Option(
+        "--max-cpu-loras", metavar="N", help="Adapters kept in host memory (default: all).")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", metavar="N",
         help="Default for requests without max_tokens (default: until the context ends).")] = None,
@@ -286,7 +294,8 @@ def run_batch(
             "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
             "kv_cache_memory": kv_cache_memory, "swap_space": swap_space,
             "enable_prefix_caching": enable_prefix_caching, "preemption_mode": preemption_mode,
-            "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization, "model_impl": model_impl}
+            "num_threads": num_threads, "gpu_memory_utilization": gpu_memory_utilization, "model_impl": model_impl,
+            "lora_modules": _lora_modules(lora_modules or []), "max_loras": max_loras, "max_cpu_loras": max_cpu_loras}
         job_dict = {
             "model": {k: v for k, v in model_options.items() if v is not None},
             "input": {"paths": [str(requests)], "format": "openai_batch", "check_model": check_model},
@@ -421,8 +430,35 @@ def _status_dir(text: str) -> Location:
     return out
 
 
+def _lora_modules(pairs: list[str]) -> dict[str, str] | None:
+    """``--lora-modules`` values as ``model.lora_modules`` (a local path made absolute: the job file lives
+    elsewhere)."""
+    modules = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise JobError(f"--lora-modules: expected NAME=PATH, got {pair!r}")
+        modules[name] = path if is_url(path) else str(Path(path).expanduser().absolute())
+    return modules or None
+
+
+def spread_lora_modules(args: list[str]) -> list[str]:
+    """vLLM's spelling, ``--lora-modules a=PATH b=PATH``, as one flag per adapter (what typer reads)."""
+    out: list[str] = []
+    values: int | None = None  # values read after --lora-modules; None: not in its list
+    for arg in args:
+        if arg.startswith("-"):
+            values = 0 if arg == "--lora-modules" else None
+        elif values is not None:
+            if values:
+                out.append("--lora-modules")
+            values += 1
+        out.append(arg)
+    return out
+
+
 def main() -> None:
-    app()
+    app(args=spread_lora_modules(sys.argv[1:]))
 
 
 if __name__ == "__main__":

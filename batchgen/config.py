@@ -64,6 +64,7 @@ class EngineConfig:
     enable_lora: bool = False  # requests may name LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters resident at once (device slots); others wait in host memory
     max_lora_rank: int = 16  # the largest adapter rank accepted
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: all); the least recently used go
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -102,6 +103,8 @@ class EngineConfig:
             (self.model_impl in MODEL_IMPLS, "model_impl", "must be auto, native or transformers"),
             (self.max_loras >= 1, "max_loras", "must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f"must be >= max_loras ({self.max_loras}): the resident adapters stay in host memory"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

@@ -34,8 +34,8 @@ class LLM:
     (CUDA), swap_space, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
     preemption_mode, seed, num_threads, skip_tokenizer_init, model_impl ("auto", "native" or "transformers":
     batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention),
-    enable_lora, max_loras, max_lora_rank (LoRA adapters: every batch call takes `lora_request=`, one
-    `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras (LoRA adapters: every batch call takes `lora_request=`,
+    one `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,
@@ -97,6 +97,11 @@ class LLM:
         """Generation (SamplingParams, BeamSearchParams), embedding or classification (PoolingParams) or
         the scoring of `completion` after `prompt` (ScoringParams); all of them share the engine's steps."""
         self.engine.add_request(request_id, prompt, params, completion=completion, lora_request=lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads and checks `lora_request`'s adapter now rather than when a request first names it (a
+        `ValueError` in one line when it cannot be applied)."""
+        self.engine.add_lora(lora_request)
 
     def step(self) -> list[AnyOutput]:
         return self.engine.step()

@@ -5,13 +5,11 @@ those of an uninterrupted run and of the Python API (LLM.score_completions, embe
 from __future__ import annotations
 
 import json
-import random
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pytest
 import yaml
-from jobkit import REPO, cli, kill_at_random_moments, write_job, write_parquet
+from jobkit import check_kill_resume_and_shards, cli, read, write_job, write_parquet
 from openai.types import CreateEmbeddingResponse
 from scoring_kit import ModelShelf, build_classifier, make_prompts
 
@@ -35,14 +33,6 @@ def models(tmp_path_factory):
     built["classifier"] = build_classifier(root / "classifier", built["llama"], ["negative", "neutral", "positive"])
     built["reward"] = build_classifier(root / "reward", built["llama"], ["reward"])
     return built
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_ENGINE"}
-    env["PYTHONPATH"] = str(REPO)
-    return env
 
 
 def inputs(vocab: int) -> dict[str, list]:
@@ -83,47 +73,11 @@ def task_job(root, model: str, data: dict[str, list], **sections) -> object:
     return write_job(root / "job.yaml", job)
 
 
-def read(out_dir) -> tuple[pa.Schema, dict[str, dict]]:
-    """The output's schema and its rows by id, asserting each id is there once."""
-    table = ds.dataset(out_dir, format="parquet").to_table()
-    rows = table.to_pylist()
-    ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)), "an id was written twice"
-    return table.schema, {r["id"]: r for r in rows}
-
-
-def parts(out_dir) -> int:
-    return len(list(out_dir.glob("part-*.parquet")))
-
-
 def run_whole(job) -> tuple[pa.Schema, dict[str, dict], object]:
     result = Runner(load_job(job), Shard(), default_factory).run()
     assert result.status == "complete"
     schema, rows = read(job.parent / "out")
     return schema, rows, result.snapshot
-
-
-def check_kill_resume_and_shards(tmp_path, make_job, expected: dict[str, dict]) -> None:
-    """SIGKILL at random moments, then resume: each row once and equal to `expected` (an uninterrupted
-    run); then the same job in two shards."""
-    job = make_job(tmp_path / "killed")
-    out_dir = job.parent / "out"
-    seen: list[int] = []
-
-    def after_kill() -> None:
-        if parts(out_dir):
-            seen.append(len(read(out_dir)[1]))
-
-    kills = kill_at_random_moments(job, _env(), lambda: parts(out_dir), random.Random(1), rounds=3, anywhere=0.2,
-                                   after_kill=after_kill, linger=0.0)
-    assert kills >= 1 and any(n < len(expected) for n in seen), (kills, seen)  # a run was cut mid-way
-    assert cli("run", job).exit_code == 0
-    assert read(out_dir)[1] == expected
-    sharded = make_job(tmp_path / "sharded")
-    for shard in ("0/2", "1/2"):
-        r = cli("run", sharded, "--shard", shard)
-        assert r.exit_code == 0, r.output
-    assert read(sharded.parent / "out")[1] == expected
 
 
 def test_score_job(tmp_path, models):

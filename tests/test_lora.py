@@ -10,28 +10,13 @@ import torch
 import transformers as tf
 
 from batchgen import LLM, LoRARequest, SamplingParams
-from batchgen.config import ConfigError
 
 peft = pytest.importorskip("peft")
+from lora_kit import make_adapter  # noqa: E402  (after the skip: it imports peft)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPT_LENS = [3, 17, 40, 90]
-
-
-def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool = False, **extra):
-    """A PEFT LoRA adapter with random A and B (init_lora_weights=False) on the base model, saved."""
-    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-                             use_rslora=rslora, **extra)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # PEFT's random B is small; larger makes the adapter change the greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def prompts_of(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
@@ -329,11 +314,25 @@ def test_lora_request_needs_enable_lora(tiny_model_dirs, llama_adapters):
         LoRARequest("x", 0, "/tmp")
 
 
-def test_transformers_backend_refuses_lora(tiny_model_dirs):
-    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters run on batchgen's native models only"):
-        LLM(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
-    problems = LLM.check_config(tiny_model_dirs["llama"], model_impl="transformers", enable_lora=True)
-    assert [p.option for p in problems] == ["enable_lora"]
+@pytest.mark.parametrize(("arch", "rank", "targets"), [("olmo2", 8, "all-linear"), ("gpt_neox", 16, None),
+                                                     ("llama", 64, ATTENTION)])
+def test_transformers_backend_matches_peft(tmp_path, tiny_model_dirs, arch, rank, targets):
+    """Architectures on the transformers backend (Olmo2, GPT-NeoX with its own module names; Llama forced onto
+    it): greedy float32 output under an adapter is PEFT's token for token, in a batch mixed with the base."""
+    from model_zoo import build_zoo_model
+
+    base_dir = tiny_model_dirs["llama"] if arch == "llama" else build_zoo_model(tmp_path / arch, arch)
+    adapter = make_adapter(base_dir, tmp_path / "adapter", rank, targets, seed=rank)
+    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(base.config.vocab_size)
+    base_refs = hf_greedy(base, prompts)
+    refs = hf_greedy(peft.PeftModel.from_pretrained(base, adapter).eval(), prompts)
+    assert refs != base_refs  # the adapter changes the output: the check below can fail
+    llm = LLM(base_dir, dtype="float32", kv_cache_memory="16MiB", model_impl="transformers", enable_lora=True,
+              max_lora_rank=64)
+    lora = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[lora] * 4 + [None] * 4)
+    assert tokens(outputs) == refs + base_refs
 
 
 def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs, llama_adapters, tmp_path):

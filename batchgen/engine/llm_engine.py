@@ -91,8 +91,8 @@ class LLMEngine:
                     self.device)
         model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
                            plan.model_impl, for_lora=config.enable_lora)
-        self.lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
-                     if config.enable_lora else None)
+        self.lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, self.dtype, self.device,
+                                 config.max_cpu_loras) if config.enable_lora else None)
         if self.device.type == "cpu":
             release_freed_memory()
         self.vocab_size = model.vocab_size
@@ -213,6 +213,10 @@ class LLMEngine:
             self._held.append(request_id)
         else:
             self.scheduler.add(req.group)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads and checks an adapter before any request names it (ValueError: one line why not)."""
+        self._check_lora(lora_request)
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:

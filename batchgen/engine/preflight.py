@@ -37,7 +37,7 @@ def plan_model(config: EngineConfig) -> ModelPlan:
     """Resolves the options against the model; raises ConfigError naming every option that
     cannot work (FileNotFoundError when there is no model at that path)."""
     model_dir = resolve_model_dir(config.model)
-    hf_config = _read_hf_config(model_dir)
+    hf_config = read_hf_config(model_dir)
     try:
         impl = pick_impl(config.model_impl, hf_config)
     except ValueError as e:
@@ -53,9 +53,6 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         problems.append(ConfigProblem("model", f"architecture {architecture(hf_config)} has head_dim "
                                                f"{geometry.head_dim}; batchgen's attention kernels take "
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
-    if config.enable_lora and impl != "native":
-        problems.append(ConfigProblem("enable_lora", f"LoRA adapters run on batchgen's native models only; "
-                                                     f"{architecture(hf_config)} runs on the transformers backend"))
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
@@ -72,7 +69,7 @@ def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
                                             "gpu_memory_utilization (CUDA)")
 
 
-def _read_hf_config(model_dir: Path) -> Any:
+def read_hf_config(model_dir: Path) -> Any:
     from transformers import AutoConfig
 
     try:

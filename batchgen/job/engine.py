@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.resolve import resolve_model
+from .adapters import JobAdapter, lora_rank_kwargs
 from .errors import JobError
 from .spec import Job
 
@@ -69,10 +70,25 @@ def build_engine(factory: EngineFactory, job: Job) -> Any:
         local = resolve_model(source, job.spec.storage)
     except (OSError, ValueError) as e:  # ModelNotFound, StorageError
         raise JobError(f"model.path: {e}") from None
-    kwargs = job.spec.model.engine_kwargs(local)
+    kwargs = job.spec.model.engine_kwargs(local) | lora_rank_kwargs(job.adapters)
     if source.kind != "local":  # outputs name the model by its id or URL, not by the cache's path
         kwargs["served_model_name"] = source.ref
     try:
-        return factory(**kwargs)
+        llm = factory(**kwargs)
     except (OSError, ValueError) as e:
         raise JobError(f"cannot load model {kwargs['model']}: {e}") from None
+    load_adapters(llm, job.adapters)
+    return llm
+
+
+def load_adapters(llm: Any, adapters: dict[str, JobAdapter]) -> None:
+    """Every adapter loaded and checked against the model before any row, so a bad one stops the job in
+    one line instead of failing its rows (an engine without ``add_lora`` checks them as rows name them)."""
+    add = getattr(llm, "add_lora", None)
+    if add is None:
+        return
+    for name, adapter in adapters.items():
+        try:
+            add(adapter.request)
+        except ValueError as e:
+            raise JobError(f"model.lora_modules.{name}: {str(e).removeprefix('lora_request: ')}") from None

@@ -37,6 +37,7 @@ from ..engine.config import samples_problem
 from ..models.resolve import ModelSource, model_source
 from ..sampling_params import BeamSearchParams, SamplingParams
 from ..storage import Location, StorageOptions, location
+from .adapters import LORA_COLUMN, JobAdapter, resolve_adapters
 from .errors import JobError, JobInvalid, Problem
 from .structured import OVERRIDE_KEYS, resolve_schema_file
 from .tasks import EmbedSpec, ScoreSpec, Task, task_columns, task_options, task_problems
@@ -97,13 +98,35 @@ class ModelSpec(_Section):
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
+    lora_modules: dict[str, str] | None = None  # LoRA adapters by name: a PEFT dir (local or a bucket URL)
+    max_loras: PositiveInt | None = None  # adapters resident at once (default: all of lora_modules)
+    max_cpu_loras: PositiveInt | None = None  # adapters kept in host memory (default: all)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for name, path in (v or {}).items():
+            if not name.strip() or not path.strip():
+                raise ValueError(f"each adapter needs a name and a path (got {name!r}: {path!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _lora_options(self) -> ModelSpec:
+        given = [k for k in ("max_loras", "max_cpu_loras") if getattr(self, k) is not None]
+        if given and not self.lora_modules:
+            raise ValueError(f"{', '.join(given)} applies to LoRA adapters; set lora_modules")
+        return self
 
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
-        """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory)."""
+        """Keyword arguments for ``batchgen.LLM`` (and any injected engine factory); with adapters, every
+        one resident unless ``max_loras`` says fewer (their rank comes from the adapters themselves,
+        ``adapters.lora_rank_kwargs``)."""
         kw = self.model_dump()
-        for where in ("path", "name", "revision"):  # the model is resolved to a local dir by then
+        for where in ("path", "name", "revision", "lora_modules"):
             kw.pop(where)
-        for optional in ("gpu_memory_utilization", "num_threads"):
+        if self.lora_modules:
+            kw |= {"enable_lora": True, "max_loras": self.max_loras or len(self.lora_modules)}
+        for optional in ("gpu_memory_utilization", "num_threads", "max_loras", "max_cpu_loras"):
             if kw[optional] is None:
                 del kw[optional]
         return {"model": str(model_path), **kw}
@@ -134,6 +157,7 @@ class InputSpec(_Section):
     prompt_column: str | None = None
     messages_column: str | None = None
     completion_column: str | None = None  # task score: the completion scored after each row's prompt
+    lora_column: str | None = None  # the LoRA adapter each row runs with (a model.lora_modules name; null: base)
     carry_columns: list[str] = Field(default_factory=list)
     check_model: bool = False  # openai_batch: a request whose body.model is not model.name is an error row
 
@@ -149,8 +173,8 @@ class InputSpec(_Section):
         if self.dataset is not None and self.format is not None:
             raise ValueError("format applies to input.paths; a dataset has its own")
         if self.format == "openai_batch":
-            given = [k for k in ("id_column", "prompt_column", "messages_column", "completion_column")
-                     if getattr(self, k)]
+            given = [k for k in ("id_column", "prompt_column", "messages_column", "completion_column",
+                                 "lora_column") if getattr(self, k)]
             if given:
                 raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt; "
                                  f"remove {', '.join(given)}")
@@ -198,6 +222,7 @@ class _SamplingBase(_Section):
     beam_width: PositiveInt | None = None  # beam search: one output row per returned beam
     length_penalty: float = 1.0
     early_stopping: bool = False
+    lora: str | None = None  # the LoRA adapter of every row (a model.lora_modules name) unless a row names one
 
     @field_validator("stop", mode="before", check_fields=False)
     @classmethod
@@ -334,6 +359,7 @@ class Job:
     text: str = ""  # the job file as written; saved next to the outputs
     source: Path | None = None
     warnings: list[str] = field(default_factory=list)  # from validation: worth a look, not fatal
+    saved_digests: dict[str, str] | None = None  # a saved job's adapter digests (``from_saved``)
 
     def resolve(self, p: str) -> Path:
         return resolve_path(self.base_dir, p)
@@ -356,6 +382,23 @@ class Job:
     @property
     def model_name(self) -> str:
         return self.spec.model.name or self.model_source.name
+
+    @cached_property
+    def adapters(self) -> dict[str, JobAdapter]:
+        """The job's LoRA adapters by name, found (a bucket's copied to this node) and digested."""
+        return resolve_adapters(self.spec.model.lora_modules or {}, self.base_dir, self.spec.storage)
+
+    @property
+    def adapter_digests(self) -> dict[str, str]:
+        if self.saved_digests is not None:
+            return self.saved_digests
+        return {name: a.digest for name, a in self.adapters.items()}
+
+    @property
+    def base_model_names(self) -> set[str]:
+        """The names an OpenAI request's body.model may give the base model: the served name, and the
+        model as the job names it."""
+        return {self.model_name, self.spec.model.path, self.model_source.ref}
 
     @property
     def output_dir(self) -> Location:
@@ -392,6 +435,8 @@ class Job:
         }
         if s.input.id_key is None and s.input.dataset is None:  # derived ids contain paths relative to the job file
             data["id_base"] = str(self.base_dir)
+        if s.model.lora_modules:  # each adapter by name and content: other weights make another job
+            data["model"]["lora_modules"] = self.adapter_digests
         return data
 
     def config_changes(self, other: Job) -> list[str]:
@@ -404,16 +449,20 @@ class Job:
 
     def saved_form(self) -> dict[str, Any]:
         """What a run stores in the output dir so ``batchgen status`` can find the input again."""
-        return {
+        saved = {
             "config_hash": self.config_hash,
             "base_dir": str(self.base_dir),
             "job_file": str(self.source) if self.source else None,
             "spec": self.spec.model_dump(mode="json"),
         }
+        if self.spec.model.lora_modules:
+            saved["lora_digests"] = self.adapter_digests
+        return saved
 
     @classmethod
     def from_saved(cls, data: dict[str, Any]) -> Job:
-        return cls(spec=JobSpec.model_validate(data["spec"]), base_dir=Path(data["base_dir"]))
+        return cls(spec=JobSpec.model_validate(data["spec"]), base_dir=Path(data["base_dir"]),
+                   saved_digests=data.get("lora_digests"))
 
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
@@ -424,7 +473,7 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
                    ("sampling", "prompt_logprobs"): None, ("input", "completion_column"): None,
-                   ("task", "name"): "generate"}
+                   ("task", "name"): "generate", ("sampling", "lora"): None, ("input", "lora_column"): None}
 _LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are at their defaults
 
 
@@ -524,8 +573,34 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
     if output is not None:
         problems += output_format_problems(output, carry)
     problems += task_problems(raw)
+    problems += lora_problems(model, sampling, raw.get("input"))
     if sampling is not None and output is not None and raw.get("task", "generate") == "generate":
         problems += prompt_logprobs_problems(sampling, output)
+    return problems
+
+
+def lora_problems(model: ModelSpec | None, sampling: Any, inp: Any) -> list[Problem]:
+    """The fields that name adapters need ``model.lora_modules``, and the job-wide one must be among them."""
+    if model is None:
+        return []
+    names = list(model.lora_modules or {})
+    inp = inp if isinstance(inp, dict) else {}
+    problems = []
+    if inp.get("lora_column") and not names:
+        problems.append(Problem("input.lora_column", "names each row's LoRA adapter; list the adapters in "
+                                                     "model.lora_modules"))
+    wanted = sampling.lora if sampling is not None else None
+    if wanted is not None and wanted not in names:
+        why = f"{wanted!r} is not in model.lora_modules (has: {', '.join(names)})" if names else \
+            "names a LoRA adapter; list the adapters in model.lora_modules"
+        problems.append(Problem("sampling.lora", why))
+    if wanted is not None and inp.get("lora_column"):
+        problems.append(Problem("sampling.lora", "set one of sampling.lora (every row's adapter) or "
+                                                 "input.lora_column (each row's own)"))
+    carry = inp.get("carry_columns")
+    if names and isinstance(carry, list) and LORA_COLUMN in carry:
+        problems.append(Problem(f"input.carry_columns[{carry.index(LORA_COLUMN)}]",
+                                f"{LORA_COLUMN!r} is the output column naming each row's adapter"))
     return problems
 
 

@@ -11,8 +11,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..lora.request import LoRARequest
 from ..models.resolve import fetch_note, locate_model, model_source
-from ..storage import Location, StorageOptions, location
+from ..storage import Location, StorageOptions, is_url, location
+from ..storage.model_cache import ModelCache
+from .adapters import adapter_dir
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
 from .inputs import InputReader, discover
@@ -51,6 +54,7 @@ def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
     model = model_part(raw)
     if model is not None:
         problems += model_problems(model, base_dir, factory, storage, warnings)
+        problems += adapter_problems(model, base_dir, storage, warnings)
         if sampling is not None and (w := max_tokens_warning(sampling.max_tokens, context_length(model, base_dir),
                                                              model.max_model_len)):
             warnings.append(w)
@@ -122,7 +126,80 @@ def engine_option_problems(kwargs: dict[str, Any], factory: EngineFactory | None
         return []
     except (OSError, ValueError) as e:  # e.g. a model dir without config.json
         return [Problem("model.path", str(e))]
-    return [Problem("model.path" if p.option == "model" else f"model.{p.option}", p.message) for p in found]
+    fields = {"model": "model.path", "enable_lora": "model.lora_modules", "max_lora_rank": "model.lora_modules"}
+    return [Problem(fields.get(p.option, f"model.{p.option}"), p.message) for p in found]
+
+
+def adapter_problems(model: ModelSpec, base_dir: Path, storage: StorageOptions | None = None,
+                     warnings: list[str] | None = None) -> list[Problem]:
+    """One problem per adapter of ``model.lora_modules`` that a run could not apply: not there, a PEFT
+    config batchgen refuses, or (when the base model is here to read its config) weights whose modules or
+    shapes are not the model's. A bucket's adapter not copied to this node yet is checked by the run."""
+    if not model.lora_modules:
+        return []
+    shapes = _projection_shapes(model, base_dir)
+    problems = []
+    for name, path in model.lora_modules.items():
+        where = f"model.lora_modules.{name}"
+        try:
+            local = _adapter_here(name, path, base_dir, storage)
+        except JobError as e:
+            problems.append(Problem(where, str(e).removeprefix(f"{where}: ")))
+            continue
+        if local is None:
+            if warnings is not None:
+                warnings.append(f"{where}: {path} is not copied to this node yet; the run copies and checks it")
+            continue
+        if why := check_adapter(LoRARequest(name, 1, str(local)), shapes):
+            problems.append(Problem(where, why.removeprefix("lora_request: ")))
+    return problems
+
+
+def _adapter_here(name: str, path: str, base_dir: Path, storage: StorageOptions | None) -> Path | None:
+    """The adapter's local directory, fetching nothing (None: a bucket's adapter not copied yet)."""
+    if not is_url(path):
+        return adapter_dir(name, path, base_dir, storage)
+    try:
+        cache = ModelCache(location(path, options=storage))
+        return cache.dir if cache.is_current(cache.remote_files()) else None
+    except (OSError, ValueError) as e:
+        raise JobError(f"model.lora_modules.{name}: {e}") from None
+
+
+def _projection_shapes(model: ModelSpec, base_dir: Path) -> dict[tuple[int, str], tuple[int, int]] | None:
+    """The base model's LoRA projections from its config, when it is a local dir whose config reads and it
+    runs natively (on the transformers backend, the linears' names are its code's: the run checks them)."""
+    source = model_source(model.path, base_dir, model.revision)
+    if source.kind != "local" or not (Path(source.ref) / "config.json").is_file():
+        return None
+    from ..config import ConfigError
+    from ..engine.preflight import read_hf_config
+    from ..lora.shapes import projection_shapes
+    from ..models.architectures import pick_impl
+
+    try:
+        hf_config = read_hf_config(Path(source.ref))
+        if pick_impl(model.model_impl, hf_config) != "native":
+            return None
+        return projection_shapes(hf_config)
+    except (ConfigError, ValueError, AttributeError, TypeError):  # the model's own problem, reported at model.path
+        return None
+
+
+def check_adapter(request: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]] | None) -> str | None:
+    """Why the adapter cannot be applied (its config; with ``shapes``, its weights too), or None."""
+    import torch
+
+    from ..lora.checkpoint import AdapterError, load_adapter, read_config
+
+    try:
+        if shapes is None:
+            read_config(request)
+        else:
+            load_adapter(request, shapes, torch.float32)
+    except AdapterError as e:
+        return str(e)
+    return None
 
 
 def context_length(model: ModelSpec, base_dir: Path) -> int | None:

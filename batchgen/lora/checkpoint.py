@@ -17,8 +17,9 @@ from batchgen.models.loader import first_line
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT drops the adapter's own name on save)
-_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:\w+)\.(\w+)"
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT drops the adapter's own name on save;
+# the decoder's own name is model, gpt_neox, transformer, ...)
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:\w+\.)?layers\.(\d+)\.(?:\w+)\.(\w+)"
                      r"\.lora_([AB])\.weight$")
 _HEAD_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
@@ -53,20 +54,9 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[int, str], tuple[int, 
                  dtype: torch.dtype) -> Adapter:
     """The adapter of `request`, checked against `shapes` ((layer, module name) -> (in_features,
     out_features) of every projection the model can add a low-rank term to), in `dtype` on the CPU."""
-    where = f"lora_request: adapter {request.lora_name!r} ({request.lora_path})"
+    refuse = _refusal(request)
     path = Path(request.lora_path).expanduser()
-
-    def refuse(why: str) -> AdapterError:
-        return AdapterError(f"{where}: {why}")
-
-    if not (path / CONFIG_FILE).is_file():
-        raise refuse(f"no {CONFIG_FILE} in that directory" if path.is_dir() else "no such directory")
-    try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise refuse(f"cannot read {CONFIG_FILE}: {e}") from None
-    if why := _unsupported(config):
-        raise refuse(why)
+    config = read_config(request)
     raw = _read_tensors(path, refuse)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in raw.items():
@@ -98,6 +88,31 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[int, str], tuple[int, 
         scaling = alpha / (math.sqrt(rank) if rslora else rank)
         modules[(layer, module)] = LoRAWeights(a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
     return Adapter(request, modules)
+
+
+def _refusal(request: LoRARequest):
+    def refuse(why: str) -> AdapterError:
+        return AdapterError(f"lora_request: adapter {request.lora_name!r} ({request.lora_path}): {why}")
+
+    return refuse
+
+
+def read_config(request: LoRARequest) -> dict:
+    """The adapter's `adapter_config.json`, refused (AdapterError) when it describes what batchgen cannot apply
+    or no weights file is beside it."""
+    refuse = _refusal(request)
+    path = Path(request.lora_path).expanduser()
+    if not (path / CONFIG_FILE).is_file():
+        raise refuse(f"no {CONFIG_FILE} in that directory" if path.is_dir() else "no such directory")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise refuse(f"cannot read {CONFIG_FILE}: {e}") from None
+    if why := _unsupported(config):
+        raise refuse(why)
+    if not any((path / file).is_file() for file in WEIGHT_FILES):
+        raise refuse(f"no {' or '.join(WEIGHT_FILES)} in that directory")
+    return config
 
 
 def _unsupported(config: dict) -> str | None:

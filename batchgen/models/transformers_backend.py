@@ -8,10 +8,15 @@ attention layers call `batchgen_attention`, registered with transformers' attent
 its K/V with `ops.reshape_and_cache` and attends through the block tables like the native layers.
 Everything else (embeddings, positions, norms, MLPs, rotary variants, biases) stays transformers'.
 With "batchgen" unknown to transformers' mask interface, no dense T x T mask is built.
+
+LoRA: every linear at `layers.N.<block>.<name>` (the path PEFT names) is offered to adapters under its own
+name (`lora_targets`), wrapped so the LoRA layer sees the step's rows as a 2-D batch.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
 from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, linear, pack_linears
+from batchgen.lora.layers import LoRATarget
 from batchgen.models.architectures import (
     ADAPTED_MODEL_TYPES,
     architecture,
@@ -37,6 +43,20 @@ from batchgen.models.transformers_adapters import adapt_attention
 BACKEND = "batchgen"
 # Arguments transformers' layers pass for attention the kernels do not have (sinks, relative biases).
 _UNSUPPORTED_ARGUMENTS = ("s_aux", "sinks", "position_bias")
+_LORA_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.\w+\.(\w+)$")  # layers.3.self_attn.q_proj
+
+
+class FlatRows(nn.Module):
+    """`inner` called on the step's rows as a 2-D batch [tokens, features] (transformers passes the flat batch
+    as [1, tokens, features]), so a LoRA layer around `inner` finds each adapter's rows by their index."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass
@@ -135,6 +155,18 @@ class TransformersModel(nn.Module):
 
     def attention_layers(self) -> list[LayerAttention]:
         return self.layers
+
+    def lora_targets(self) -> Iterator[tuple[nn.Module, str, LoRATarget]]:
+        """Every linear of the decoder layers, by the name PEFT gives it (q_proj, dense_h_to_4h, ...), as
+        (owner, attribute, target); each is wrapped in `FlatRows` first."""
+        base = self.hf.base_model
+        for name, module in list(base.named_modules()):
+            found = _LORA_PATH.search(name)
+            if found is None or not isinstance(module, (nn.Linear, PackedLinear)):
+                continue
+            flat = FlatRows(module)
+            base.set_submodule(name, flat)
+            yield flat, "inner", LoRATarget(int(found[1]), module.in_features, {found[2]: (0, module.out_features)})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.step.meta = meta

@@ -54,12 +54,16 @@ class InputReader:
 
     def __init__(self, spec: InputSpec, base_dir: Path | Location, overrides: Mapping[str, str] | None = None,
                  files: list[InputFile] | None = None, exclude: Location | None = None,
-                 model_name: str | None = None, storage: StorageOptions | None = None):
+                 model_name: str | None = None, storage: StorageOptions | None = None,
+                 base_names: set[str] | None = None):
         """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given.
-        ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows."""
+        ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows.
+        ``base_names`` (a job with LoRA adapters): the names of the base model; an OpenAI batch request's
+        ``body.model`` naming anything else names its adapter."""
         self.spec = spec
         self.overrides = dict(overrides or {})
         self.model_name = model_name
+        self.base_names = base_names
         self.ignored_fields: Counter[str] = Counter()  # OpenAI batch body fields that change nothing
         if files is None:
             files, problems = discover(spec, base_dir, exclude, storage)
@@ -73,7 +77,8 @@ class InputReader:
     @classmethod
     def for_job(cls, job: Job) -> InputReader:
         return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
-                   model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage)
+                   model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage,
+                   base_names=job.base_model_names if job.spec.model.lora_modules else None)
 
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
@@ -93,7 +98,7 @@ class InputReader:
     def _read_otherwise(self) -> set[str]:
         """Columns read for the id, the prompt or an override: carried as read for that."""
         s = self.spec
-        return {c for c in (s.id_key, s.prompt_column, s.messages_column, s.completion_column,
+        return {c for c in (s.id_key, s.prompt_column, s.messages_column, s.completion_column, s.lora_column,
                             *self.overrides.values()) if c}
 
     # ----------------------------------------------------------------------------- checks, schema
@@ -108,6 +113,8 @@ class InputReader:
             cols.append(("input.prompt_column" if s.prompt_column else "input.messages_column", s.source_column))
             if s.completion_column:
                 cols.append(("input.completion_column", s.completion_column))
+            if s.lora_column:
+                cols.append(("input.lora_column", s.lora_column))
         cols += [(f"sampling.overrides.{k}", v) for k, v in self.overrides.items()]
         cols += [(f"input.carry_columns[{i}]", c) for i, c in enumerate(s.carry_columns)]
         return cols
@@ -321,6 +328,16 @@ class InputReader:
             return fallback, f"field {col!r}: id is empty or not valid Unicode"
         return v, None
 
+    def _fill_lora(self, row: Row, value: Any) -> str | None:
+        """The row's adapter column: a name, or empty or null for the base model."""
+        col = self.spec.lora_column
+        if isinstance(value, BadValue):
+            return f"field {col!r}: {value.why}"
+        if value is not None and not isinstance(value, str):
+            return f"field {col!r}: expected an adapter name (a string), got {type_name(value)}"
+        row.lora, row.lora_field = value or None, col or ""
+        return None
+
     def _fill(self, row: Row, record: Mapping[str, Any]) -> str | None:
         """Set prompt, overrides and carried values from a record; return an error or None.
 
@@ -348,9 +365,16 @@ class InputReader:
             if error := check_prompt(row.completion, "completion"):
                 return f"field {s.completion_column!r}: {error}"
         if request is not None:
-            if self.model_name is not None and request.model not in (None, self.model_name):
+            if self.base_names is not None:
+                if request.model is not None:  # the base model's name chooses the base model
+                    row.lora = None if request.model in self.base_names else request.model
+                    row.lora_field = "body.model"
+            elif self.model_name is not None and request.model not in (None, self.model_name):
                 return f"field 'body.model': {request.model!r} is not this job's model {self.model_name!r}"
             self.ignored_fields.update(request.ignored)
+        if s.lora_column:
+            if error := self._fill_lora(row, decode(record.get(s.lora_column))):
+                return error
         row.prompt = clean_messages(value) if chat else value
         for key, col in self.overrides.items():
             v = decode(record.get(col))

@@ -141,3 +141,5 @@ class Row:
     top_logprobs: int | None = None  # the row's sampling logprobs, once its params are known
     completion: str | list[int] | None = None  # task score: what is scored after the prompt
     options: dict[str, Any] = field(default_factory=dict)  # an OpenAI request's own (echo, dimensions, ...)
+    lora: str | None = None  # the LoRA adapter the row names (None: the base model)
+    lora_field: str = ""  # where the row chose its model (input.lora_column, body.model); "": sampling.lora's

@@ -63,7 +63,7 @@ class ResponseLines:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{_digest(row.id)}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
+            "model": row.lora or self.model,
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -85,7 +85,7 @@ class ResponseLines:
                 vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
             data.append({"object": "embedding", "index": i, "embedding": vector})
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        return {"object": "list", "data": data, "model": self.model,
+        return {"object": "list", "data": data, "model": row.lora or self.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def _prompt_text(self, out: RequestOutput) -> str:

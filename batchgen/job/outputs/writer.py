@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from ...outputs import RequestOutput
 from ...storage import FileInfo, Location, location
+from ..adapters import LORA_COLUMN
 from ..errors import JobError
 from ..ids import DoneIds
 from ..inputs import Row
@@ -65,11 +66,15 @@ def list_parts(out_dir: Location | Path, files: dict[Location, FileInfo] | None 
     return sorted(parts, key=lambda x: (x.shard.count, x.shard.index, x.seq))
 
 
-def output_schema(fields: Iterable[str], carry: list[pa.Field], shape: TaskShape | None = None) -> pa.Schema:
-    """The columns of a part: a generation's chosen ``fields``, or the columns of a task's ``shape``."""
+def output_schema(fields: Iterable[str], carry: list[pa.Field], shape: TaskShape | None = None,
+                  lora: bool = False) -> pa.Schema:
+    """The columns of a part: a generation's chosen ``fields``, or the columns of a task's ``shape``;
+    ``lora``: a job with adapters names each row's (null: the base model)."""
     fields = set(fields)
     cols = [pa.field("id", pa.string(), nullable=False), pa.field("sample_index", pa.int32()),
             pa.field("num_samples", pa.int32()), *carry]
+    if lora:
+        cols.append(pa.field(LORA_COLUMN, pa.string()))
     if shape is not None:
         return pa.schema([*cols, *task_schema_columns(shape), pa.field("error", pa.string())])
     if "text" in fields:
@@ -127,13 +132,19 @@ class SampleRows:
 
     def result(self, row: Row, outputs: list[Any]) -> list[dict[str, Any]]:
         """``outputs``: the engine's outputs of the row's requests (one here)."""
-        if self.shape is None:
-            return result_rows(row, outputs[0])
-        return task_rows(row, outputs[0], self.shape)
+        rows = result_rows(row, outputs[0]) if self.shape is None else task_rows(row, outputs[0], self.shape)
+        return _with_adapter(row, rows)
 
     @staticmethod
     def error(row: Row, message: str, code: str) -> list[dict[str, Any]]:
-        return error_rows(row, message)
+        return _with_adapter(row, error_rows(row, message))
+
+
+def _with_adapter(row: Row, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The adapter's column (dropped with the other columns a part's schema lacks when it has none)."""
+    for r in rows:
+        r[LORA_COLUMN] = row.lora
+    return rows
 
 
 # ------------------------------------------------------------------------------------ recovery

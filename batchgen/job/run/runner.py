@@ -172,7 +172,8 @@ class Runner:
         else:
             self._records = SampleRows(shape)
         writer = PartWriter(
-            out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields, shape),
+            out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields, shape,
+                                          lora=bool(job.spec.model.lora_modules)),
             job.spec.output.rows_per_part, rec.next_seq,
             {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
              "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
@@ -247,7 +248,7 @@ class Runner:
         start = last_stats = time.monotonic()
         in_flight: dict[str, tuple[PendingRow, int]] = {}
         counter = itertools.count()
-        builder = RequestBuilder(self.job.spec)
+        builder = RequestBuilder(self.job.spec, self.job.adapters)
         max_in_flight = self.job.max_in_flight
         exhausted = False
         deadline: float | None = None
@@ -330,11 +331,14 @@ class Runner:
             self._record_error(row, f"{row.where}: {e}", writer, snap)
             return
         row.top_logprobs = getattr(requests[0].params, "logprobs", None)  # a beam search has none
+        row.lora = requests[0].lora.lora_name if requests[0].lora is not None else None
         pending = PendingRow(row, [None] * len(requests))
         added: list[str] = []
         for i, request in enumerate(requests):
             request_id = f"r{n}" if len(requests) == 1 else f"r{n}.{i}"
             extra = {} if request.completion is None else {"completion": request.completion}
+            if request.lora is not None:
+                extra["lora_request"] = request.lora
             try:
                 llm.add_request(request_id, request.prompt, request.params, **extra)
             except (ValueError, TypeError) as e:
