@@ -1,6 +1,9 @@
 """LoRAManager: the adapters loaded in host memory, and the model's LoRA layers whose `max_loras` slots hold
 the resident ones. Which adapter sits in which slot is the scheduler's decision (engine/adapter_slots.py);
-the runner asks this to put it there before the step that needs it."""
+the runner asks this to put it there before the step that needs it.
+
+A model with batchgen's C++ decoder stack (`decoder_stack`) gets its slots as `StackedLoRA`s, which the stack
+reads inside its GEMMs (`attach_lora`); any other model gets `LoRALinear`s in place of its projections."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import torch
 from torch import nn
 
 from batchgen.lora.checkpoint import Adapter, AdapterError, load_adapter
-from batchgen.lora.layers import LoRABatch, LoRALinear
+from batchgen.lora.layers import LoRABatch, LoRALinear, StackedLoRA
 from batchgen.lora.request import LoRARequest
 
 
@@ -17,14 +20,21 @@ class LoRAManager:
                  device: torch.device):
         self.max_loras, self.max_lora_rank, self.dtype, self.device = max_loras, max_lora_rank, dtype, device
         self.batch = LoRABatch()
-        self.layers: list[LoRALinear] = []
+        self.layers: list[LoRALinear | StackedLoRA] = []
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        stacked: dict[tuple[int, str], StackedLoRA] = {}
+        in_stack = getattr(model, "decoder_stack", None) is not None
         for owner, attr, target in model.lora_targets():
-            layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
-            setattr(owner, attr, layer)
+            if in_stack:
+                layer = stacked[(target.layer, attr)] = StackedLoRA(target, max_loras, max_lora_rank)
+            else:
+                layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
+                setattr(owner, attr, layer)
             self.layers.append(layer)
             self.shapes |= {(target.layer, name): (target.in_features, rows)
                             for name, (_, rows) in target.parts.items()}
+        if in_stack:
+            model.attach_lora(stacked, self.batch)
         self.adapters: dict[int, Adapter] = {}  # by lora_int_id: every adapter a request has named
 
     def register(self, request: LoRARequest) -> None:
