@@ -295,6 +295,21 @@ def sampling_params(wl: Workload):
                            structured_outputs=wl.structured_outputs) for i, m in enumerate(wl.max_tokens)]
 
 
+def make_lora_adapters(model: str, root: Path, count: int, rank: int) -> list[Path]:
+    """`count` PEFT LoRA adapters of rank `rank` with random weights on every linear of `model`, saved under root."""
+    import peft
+    import transformers as tf
+
+    paths = []
+    for i in range(count):
+        base = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        torch.manual_seed(i)
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+        peft.get_peft_model(base, config).save_pretrained(root / f"a{i}")
+        paths.append(root / f"a{i}")
+    return paths
+
+
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
                  bytes_per_block: int, model_impl: str = "native") -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
@@ -310,9 +325,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     adapters: list[LoRARequest | None] = [None]
     with tempfile.TemporaryDirectory() as tmp:
         if wl.adapters:
-            import bench_lora  # the script beside this one (it imports this module, so not at the top)
-
-            paths = bench_lora.make_adapters(model, Path(tmp), wl.adapters, LORA_RANK)
+            paths = make_lora_adapters(model, Path(tmp), wl.adapters, LORA_RANK)
             adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         # Warm-up, which also reads every adapter (before the clock starts, as the base model's weights are).
         llm.generate([list(range(10, 26))] * len(adapters), SamplingParams(max_tokens=2), use_tqdm=False,
@@ -767,6 +780,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="transformers: also run mixed and parallel on the transformers backend (model_impl), "
                              "reported as a peer of the native path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixed-count", type=int,
+                        help="requests of mixed (and of the workloads built on it: pressure, json, lora) instead of "
+                             "200 (16 with --quick)")
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="run every engine in this process (faster start; RSS then mixes the runs)")
@@ -780,7 +796,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args
@@ -802,6 +818,8 @@ def main(argv=None) -> dict:
     settings = SETTINGS[args.quick]
     if args.batch_sizes:
         settings = {**settings, "batch_sizes": args.batch_sizes}
+    if args.mixed_count:
+        settings = {**settings, "mixed": {**settings["mixed"], "count": args.mixed_count}}
     runs, ceilings, notes = [], {}, []
     for dtype in args.dtypes:
         dtype_runs, ceilings[dtype], dtype_notes = bench_dtype(args, dtype, cfg, tokenizer, settings)

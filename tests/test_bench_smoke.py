@@ -126,3 +126,18 @@ def test_job_bench_quick_pass(tmp_path, tiny_model_dirs):
         assert all(s["seconds"] > 0 and 20 < s["peak_rss_mb"] < 4000 for s in r["steps"].values())
     assert runs["generate"]["rows"] == 1998  # every 1000th row has no prompt
     assert report["ratios"]["run/generate@2000"] > 0 and "run/generate@2000" in proc.stdout
+
+
+def test_lora_workload_quick_pass(bench, tmp_path):
+    """--workloads lora: the mixed requests over 4 adapters and on the base model, alternately twice, and the
+    ratio of their tokens/s in the notes."""
+    pytest.importorskip("peft")
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "lora",
+                "--skip-peers", "--mixed-count", "8", "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = [r for r in report["runs"] if r["workload"] in ("lora", "lora-base")]
+    assert [r["workload"] for r in runs] == ["lora-base", "lora", "lora-base", "lora"]
+    assert all(r["requests"] == 8 and r["output_tokens"] > 0 for r in runs)
+    assert any("lora: 4 rank-16 adapters at" in note for note in report["notes"])

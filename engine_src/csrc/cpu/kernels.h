@@ -168,9 +168,11 @@ struct LoRAArgs {
 };
 constexpr int64_t kMaxLoRARank = 512;
 
-// Rows [begin, end), all of adapter slot `slot`. Each row's sums run in one fixed order, whatever rows it
-// is called with, so a row's result never depends on its segment's size or neighbours.
-using LoRARowsFn = void (*)(const LoRAArgs& args, int64_t begin, int64_t end, int64_t slot);
+// Rows [begin, end), all of adapter slot `slot`; scratch: kLoRATileRows * in floats. Each row's sums run in one
+// fixed order, whatever rows it is called with, so a row's result never depends on its segment's size or
+// neighbours.
+constexpr int kLoRATileRows = 8;
+using LoRARowsFn = void (*)(const LoRAArgs& args, int64_t begin, int64_t end, int64_t slot, float* scratch);
 
 struct KernelTable {
   const char* name;

@@ -83,12 +83,15 @@ void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::T
   if (active.empty()) return;
   const LoRARowsFn kernel = active_kernels().lora_rows[static_cast<int>(dtype_of(x))];
   TORCH_CHECK_VALUE(kernel != nullptr, "lora_shrink_expand: no kernel for ", x.scalar_type());
-  // Chunks of ~64k multiply-adds, in whole tiles: small steps stay on one thread.
+  // Chunks of ~64k multiply-adds in whole tiles, and a parallel region only for 16 chunks or more: a decode
+  // step's few rows (SmolLM2, 16 rows of a rank-16 piece: ~0.3M) cost less than waking the other threads, which
+  // on a loaded machine took longer than the work itself.
   const int64_t macs_per_row = std::max<int64_t>(1, capacity * (args.in + args.out));
-  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{1} << 16) / macs_per_row / 4) * 4;
+  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{1} << 16) / macs_per_row / kLoRATileRows) * kLoRATileRows;
   const std::vector<Segment> chunks = chunks_of(active, chunk_rows);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) kernel(args, chunks[c].begin, chunks[c].end, chunks[c].slot);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kLoRATileRows * args.in);
+    for (int64_t c = begin; c < end; ++c) kernel(args, chunks[c].begin, chunks[c].end, chunks[c].slot, scratch.data());
   });
 }
 
