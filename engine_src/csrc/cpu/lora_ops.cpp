@@ -83,13 +83,15 @@ void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::T
   if (active.empty()) return;
   const LoRARowsFn kernel = active_kernels().lora_rows[static_cast<int>(dtype_of(x))];
   TORCH_CHECK_VALUE(kernel != nullptr, "lora_shrink_expand: no kernel for ", x.scalar_type());
-  // Chunks of ~64k multiply-adds in whole tiles, and a parallel region only for 16 chunks or more: a decode
-  // step's few rows (SmolLM2, 16 rows of a rank-16 piece: ~0.3M) cost less than waking the other threads, which
-  // on a loaded machine took longer than the work itself.
+  // Chunks of ~64k multiply-adds in whole tiles over torch's threads; a call of fewer than ~128k (a decode
+  // step's rows of a small piece) runs on this thread, where waking the others would cost more than the work.
   const int64_t macs_per_row = std::max<int64_t>(1, capacity * (args.in + args.out));
   const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{1} << 16) / macs_per_row / kLoRATileRows) * kLoRATileRows;
   const std::vector<Segment> chunks = chunks_of(active, chunk_rows);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 16, [&](int64_t begin, int64_t end) {
+  int64_t active_rows = 0;
+  for (const Segment& s : active) active_rows += s.end - s.begin;
+  const int64_t grain = active_rows * macs_per_row < (int64_t{1} << 17) ? static_cast<int64_t>(chunks.size()) : 1;
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kLoRATileRows * args.in);
     for (int64_t c = begin; c < end; ++c) kernel(args, chunks[c].begin, chunks[c].end, chunks[c].slot, scratch.data());
   });
