@@ -12,6 +12,9 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   json      mixed's prompts, each output constrained to one shared JSON schema (structured outputs), then
             json-free: the same prompts unconstrained, each with max_tokens = its constrained output's length,
             so both generate the same tokens; the ratio of their output tokens/s is the constraint's cost
+  lora      mixed's requests round-robin over 4 random rank-16 PEFT adapters on all seven projections
+            (enable_lora, max_loras=4), against lora-base: the same requests on the base model; the two run
+            alternately twice and the ratio of their tokens/s is LoRA's cost (issue 34's target: >= 0.8x)
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
@@ -48,6 +51,7 @@ _NAMED = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.
 sys.path.insert(max((i + 1 for i, p in enumerate(sys.path) if p and os.path.abspath(p) in _NAMED), default=0),
                 str(Path(__file__).resolve().parents[1]))
 BLOCK = 16
+LORA_RANK = 16
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 SETTINGS = {  # full and --quick sizes
     False: dict(mixed=dict(count=200, lengths=(20, 400), max_tokens=(16, 32, 64, 128, 256)),
@@ -103,6 +107,7 @@ class Workload:
     top_p: float = 1.0
     structured_outputs: dict | None = None  # every request's constraint (SamplingParams.structured_outputs)
     beam_width: int = 0  # > 0: a beam search (greedy, n unused)
+    adapters: int = 0  # > 0: the requests round-robin over this many random rank-LORA_RANK LoRA adapters
 
     @property
     def width(self) -> int:
@@ -290,22 +295,48 @@ def sampling_params(wl: Workload):
                            structured_outputs=wl.structured_outputs) for i, m in enumerate(wl.max_tokens)]
 
 
+def make_lora_adapters(model: str, root: Path, count: int, rank: int) -> list[Path]:
+    """`count` PEFT LoRA adapters of rank `rank` with random weights on every linear of `model`, saved under root."""
+    import peft
+    import transformers as tf
+
+    paths = []
+    for i in range(count):
+        base = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        torch.manual_seed(i)
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+        peft.get_peft_model(base, config).save_pretrained(root / f"a{i}")
+        paths.append(root / f"a{i}")
+    return paths
+
+
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
                  bytes_per_block: int, model_impl: str = "native") -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
-    from batchgen import LLM, SamplingParams
+    import tempfile
 
+    from batchgen import LLM, LoRARequest, SamplingParams
+
+    lora = dict(enable_lora=True, max_loras=wl.adapters, max_lora_rank=LORA_RANK) if wl.adapters else {}
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
               swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl)
-    llm.generate([list(range(10, 26))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl,
+              **lora)
+    adapters: list[LoRARequest | None] = [None]
+    with tempfile.TemporaryDirectory() as tmp:
+        if wl.adapters:
+            paths = make_lora_adapters(model, Path(tmp), wl.adapters, LORA_RANK)
+            adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        # Warm-up, which also reads every adapter (before the clock starts, as the base model's weights are).
+        llm.generate([list(range(10, 26))] * len(adapters), SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=adapters)
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
     if wl.structured_outputs is not None:
         profile.time_grammar()
     with PeakRSS() as rss:
         start = time.perf_counter()
         for i, (prompt, params) in enumerate(zip(wl.prompts, sampling_params(wl), strict=True)):
-            llm.add_request(f"{wl.name}-{i}", prompt, params)
+            llm.add_request(f"{wl.name}-{i}", prompt, params, lora_request=adapters[i % len(adapters)])
         while llm.has_unfinished_requests():
             t = time.perf_counter()
             finished += llm.step()
@@ -560,6 +591,10 @@ def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> lis
         runs.append(run(constrained))
         lengths = runs[-1].extra["output_lengths"]
         runs.append(run(Workload(**{**asdict(mixed), "name": "json-free", "max_tokens": lengths})))
+    if "lora" in args.workloads:  # alternately, twice: a slow spell on a shared machine hits both sides
+        for _ in range(2):
+            runs.append(run(Workload(**{**asdict(mixed), "name": "lora-base"})))
+            runs.append(run(Workload(**{**asdict(mixed), "name": "lora", "adapters": 4})))
     runs.append(run(workloads["decode"]))
     # --model-impl transformers: the transformers backend on the same workloads, in the same process's run, as a
     # peer of the native path (engine "batchgen-transformers"; bench_dtype keeps it apart from the native runs).
@@ -622,7 +657,8 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
     rates = isolated(args.isolate, gemm_rates, layer_shapes(cfg), dtype, settings["gemm_ms"], settings["gemm_time"],
                      args.threads)
     read_gbs = isolated(args.isolate, read_gb_s, args.threads, settings["gemm_time"] * 10)
-    ours, notes = bench_batchgen(args, dtype, cfg, workloads), []
+    ours = bench_batchgen(args, dtype, cfg, workloads)
+    notes = lora_notes(ours, dtype)
     backend = [r for r in ours if r.engine != "batchgen"]  # compared as a peer (ratio_rows)
     ours = [r for r in ours if r.engine == "batchgen"]
     limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours)
@@ -630,6 +666,17 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
     peers = [] if args.skip_peers else bench_peers(args, dtype, workloads, ours, settings, notes)
     return ours + backend + peers, limit, notes
+
+
+def lora_notes(runs: list[Run], dtype: str) -> list[str]:
+    """The lora workload's tokens/s over lora-base's, pair by pair (they ran alternately) and over all pairs."""
+    rates = {name: [r.rates()["total_tok_s"] for r in runs if r.workload == name] for name in ("lora", "lora-base")}
+    if not rates["lora"]:
+        return []
+    pairs = ", ".join(f"{a / b:.2f}x" for a, b in zip(rates["lora"], rates["lora-base"], strict=True))
+    ratio = sum(rates["lora"]) / sum(rates["lora-base"])
+    return [f"[{dtype}] lora: 4 rank-{LORA_RANK} adapters at {ratio:.2f}x the base model's tokens/s "
+            f"(alternate pairs: {pairs}; issue 34's target >= 0.8x)"]
 
 
 def ratio_rows(runs: list[Run]) -> list[dict]:
@@ -733,6 +780,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="transformers: also run mixed and parallel on the transformers backend (model_impl), "
                              "reported as a peer of the native path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixed-count", type=int,
+                        help="requests of mixed (and of the workloads built on it: pressure, json, lora) instead of "
+                             "200 (16 with --quick)")
     parser.add_argument("--json", help="write every result here")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="run every engine in this process (faster start; RSS then mixes the runs)")
@@ -746,7 +796,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args
@@ -768,6 +818,8 @@ def main(argv=None) -> dict:
     settings = SETTINGS[args.quick]
     if args.batch_sizes:
         settings = {**settings, "batch_sizes": args.batch_sizes}
+    if args.mixed_count:
+        settings = {**settings, "mixed": {**settings["mixed"], "count": args.mixed_count}}
     runs, ceilings, notes = [], {}, []
     for dtype in args.dtypes:
         dtype_runs, ceilings[dtype], dtype_notes = bench_dtype(args, dtype, cfg, tokenizer, settings)

@@ -24,26 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402 - the chat prompt generator, from the script next to this one
 
 DEFAULT_MODEL = "~/.cache/batchgen/models/SmolLM2-135M-Instruct"
-
-
-def make_adapters(model: str, root: Path, count: int, rank: int) -> list[Path]:
-    import peft
-    import transformers as tf
-
-    paths = []
-    for i in range(count):
-        base = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        torch.manual_seed(i)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
-        peft.get_peft_model(base, config).save_pretrained(root / f"a{i}")
-        paths.append(root / f"a{i}")
-    return paths
 
 
 def run(model: str, prompts, params, options: dict, loras) -> dict:
@@ -80,9 +64,10 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=rng.choice((16, 32, 64)), ignore_eos=True) for _ in prompts]
     options = dict(dtype=bench.DTYPES[args.dtype], kv_cache_memory="1GiB", num_threads=args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(make_adapters(model, Path(tmp), 4, 16))]
+        paths = bench.make_lora_adapters(model, Path(tmp), 4, bench.LORA_RANK)
+        adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         loras = [adapters[i % 4] for i in range(count)]
-        lora = dict(options, enable_lora=True, max_lora_rank=16)
+        lora = dict(options, enable_lora=True, max_lora_rank=bench.LORA_RANK)
         runs = {"base": (options, None), "lora-off": (dict(lora, max_loras=4), None),
                 "lora-4": (dict(lora, max_loras=4), loras), "lora-4of2": (dict(lora, max_loras=2), loras)}
         results = {}

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402 - the workloads, from the script next to this one
 
 
-def run(llm, wl: bench.Workload) -> tuple[float, int]:
+def run(llm, wl: bench.Workload, loras: list | None = None) -> tuple[float, int]:
+    """`loras`: LoRARequests the requests round-robin over (bench.py's lora workload), or none."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -41,7 +42,8 @@ def run(llm, wl: bench.Workload) -> tuple[float, int]:
     params = [SamplingParams(n=wl.n, temperature=wl.temperature, top_p=wl.top_p, max_tokens=m, ignore_eos=True)
               for m in wl.max_tokens]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    requests = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
     seconds = time.perf_counter() - start
     return seconds, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
@@ -71,21 +73,37 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--score-rows", type=Path, help="score these rows instead (JSON, from bench_scoring.py)")
     parser.add_argument("--out", type=Path, help="with --score-rows: where the scores and seconds go")
+    parser.add_argument("--lora-dir", type=Path,
+                        help="run mixed on the base model and over the PEFT adapters in this directory's a0, a1, ... "
+                             "(bench.make_lora_adapters, made with batchgen's environment), as bench.py's lora")
+    parser.add_argument("--mixed-count", type=int, help="requests of mixed instead of 200 (bench.py's option)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's run gets
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    adapters = sorted(args.lora_dir.glob("a*")) if args.lora_dir else []
+    lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=bench.LORA_RANK) if adapters else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=True, seed=args.seed)
+              enable_prefix_caching=True, seed=args.seed, **lora)
     llm.generate([{"prompt_token_ids": list(range(10, 26))}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if args.score_rows:
         score(llm, args.score_rows, args.out)
         return
-    for name in args.workloads.split(","):
-        wl = bench.make_workload(name, tokenizer, args.seed, **bench.SETTINGS[False][name])
-        seconds, output_tokens = run(llm, wl)
+    runs = [(name, None) for name in args.workloads.split(",")]
+    if adapters:
+        from vllm.lora.request import LoRARequest
+
+        loras = [LoRARequest(path.name, i + 1, str(path)) for i, path in enumerate(adapters)]
+        runs = [("lora-base", None), ("lora", loras)] * 2  # alternately, as bench.py runs them
+    for name, loras in runs:
+        workload = "mixed" if name.startswith("lora") else name  # lora and lora-base: mixed's requests
+        settings = bench.SETTINGS[False][workload]
+        if args.mixed_count and workload == "mixed":
+            settings = {**settings, "count": args.mixed_count}
+        wl = bench.make_workload(workload, tokenizer, args.seed, **settings)
+        seconds, output_tokens = run(llm, wl, loras)
         total = output_tokens + wl.prompt_tokens  # prompts counted once per request, as bench.py does
         print(f"vllm {name:9s} {args.dtype}: {seconds:6.2f} s, {output_tokens / seconds:7.1f} output tok/s, "
               f"{total / seconds:7.1f} total tok/s ({wl.prompt_tokens} prompt + {output_tokens} output tokens)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from batchgen import _C
 from batchgen.ops import reference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,6 +38,16 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(params=_C.supported_cpu_isas())
+def every_isa(request):
+    """Runs a test on each instruction set's kernel table this processor has (the active one restored after);
+    a test module opts in with `pytestmark = pytest.mark.usefixtures("every_isa")` and imports the fixture."""
+    active = _C.cpu_isa()
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(active)
 
 
 def single_threaded():

@@ -140,3 +140,18 @@ def test_vocab_engine_pass_runs_every_sampling_kind(tmp_path):
     assert result.output_tokens == result.requests * 8 and result.sampled_rows >= result.output_tokens
     assert 0 < result.sample_s < result.seconds and result.logits_bytes == result.sampled_rows * 4096 * 4
     assert json.loads(out.read_text())[0]["vocab"] == 4096
+
+
+def test_lora_workload_quick_pass(bench, tmp_path):
+    """--workloads lora: the mixed requests over 4 adapters and on the base model, alternately twice, and the
+    ratio of their tokens/s in the notes."""
+    pytest.importorskip("peft")
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "lora",
+                "--skip-peers", "--mixed-count", "8", "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = [r for r in report["runs"] if r["workload"] in ("lora", "lora-base")]
+    assert [r["workload"] for r in runs] == ["lora-base", "lora", "lora-base", "lora"]
+    assert all(r["requests"] == 8 and r["output_tokens"] > 0 for r in runs)
+    assert any("lora: 4 rank-16 adapters at" in note for note in report["notes"])

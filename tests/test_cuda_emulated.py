@@ -25,7 +25,7 @@ from test_cuda_compile import cuda_include
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "engine_src" / "cuda"
 EMU_DIR = Path(__file__).resolve().parent / "cuda_emu"
-SOURCES = ["cache_kernels", "attention_decode", "attention_prefill"]
+SOURCES = ["cache_kernels", "attention_decode", "attention_prefill", "lora_kernels"]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.h DType
 # Max error allowed, relative to 1 + max |reference|: about two roundings of the output dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -74,6 +74,9 @@ def _bind(lib):
     lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p]
     lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, i32,
                                 f32]
+    lib.emu_lora_workspace_bytes.argtypes = [i64, i32]
+    lib.emu_lora_workspace_bytes.restype = ctypes.c_size_t
+    lib.emu_lora.argtypes = [i32, i32, p, i64, p, i64, i64, p, i32, i32, p, p, p, i32, i32, i32, f32, i32, p]
     return lib
 
 
@@ -318,3 +321,45 @@ def test_copy_blocks(lib, dtype):
     assert lib.emu_copy_blocks(key_ptrs, value_ptrs, layers, ptr(mapping), len(mapping), block_bytes) == 0
     for got, want in zip(key_caches + value_caches, expected, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("store", [False, True])
+def test_lora_shrink_expand(lib, dtype, store):
+    """The SGMV kernels against batchgen.ops.reference (the CPU op's torch reference): segments of 1 to 37 rows
+    over three slots of ranks 16, 0 and 5 (capacity 16), rows without an adapter between them; then every row
+    alone gives the bits it gave in the batch."""
+    from batchgen.ops import reference as ops_reference
+
+    gen = torch.Generator().manual_seed(0)
+    rows, n_in, n_out, capacity = 50, 72, 200, 16
+    a = torch.randn(3, capacity, n_in, generator=gen) * 0.1
+    b_t = torch.randn(3, capacity, n_out, generator=gen) * 0.1
+    ranks = torch.tensor([16, 0, 5], dtype=torch.int32)
+    x = torch.randn(rows, n_in, generator=gen).to(dtype)
+    segments = torch.tensor([[0, 1, 2], [1, 38, 0], [38, 40, 1], [43, 50, 2]], dtype=torch.int32)
+    y_dtype = torch.float32 if store else dtype
+    start = torch.randn(rows, n_out, generator=gen).to(y_dtype)
+
+    def run(y, xs, segs):
+        workspace = torch.empty(lib.emu_lora_workspace_bytes(xs.shape[0], capacity), dtype=torch.uint8)
+        longest = int((segs[:, 1] - segs[:, 0]).max()) if len(segs) else 0
+        status = lib.emu_lora(DTYPE_CODE[dtype], int(y.dtype == torch.float32), ptr(y), y.stride(0), ptr(xs),
+                              xs.stride(0), xs.shape[0], ptr(segs), len(segs), longest, ptr(a), ptr(b_t), ptr(ranks),
+                              capacity, n_in, n_out, 0.5, int(store), ptr(workspace))
+        assert status == 0
+
+    got = start.clone()
+    run(got, x, segments)
+    want = start.clone()
+    ops_reference.lora_shrink_expand(want, x, segments, a, b_t, ranks, 0.5, store)
+    assert_close(got, want.double(), dtype)
+    if store:
+        assert torch.equal(got[38:43].view(torch.int32), torch.full((5, n_out), -0.0).view(torch.int32))
+    else:
+        assert torch.equal(got[38:43], start[38:43]) and not torch.equal(got[1:38], start[1:38])
+    for row in (0, 1, 17, 37, 45, 49):
+        slot = next(int(s) for b, e, s in segments.tolist() if b <= row < e)
+        alone = start[row:row + 1].clone()
+        run(alone, x[row:row + 1], torch.tensor([[0, 1, slot]], dtype=torch.int32))
+        assert torch.equal(alone[0], got[row]), row

@@ -48,8 +48,8 @@ def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, 
     assert counting.calls > 0
     seconds = stack.op_seconds()  # what scripts/bench.py reads for its breakdown
     assert set(seconds) == {"norms", "qkv", "rotary", "cache_write", "decode_attention", "prefill_attention", "o",
-                            "gate_up", "down"}
-    assert all(t > 0 for t in seconds.values())
+                            "gate_up", "down", "lora"}
+    assert seconds.pop("lora") == 0 and all(t > 0 for t in seconds.values())  # no adapters here
     for a, b in zip(ours, theirs, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert x.token_ids == y.token_ids
@@ -70,6 +70,19 @@ def test_stack_arguments_are_checked():
         ops.DecoderStack([[torch.empty(0)] * 7], [None], 4, 3, 64, 128, 256, 1e-6, 0.125)
     with pytest.raises(ValueError, match="no layers"):
         ops.DecoderStack([], [], 4, 2, 64, 128, 256, 1e-6, 0.125)
+
+
+def test_lora_slots_are_checked():
+    stack = ops.DecoderStack([[torch.empty(0)] * 7], [None], 4, 2, 64, 128, 256, 1e-6, 0.125)
+    piece = (0, torch.zeros(2, 8, 128), torch.zeros(2, 8, 128), torch.zeros(2, dtype=torch.int32))  # o: 256 -> 128
+    with pytest.raises(ValueError, match="1 layers but 2 entries"):
+        stack.set_lora([[[], [], [], []]] * 2)
+    with pytest.raises(ValueError, match=r"layer 0 o piece .* with a \[slots, rank, 256\]"):
+        stack.set_lora([[[], [piece], [], []]])
+    good = (0, torch.zeros(2, 8, 256), torch.zeros(2, 8, 64), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="o's pieces cover 64 of its 128 columns"):
+        stack.set_lora([[[], [good], [], []]])
+    stack.set_lora([[[], [good, (64, *good[1:])], [], []]])  # two pieces of 64 columns: accepted
 
 
 def test_the_stack_takes_a_sliding_window_as_the_python_layers_do(tiny_model_dirs):

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import every_isa  # noqa: F401 - the fixture
 
-from batchgen import _C, ops
+from batchgen import ops
 from batchgen.ops import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, params=_C.supported_cpu_isas())
-def isa(request):
-    """Every test runs on each instruction set's row kernels (the active one restored after)."""
-    active = _C.cpu_isa()
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(active)
+pytestmark = pytest.mark.usefixtures("every_isa")  # every test on each instruction set's row kernels
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers as tf
 
-from batchgen import LLM, LoRARequest, SamplingParams
+from batchgen import _C, LLM, LoRARequest, SamplingParams, ops
+from batchgen.config import ConfigError
 
 peft = pytest.importorskip("peft")
 from lora_kit import make_adapter  # noqa: E402  (after the skip: it imports peft)
@@ -412,3 +413,41 @@ def test_smollm2_greedy_matches_peft(smollm2_dir, tmp_path):
     lora = LoRARequest("a", 1, str(adapter))
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)) == refs
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) != refs  # the adapter changes the output
+
+
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
+def test_bf16_stack_scores_like_the_float32_reference(tiny_model_dirs, llama_adapters):
+    """In bf16 the C++ decoder stack adds the adapters' terms inside its GEMMs. The reference is float32 on the
+    Python layers' `LoRALinear` (token-identical to PEFT above); the bf16 Python path (forced by packing under
+    kernels without the bf16 GEMM) sets the bf16 noise level. The stack's scores must be within twice that
+    noise, far closer than the adapters move them; and enabling LoRA leaves base-model rows bit-identical to
+    the engine without LoRA, even in steps shared with adapter rows."""
+    base_dir = tiny_model_dirs["llama"]
+    options = dict(kv_cache_memory="8MiB", enable_lora=True, max_loras=3, max_lora_rank=64)
+    stacked = LLM(base_dir, dtype="bfloat16", **options)
+    assert stacked.engine.runner.model.decoder_stack is not None
+    active = _C.cpu_isa()
+    _C.set_cpu_isa("avx512")
+    try:
+        python_layers = LLM(base_dir, dtype="bfloat16", **options)
+    finally:
+        _C.set_cpu_isa(active)
+    assert python_layers.engine.runner.model.decoder_stack is None
+    reference = LLM(base_dir, dtype="float32", **options)
+    prompts = prompts_of(400, lens=[6, 30, 45, 20, 12, 60], seed=4)
+    completions = [list(range(7 + i, 15 + i)) for i in range(len(prompts))]
+    loras = [llama_adapters[i] for i in (1, 2, 4, 1, 2, 4)]
+
+    def scores(llm, lora):
+        return torch.tensor([o.logprob for o in llm.score_completions(prompts, completions, use_tqdm=False,
+                                                                      lora_request=lora)])
+
+    want = scores(reference, loras)
+    ours, noise = (scores(stacked, loras) - want).abs().max(), (scores(python_layers, loras) - want).abs().max()
+    effect = (want - scores(reference, None)).abs().min()
+    assert ours <= 2 * noise and effect > 4 * ours, (ours, noise, effect)
+    plain = LLM(base_dir, dtype="bfloat16", kv_cache_memory="8MiB")
+    assert torch.equal(scores(stacked, None), scores(plain, None))
+    got = stacked.generate(prompts[:3], GREEDY, use_tqdm=False, lora_request=[None, llama_adapters[0], None])
+    want = plain.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [tokens([got[i]]) for i in (0, 2)] == [tokens([want[i]]) for i in (0, 2)]

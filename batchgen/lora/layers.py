@@ -9,7 +9,9 @@ expand serve every part the adapter targets.
 Batch invariance: each segment's shrink and expand are `PackedLinear`s (oneDNN's packed GEMM, or batchgen's
 bf16 GEMM), whose rows do not depend on how many rows they run with (tests/test_linear.py), and every output
 row gets exactly one add; so a row's result is the same whatever other adapters, or how many rows of its own,
-share the step. A C++ segmented kernel can replace `LoRALinear.add_lora` without touching anything else.
+share the step. This is the reference path, and the one models without batchgen's C++ decoder stack take;
+where the stack runs (bf16 on AVX512-BF16), `StackedLoRA` hands it every slot's weights instead and it adds
+the terms inside its GEMMs (`ops.lora_shrink_expand`, engine_src/csrc/cpu/lora_ops.cpp).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ class LoRATarget:
     in_features: int
     parts: dict[str, tuple[int, int]]  # module name -> (first output row, rows)
 
+    @property
+    def out_features(self) -> int:
+        return max(first + rows for first, rows in self.parts.values())
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """The output rows as the parts cut them, (first, count) in order: q, k and v of a fused qkv_proj (an
+        adapter on the whole of it reaches into each), or the whole of a projection of one part."""
+        pieces = sorted({part for part in self.parts.values() if part[1] < self.out_features})
+        return pieces or [(0, self.out_features)]
+
 
 @dataclass
 class Segment:
@@ -53,6 +65,10 @@ class LoRABatch:
 
     segments: list[Segment] = field(default_factory=list)
 
+    def table(self) -> torch.Tensor:
+        """The segments as `ops.lora_shrink_expand` takes them: int32 [count, 3] (first row, end row, slot)."""
+        return torch.tensor([(s.start, s.end, s.slot) for s in self.segments], dtype=torch.int32).reshape(-1, 3)
+
 
 def _gemm(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return PackedLinear(weight) if can_pack(weight) else partial(linear, weight=weight)
@@ -64,6 +80,28 @@ class SlotWeights:
     expand: Callable[[torch.Tensor], torch.Tensor]  # -> [n, out]: block-diagonal over the parts
 
 
+def adapter_pair(adapter: Adapter | None, target: LoRATarget, rows: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`adapter`'s low-rank pair on `target`'s output rows `rows` ((first, count); all by default) as one (A
+    [ranks, in], B [count, ranks]): the A of the parts reaching into those rows stacked, their B block-diagonal
+    over the parts' rows; None where the adapter does not touch them."""
+    first, count = rows or (0, target.out_features)
+    pairs = [] if adapter is None else [
+        (adapter.modules[key], target.parts[key[1]]) for key in adapter.modules
+        if key[0] == target.layer and key[1] in target.parts
+        and target.parts[key[1]][0] < first + count and first < sum(target.parts[key[1]])]
+    if not pairs:
+        return None
+    a = torch.cat([w.a for w, _ in pairs])
+    b = torch.zeros(count, a.shape[0], dtype=a.dtype)
+    col = 0
+    for w, (start, size) in pairs:
+        lo, hi = max(start, first), min(start + size, first + count)
+        b[lo - first:hi - first, col:col + w.rank] = w.b[lo - start:hi - start]
+        col += w.rank
+    return a, b
+
+
 class LoRALinear(nn.Module):
     """`base`'s output plus each segment's adapter term. `slots[i]` holds the adapter in device slot i, or
     None where that adapter does not touch this projection (or the slot is empty)."""
@@ -71,24 +109,12 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, target: LoRATarget, batch: LoRABatch, num_slots: int):
         super().__init__()
         self.base, self.target, self.batch = base, target, batch
-        self.out_features = max(first + rows for first, rows in target.parts.values())
         self.slots: list[SlotWeights | None] = [None] * num_slots
 
     def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
         """Puts `adapter`'s pairs for this projection into `slot` (None empties it)."""
-        pairs = [] if adapter is None else [
-            (adapter.modules[key], self.target.parts[key[1]]) for key in adapter.modules
-            if key[0] == self.target.layer and key[1] in self.target.parts]
-        if not pairs:
-            self.slots[slot] = None
-            return
-        a = torch.cat([w.a for w, _ in pairs]).to(device)
-        b = torch.zeros(self.out_features, a.shape[0], dtype=a.dtype, device=device)
-        col = 0
-        for w, (first, rows) in pairs:
-            b[first:first + rows, col:col + w.rank] = w.b
-            col += w.rank
-        self.slots[slot] = SlotWeights(_gemm(a), _gemm(b))
+        pair = adapter_pair(adapter, self.target)
+        self.slots[slot] = None if pair is None else SlotWeights(*(_gemm(w.to(device)) for w in pair))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -101,3 +127,36 @@ class LoRALinear(nn.Module):
             if weights is not None:
                 rows = x[seg.start:seg.end]
                 out[seg.start:seg.end] += weights.expand(weights.shrink(rows)).to(out.dtype)
+
+
+class StackedLoRA:
+    """One projection's adapters as batchgen's C++ decoder stack reads them: for each piece of its output rows
+    (`LoRATarget.pieces`: q, k, v apart, so that no expand runs over another piece's zeros) every slot's pair
+    in float32, padded with zeros to `capacity` ranks, as `ops.lora_shrink_expand` takes them: a [slots,
+    capacity, in], b_t [slots, capacity, rows] (B transposed), and each slot's own rank in `ranks` (int32; 0
+    where its adapter does not reach the piece). The stack holds these tensors; `load` rewrites a slot in
+    place."""
+
+    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int):
+        self.target = target
+        self.pieces = target.pieces()
+        whole = len(self.pieces) > 1 and (0, target.out_features) in target.parts.values()
+        capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection
+        self.weights = [(torch.zeros(num_slots, capacity, target.in_features), torch.zeros(num_slots, capacity, rows),
+                         torch.zeros(num_slots, dtype=torch.int32)) for _, rows in self.pieces]
+
+    def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
+        """Puts `adapter`'s pairs for this projection into `slot` (None empties it); CPU only, as the stack."""
+        for piece, (a, b_t, ranks) in zip(self.pieces, self.weights, strict=True):
+            pair = adapter_pair(adapter, self.target, piece)
+            a[slot].zero_()
+            b_t[slot].zero_()
+            rank = 0 if pair is None else pair[0].shape[0]
+            if pair is not None:
+                a[slot, :rank] = pair[0]
+                b_t[slot, :rank] = pair[1].T
+            ranks[slot] = rank
+
+    def parts(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(first output row, a, b_t, ranks) of each piece, as DecoderStack.set_lora takes them."""
+        return [(first, *w) for (first, _), w in zip(self.pieces, self.weights, strict=True)]

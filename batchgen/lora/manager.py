@@ -4,7 +4,10 @@ the runner asks this to put it there before the step that needs it.
 
 Host memory holds at most `max_cpu_loras` adapters (None: every one named): beyond it the least recently
 named or loaded one that sits in no device slot is dropped, and read from its directory again when it is
-next put into a slot. An adapter in a slot is never dropped (there are at most max_loras <= max_cpu_loras)."""
+next put into a slot. An adapter in a slot is never dropped (there are at most max_loras <= max_cpu_loras).
+
+A model with batchgen's C++ decoder stack (`decoder_stack`) gets its slots as `StackedLoRA`s, which the stack
+reads inside its GEMMs (`attach_lora`); any other model gets `LoRALinear`s in place of its projections."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from batchgen.lora.checkpoint import Adapter, AdapterError, load_adapter
-from batchgen.lora.layers import LoRABatch, LoRALinear
+from batchgen.lora.layers import LoRABatch, LoRALinear, StackedLoRA
 from batchgen.lora.request import LoRARequest
 
 
@@ -24,14 +27,21 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.dtype, self.device = max_loras, max_lora_rank, dtype, device
         self.max_cpu_loras = max_cpu_loras
         self.batch = LoRABatch()
-        self.layers: list[LoRALinear] = []
+        self.layers: list[LoRALinear | StackedLoRA] = []
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        stacked: dict[tuple[int, str], StackedLoRA] = {}
+        in_stack = getattr(model, "decoder_stack", None) is not None
         for owner, attr, target in model.lora_targets():
-            layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
-            setattr(owner, attr, layer)
+            if in_stack:
+                layer = stacked[(target.layer, attr)] = StackedLoRA(target, max_loras, max_lora_rank)
+            else:
+                layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
+                setattr(owner, attr, layer)
             self.layers.append(layer)
             self.shapes |= {(target.layer, name): (target.in_features, rows)
                             for name, (_, rows) in target.parts.items()}
+        if in_stack:
+            model.attach_lora(stacked, self.batch)
         self.requests: dict[int, LoRARequest] = {}  # by lora_int_id: every adapter a request has named
         self.adapters: OrderedDict[int, Adapter] = OrderedDict()  # those in host memory, least recently used first
         self.in_slot: list[int | None] = [None] * max_loras

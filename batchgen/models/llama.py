@@ -26,9 +26,10 @@ from batchgen.layers.linear import (
     gather_panels,
     linear,
     pack_linears,
+    uses_gemm_panels,
 )
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
-from batchgen.lora.layers import LoRATarget
+from batchgen.lora.layers import LoRABatch, LoRATarget, StackedLoRA
 
 
 @dataclass
@@ -162,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._tied_head: PackedLinear | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
+        self.lora_batch: LoRABatch | None = None  # the step's adapter segments, once attach_lora gave the stack slots
 
     @property
     def vocab_size(self) -> int:
@@ -182,12 +184,17 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.angles(positions)
+        lora = {"lora_segments": self.lora_batch.table()} if self.lora_batch and self.lora_batch.segments else {}
         if self.decoder_stack is not None and ops.has_gemm_bf16():
             attn = self.attention_layers()
             x, residual = self.decoder_stack.forward(
                 x, positions, rope.cos_sin, [a.key_cache for a in attn], [a.value_cache for a in attn],
                 meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_seq_lens,
-                meta.decode_seq_groups, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc)
+                meta.decode_seq_groups, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
+                **lora)
+        elif lora:
+            raise RuntimeError("this model's LoRA adapters live in its decoder stack, which needs the bf16 GEMM "
+                               "that the active CPU kernels lack")
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, rope, meta)
@@ -208,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
         to the embedding gets a packed copy of its own: the embedding lookup needs the plain one. The
         head's logits come out in float32 where the GEMM can give them so. The GEMM panels then move
         side by side onto huge pages (`gather_panels`). `for_lora`: LoRA adds to gate and up before the
-        activation, so they stay one plain projection and the layers run in Python (no decoder stack)."""
-        if not for_lora:
+        activation; the decoder stack adds them inside its fused GEMM, but without the stack gate and up stay one
+        plain projection for `LoRALinear` and the layers run in Python."""
+        if not for_lora or self._stack_applies():
             for layer in self.layers:
                 layer.mlp.pack()
         pack_linears(self.layers)
@@ -218,8 +226,27 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.has_lm_head and can_pack(self.embed_tokens.weight):
             self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
         gather_panels(self)
-        if not for_lora:
-            self._build_decoder_stack()
+        self._build_decoder_stack()
+
+    def _llama_attention(self) -> bool:
+        """Whether the attention is the decoder stack's (Llama's: one window everywhere, the rotary embedding on
+        whole heads, the default scale, no soft cap)."""
+        cfg = self.cfg
+        return not (len(set(cfg.sliding_windows or (0,))) > 1 or cfg.rotary_dim or cfg.attn_scale
+                    or cfg.attn_soft_cap)
+
+    def _stack_applies(self) -> bool:
+        """Before packing: whether `_build_decoder_stack` will build the stack."""
+        weights = [p.weight for layer in self.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return self._llama_attention() and all(uses_gemm_panels(w) for w in weights)
+
+    def attach_lora(self, slots: dict[tuple[int, str], StackedLoRA], batch: LoRABatch) -> None:
+        """Hands the decoder stack every layer's adapter slots ((layer, projection) -> StackedLoRA, e.g. (0,
+        "qkv_proj")); `forward` then passes it `batch`'s segments, and the stack adds their terms."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        self.decoder_stack.set_lora([[slots[(i, name)].parts() for name in names] for i in range(len(self.layers))])
+        self.lora_batch = batch
 
     def _build_decoder_stack(self) -> None:
         """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
@@ -232,9 +259,9 @@ class LlamaForCausalLM(nn.Module):
                         layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
             return
-        windows = set(cfg.sliding_windows or (0,))
-        if len(windows) > 1 or cfg.rotary_dim or cfg.attn_scale or cfg.attn_soft_cap:  # the stack's are Llama's
+        if not self._llama_attention():
             return
+        windows = set(cfg.sliding_windows or (0,))
         weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
                     gate_up.gate, gate_up.up, down.packed]
                    + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else [])
@@ -253,12 +280,13 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_targets(self) -> Iterator[tuple[nn.Module, str, LoRATarget]]:
         """Every projection a LoRA adapter may add to, as (owner, attribute, target); a fused one answers to
-        its parts' checkpoint names and its own. Needs `pack_weights(for_lora=True)` (gate/up unfused)."""
+        its parts' checkpoint names and its own. Needs `pack_weights(for_lora=True)` (gate/up unfused where the
+        layers run in Python)."""
         cfg, pieces = self.cfg, self._fused_pieces()
         q, ffn = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if mlp.packed_gate_up is not None:
+            if mlp.packed_gate_up is not None and self.decoder_stack is None:
                 raise RuntimeError("LoRA needs the model packed with pack_weights(for_lora=True)")
             for owner, fused, width in ((attn, "qkv_proj", cfg.hidden_size), (mlp, "gate_up_proj", cfg.hidden_size)):
                 parts = {name: (first, rows) for name, (target, first, rows) in pieces.items() if target == fused}

@@ -44,6 +44,7 @@ __all__ = [
     "gemm_on_tiles",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
+    "lora_shrink_expand",
     "mask_logits",
     "on_huge_pages",
     "pack_gemm_weight",
@@ -179,24 +180,38 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [rows, in] (bf16) @ W^T (+ bias, float32) for W packed by `pack_gemm_weight`: [rows, out_features]
-    in `out_dtype`, bf16 or float32 (the float32 sums, unrounded). A row's result does not depend on the
-    other rows of x."""
+              out_dtype: torch.dtype = torch.bfloat16, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] (bf16) @ W^T (+ addend, float32 [rows, out_features]) (+ bias, float32) for W packed by
+    `pack_gemm_weight`: [rows, out_features] in `out_dtype`, bf16 or float32 (the float32 sums, unrounded). A
+    row's result does not depend on the other rows of x."""
     if not (x.is_cpu and has_gemm_bf16()):
-        return reference.gemm_bf16(x, weight, out_features, bias, out_dtype)
+        return reference.gemm_bf16(x, weight, out_features, bias, out_dtype, addend)
     out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
-    _C.gemm_bf16(out, x, weight, bias)
+    _C.gemm_bf16(out, x, weight, bias, addend)
     return out
 
 
-def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
-    """silu(x G^T) * (x U^T) for G and U packed by `pack_gemm_weight`, rounded to bf16 once."""
+def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int,
+                       addend: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x G^T) * (x U^T) for G and U packed by `pack_gemm_weight`, rounded to bf16 once; `addend` (float32
+    [rows, 2 * out_features]) adds its first half to the gate's sums and its second to the up's."""
     if not (x.is_cpu and has_gemm_bf16()):
-        return reference.gemm_silu_mul_bf16(x, gate, up, out_features)
+        return reference.gemm_silu_mul_bf16(x, gate, up, out_features, addend)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    _C.gemm_silu_mul_bf16(out, x, gate, up)
+    _C.gemm_silu_mul_bf16(out, x, gate, up, addend)
     return out
+
+
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+                       ranks: torch.Tensor | None = None, scale: float = 1.0, store: bool = False) -> None:
+    """Segmented LoRA, in place: for each segment (int32 [count, 3]: first row, end row, slot; in order and
+    apart) y[rows] += scale * (x[rows] A[slot]^T) B[slot], summed in float32. a float32 [slots, rank, in],
+    b_t float32 [slots, rank, out] (B transposed), slot s using its first ranks[s] ranks (int32 [slots]; all
+    without). x float32 or bf16; y x's dtype or float32. `store` (y float32): y = the terms, and -0.0 in every
+    other row (an addend that changes nothing). A row's result depends on its own data and slot alone."""
+    if not (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)):
+        return reference.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)
+    _C.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)
 
 
 # A Llama model's decoder layers on CPU in one call, through the ops above (contract: engine_src/README.md;

@@ -225,12 +225,29 @@ def unpack_gemm_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.bfloat16, addend: torch.Tensor | None = None) -> torch.Tensor:
     out = x.float() @ unpack_gemm_weight(weight, out_features).float().T
+    out = out if addend is None else out + addend
     return (out if bias is None else out + bias).to(out_dtype)
 
 
-def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
+def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int,
+                       addend: torch.Tensor | None = None) -> torch.Tensor:
     g = x.float() @ unpack_gemm_weight(gate, out_features).float().T
     u = x.float() @ unpack_gemm_weight(up, out_features).float().T
+    if addend is not None:
+        g, u = g + addend[:, :out_features], u + addend[:, out_features:]
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
+
+
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+                       ranks: torch.Tensor | None = None, scale: float = 1.0, store: bool = False) -> None:
+    """In place: each segment's rows of y get scale * (x A[slot]^T) B[slot] in float32 (see ops)."""
+    if store:
+        y.fill_(-0.0)
+    for start, end, slot in segments.tolist():
+        rank = a.shape[1] if ranks is None else int(ranks[slot])
+        if start == end or rank == 0:
+            continue
+        term = (scale * (x[start:end].float() @ a[slot, :rank].T)) @ b_t[slot, :rank]
+        y[start:end] = term if store else (y[start:end].float() + term).to(y.dtype)

@@ -406,6 +406,15 @@ void mask_logits(const Tensor& logits, const Tensor& allowed, Tensor& out) {
   batchgen::cpu::mask_logits(logits, allowed, out);
 }
 
+// A float32 CPU tensor [rows, cols] with contiguous rows.
+void check_float_rows(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  check_rank(op, name, t, 2, "[rows, features]");
+  TORCH_CHECK_VALUE(t.is_cpu() && t.scalar_type() == torch::kFloat32 && t.stride(1) == 1 && t.size(0) == rows &&
+                        t.size(1) == cols,
+                    op, ": ", name, " must be a float32 CPU tensor [", rows, ", ", cols,
+                    "] contiguous in its last dimension, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
 // The bf16 GEMMs: x [rows, depth] bf16 and out [rows, cols] bf16 or float32 on the host with unit stride
 // in their last dimension; weights packed in panels [ceil(cols / panel cols), depth / 2, panel cols, 2].
 void check_gemm_operands(const char* op, const Tensor& out, const Tensor& x, const Tensor& weight, const char* name) {
@@ -433,7 +442,8 @@ void check_gemm_operands(const char* op, const Tensor& out, const Tensor& x, con
 
 namespace batchgen::checked {
 
-void gemm_bf16(Tensor& out, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
+void gemm_bf16(Tensor& out, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+               const c10::optional<Tensor>& addend) {
   const char* op = "gemm_bf16";
   check_gemm_operands(op, out, x, weight, "weight");
   if (bias.has_value()) {
@@ -441,14 +451,50 @@ void gemm_bf16(Tensor& out, const Tensor& x, const Tensor& weight, const c10::op
     TORCH_CHECK_VALUE(bias->is_cpu() && bias->size(0) == out.size(1), op, ": bias must be a CPU tensor of ",
                       out.size(1), " entries");
   }
-  batchgen::cpu::gemm_bf16(out, x, weight, bias);
+  if (addend.has_value()) check_float_rows(op, "addend", *addend, out.size(0), out.size(1));
+  batchgen::cpu::gemm_bf16(out, x, weight, bias, addend);
 }
 
-void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& up) {
+void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& up,
+                        const c10::optional<Tensor>& addend) {
   const char* op = "gemm_silu_mul_bf16";
   check_gemm_operands(op, out, x, gate, "gate");
   check_gemm_operands(op, out, x, up, "up");
-  batchgen::cpu::gemm_silu_mul_bf16(out, x, gate, up);
+  if (addend.has_value()) check_float_rows(op, "addend", *addend, out.size(0), 2 * out.size(1));
+  batchgen::cpu::gemm_silu_mul_bf16(out, x, gate, up, addend);
+}
+
+void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, const Tensor& a, const Tensor& b_t,
+                        const c10::optional<Tensor>& ranks, double scale, bool store) {
+  const char* op = "lora_shrink_expand";
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"x", &x}, {"y", &y}}) {
+    check_rank(op, name, *t, 2, "[rows, features]");
+    TORCH_CHECK_VALUE(t->is_cpu() && t->stride(1) == 1 &&
+                          (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16),
+                      op, ": ", name, " must be a float32 or bfloat16 CPU tensor contiguous in its last dimension, "
+                      "got ", t->scalar_type(), " ", t->sizes(), " strides ", t->strides(), " on ", t->device());
+  }
+  TORCH_CHECK_VALUE(y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32, op,
+                    ": y must be x's dtype or float32, got ", y.scalar_type());
+  TORCH_CHECK_VALUE(!store || y.scalar_type() == torch::kFloat32, op, ": store needs a float32 y");
+  TORCH_CHECK_VALUE(y.size(0) == x.size(0), op, ": y has ", y.size(0), " rows but x has ", x.size(0));
+  check_index(op, "segments", segments, torch::kInt32, 2, "[count, 3]");
+  TORCH_CHECK_VALUE(segments.is_cpu() && segments.size(1) == 3, op,
+                    ": segments must be a CPU tensor [count, 3] (first row, end row, slot), got ", segments.sizes());
+  check_index(op, "a", a, torch::kFloat32, 3, "[slots, rank, in_features]");
+  check_index(op, "b_t", b_t, torch::kFloat32, 3, "[slots, rank, out_features]");
+  TORCH_CHECK_VALUE(a.is_cpu() && b_t.is_cpu() && a.size(2) == x.size(1) && b_t.size(2) == y.size(1) &&
+                        b_t.size(0) == a.size(0) && b_t.size(1) == a.size(1) &&
+                        a.size(1) <= batchgen::cpu::kMaxLoRARank,
+                    op, ": a [slots, rank, ", x.size(1), "] and b_t [slots, rank, ", y.size(1),
+                    "] must be CPU tensors of one rank <= ", batchgen::cpu::kMaxLoRARank, ", got ", a.sizes(), " and ",
+                    b_t.sizes());
+  if (ranks.has_value()) {
+    check_index(op, "ranks", *ranks, torch::kInt32, 1, "[slots]");
+    TORCH_CHECK_VALUE(ranks->is_cpu() && ranks->size(0) == a.size(0), op, ": ranks must be a CPU tensor of ",
+                      a.size(0), " entries (one a slot)");
+  }
+  batchgen::cpu::lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store);
 }
 
 }  // namespace batchgen::checked
@@ -504,10 +550,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("allowed"), py::arg("out"), no_gil);
   m.attr("GEMM_PANEL_COLS") = batchgen::cpu::kGemmPanelCols;
   m.def("has_gemm_bf16", &batchgen::cpu::has_gemm_bf16, "Whether the active CPU kernels have the bf16 GEMM");
-  m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ bias) on bf16 weights packed in panels", py::arg("out"),
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), no_gil);
-  m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16, "out = silu(x gate^T) * (x up^T) on bf16 panels", py::arg("out"),
-        py::arg("x"), py::arg("gate"), py::arg("up"), no_gil);
+  m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ addend) (+ bias) on bf16 weights packed in panels",
+        py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("addend") = py::none(),
+        no_gil);
+  m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16,
+        "out = silu(x gate^T + addend's first half) * (x up^T + its second half) on bf16 panels", py::arg("out"),
+        py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("addend") = py::none(), no_gil);
+  m.def("lora_shrink_expand", &lora_shrink_expand,
+        "Segmented LoRA: y[segment rows] += scale * (x A[slot]^T) B[slot] (or, with store, y = that)", py::arg("y"),
+        py::arg("x"), py::arg("segments"), py::arg("a"), py::arg("b_t"), py::arg("ranks") = py::none(), py::arg("scale") = 1.0,
+        py::arg("store") = false, no_gil);
   py::class_<batchgen::DecoderStack>(m, "DecoderStack", "A Llama model's decoder layers on CPU in one call")
       .def(py::init([](const std::vector<std::vector<Tensor>>& layers,
                        const std::vector<c10::optional<Tensor>>& qkv_biases, int64_t num_heads, int64_t num_kv_heads,
@@ -539,7 +591,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &batchgen::DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
            py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),
-           py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_start_loc"), no_gil)
+           py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_start_loc"),
+           py::arg("lora_segments") = py::none(), no_gil)
+      .def(
+          "set_lora",
+          [](batchgen::DecoderStack& stack,
+             const std::vector<std::vector<std::vector<std::tuple<int64_t, Tensor, Tensor, Tensor>>>>& layers) {
+            std::vector<batchgen::DecoderLayerLoRA> lora;
+            for (size_t i = 0; i < layers.size(); ++i) {
+              const auto& l = layers[i];
+              TORCH_CHECK_VALUE(l.size() == 4, "DecoderStack.set_lora: layer ", i,
+                                " needs the pieces of qkv, o, gate_up and down, got ", l.size(), " projections");
+              auto projection = [](const std::vector<std::tuple<int64_t, Tensor, Tensor, Tensor>>& pieces) {
+                batchgen::LoRAProjection p;
+                for (const auto& [first, a, b_t, ranks] : pieces) p.push_back({first, a, b_t, ranks});
+                return p;
+              };
+              lora.push_back({projection(l[0]), projection(l[1]), projection(l[2]), projection(l[3])});
+            }
+            stack.set_lora(std::move(lora));
+          },
+          py::arg("layers"),
+          "Every layer's LoRA pieces of qkv, o, gate_up and down: (first column, a, b_t, ranks) each "
+          "(see decoder_stack.h)")
       .def_property_readonly("num_layers", &batchgen::DecoderStack::num_layers)
       .def("op_seconds", &batchgen::DecoderStack::op_seconds,
            "Seconds spent in each kind of op since construction (for profiles such as scripts/bench.py's)");

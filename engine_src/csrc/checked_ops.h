@@ -20,8 +20,11 @@ void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tenso
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);
 void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-               const c10::optional<torch::Tensor>& bias);
+               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend = c10::nullopt);
 void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
-                        const torch::Tensor& up);
+                        const torch::Tensor& up, const c10::optional<torch::Tensor>& addend = c10::nullopt);
+void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
+                        const torch::Tensor& a, const torch::Tensor& b_t,
+                        const c10::optional<torch::Tensor>& ranks, double scale, bool store);
 
 }  // namespace batchgen::checked

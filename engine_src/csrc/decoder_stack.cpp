@@ -33,6 +33,33 @@ void timed(double& total, Fn&& fn) {
   total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A projection's LoRA terms for the step as the GEMM's addend (see lora_shrink_expand's store), or none.
+c10::optional<Tensor> lora_addend(const LoRAProjection& p, const Tensor& input, const Tensor& segments,
+                                  int64_t cols) {
+  if (p.empty()) return c10::nullopt;
+  Tensor addend = torch::empty({input.size(0), cols}, input.options().dtype(torch::kFloat32));
+  for (const LoRAPiece& piece : p) {
+    Tensor columns = addend.narrow(1, piece.first, piece.b_t.size(2));
+    checked::lora_shrink_expand(columns, input, segments, piece.a, piece.b_t, piece.ranks, 1.0, true);
+  }
+  return addend;
+}
+
+void check_lora(const LoRAProjection& p, size_t layer, const char* name, int64_t in, int64_t out) {
+  int64_t next = 0;
+  for (const LoRAPiece& piece : p) {
+    TORCH_CHECK_VALUE(piece.first == next && piece.a.dim() == 3 && piece.b_t.dim() == 3 && piece.ranks.dim() == 1 &&
+                          piece.a.size(2) == in && piece.ranks.size(0) == piece.a.size(0),
+                      "DecoderStack.set_lora: layer ", layer, " ", name, " piece at column ", piece.first,
+                      " needs to start at column ", next, " with a [slots, rank, ", in,
+                      "], b_t [slots, rank, columns] and ranks [slots], got ", piece.a.sizes(), ", ",
+                      piece.b_t.sizes(), ", ", piece.ranks.sizes());
+    next += piece.b_t.size(2);
+  }
+  TORCH_CHECK_VALUE(p.empty() || next == out, "DecoderStack.set_lora: layer ", layer, " ", name,
+                    "'s pieces cover ", next, " of its ", out, " columns");
+}
+
 const Tensor& required(const c10::optional<Tensor>& t, const char* name, const char* when) {
   TORCH_CHECK_VALUE(t.has_value(), "DecoderStack.forward: ", name, " is needed ", when);
   return *t;
@@ -40,12 +67,27 @@ const Tensor& required(const c10::optional<Tensor>& t, const char* name, const c
 
 }  // namespace
 
+void DecoderStack::set_lora(std::vector<DecoderLayerLoRA> lora) {
+  const DecoderShape& s = shape_;
+  TORCH_CHECK_VALUE(lora.size() == layers_.size(), "DecoderStack.set_lora: ", layers_.size(), " layers but ",
+                    lora.size(), " entries");
+  const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+  for (size_t i = 0; i < lora.size(); ++i) {
+    check_lora(lora[i].qkv, i, "qkv", s.hidden, q_size + 2 * kv_size);
+    check_lora(lora[i].o, i, "o", q_size, s.hidden);
+    check_lora(lora[i].gate_up, i, "gate_up", s.hidden, 2 * s.intermediate);
+    check_lora(lora[i].down, i, "down", s.intermediate, s.hidden);
+  }
+  lora_ = std::move(lora);
+}
+
 std::tuple<Tensor, Tensor> DecoderStack::forward(
     Tensor x, const Tensor& positions, const Tensor& cos_sin, std::vector<Tensor> key_caches,
     std::vector<Tensor> value_caches, const Tensor& slot_mapping, int64_t num_decode_tokens,
     const c10::optional<Tensor>& decode_block_tables, const c10::optional<Tensor>& decode_seq_lens,
     const c10::optional<Tensor>& decode_seq_groups, const c10::optional<Tensor>& prefill_block_tables,
-    const c10::optional<Tensor>& prefill_seq_lens, const c10::optional<Tensor>& prefill_query_start_loc) const {
+    const c10::optional<Tensor>& prefill_seq_lens, const c10::optional<Tensor>& prefill_query_start_loc,
+    const c10::optional<Tensor>& lora_segments) const {
   const DecoderShape& s = shape_;
   const size_t count = layers_.size();
   TORCH_CHECK_VALUE(key_caches.size() == count && value_caches.size() == count, "DecoderStack.forward: ", count,
@@ -58,8 +100,16 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
   const int64_t heads = s.num_heads, kv_heads = s.num_kv_heads, head_dim = s.head_dim;
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const auto options = x.options();
+  const bool with_lora = lora_segments.has_value() && lora_segments->size(0) > 0;
+  TORCH_CHECK_VALUE(!with_lora || !lora_.empty(), "DecoderStack.forward: lora_segments given but no adapters set");
   Tensor residual;
   double* const seconds = seconds_.data();
+  // A layer's LoRA terms of one projection, timed apart from the GEMMs.
+  auto addend = [&](const LoRAProjection& p, const Tensor& input, int64_t cols) {
+    c10::optional<Tensor> terms;
+    timed(seconds[kLoRA], [&] { terms = lora_addend(p, input, *lora_segments, cols); });
+    return terms;
+  };
   for (size_t i = 0; i < count; ++i) {
     const DecoderLayerWeights& w = layers_[i];
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
@@ -69,8 +119,10 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
     } else {
       timed(seconds[kNorms], [&] { checked::fused_add_rms_norm(x, residual, w.input_norm, s.eps); });
     }
+    const DecoderLayerLoRA* lora = with_lora ? &lora_[i] : nullptr;
     Tensor qkv = torch::empty({tokens, q_size + 2 * kv_size}, options);
-    timed(seconds[kQkv], [&] { checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias); });
+    const auto qkv_terms = lora ? addend(lora->qkv, x, q_size + 2 * kv_size) : c10::nullopt;
+    timed(seconds[kQkv], [&] { checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias, qkv_terms); });
     Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
     Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
@@ -107,12 +159,16 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       });
     }
     Tensor o = torch::empty({tokens, s.hidden}, options);
-    timed(seconds[kO], [&] { checked::gemm_bf16(o, attn.view({tokens, q_size}), w.o, c10::nullopt); });
+    const Tensor attn_rows = attn.view({tokens, q_size});
+    const auto o_terms = lora ? addend(lora->o, attn_rows, s.hidden) : c10::nullopt;
+    timed(seconds[kO], [&] { checked::gemm_bf16(o, attn_rows, w.o, c10::nullopt, o_terms); });
     timed(seconds[kNorms], [&] { checked::fused_add_rms_norm(o, residual, w.post_norm, s.eps); });
     Tensor h = torch::empty({tokens, s.intermediate}, options);
-    timed(seconds[kGateUp], [&] { checked::gemm_silu_mul_bf16(h, o, w.gate, w.up); });
+    const auto gate_up_terms = lora ? addend(lora->gate_up, o, 2 * s.intermediate) : c10::nullopt;
+    timed(seconds[kGateUp], [&] { checked::gemm_silu_mul_bf16(h, o, w.gate, w.up, gate_up_terms); });
     x = torch::empty({tokens, s.hidden}, options);
-    timed(seconds[kDown], [&] { checked::gemm_bf16(x, h, w.down, c10::nullopt); });
+    const auto down_terms = lora ? addend(lora->down, h, s.hidden) : c10::nullopt;
+    timed(seconds[kDown], [&] { checked::gemm_bf16(x, h, w.down, c10::nullopt, down_terms); });
   }
   return {x, residual};
 }
@@ -126,7 +182,8 @@ std::map<std::string, double> DecoderStack::op_seconds() const {
           {"prefill_attention", seconds_[kPrefillAttention]},
           {"o", seconds_[kO]},
           {"gate_up", seconds_[kGateUp]},
-          {"down", seconds_[kDown]}};
+          {"down", seconds_[kDown]},
+          {"lora", seconds_[kLoRA]}};
 }
 
 }  // namespace batchgen

@@ -20,6 +20,19 @@ struct DecoderLayerWeights {
   c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;
 };
 
+// The LoRA adapters of one piece of a projection's output columns, [first, first + b_t.size(2)), one a slot:
+// lora_shrink_expand's a [slots, rank, in], b_t [slots, rank, columns] and ranks [slots]. Python loads adapters
+// into these tensors in place. A projection's pieces cover its columns in order (q, k and v apart, so that no
+// expand runs over another piece's zero block); none: no adapter there.
+struct LoRAPiece {
+  int64_t first;
+  torch::Tensor a, b_t, ranks;
+};
+using LoRAProjection = std::vector<LoRAPiece>;
+struct DecoderLayerLoRA {
+  LoRAProjection qkv, o, gate_up, down;  // gate_up: the gate's columns, then the up projection's
+};
+
 struct DecoderShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
   double eps, scale;
@@ -33,6 +46,9 @@ class DecoderStack {
   // x: the step's embeddings [tokens, hidden]; the rest as the Python layers take it (positions
   // and the rotary table, each layer's caches, and AttentionMetadata's fields, decodes first).
   // Returns the last layer's output and the residual stream, whose sum the final norm takes.
+  // lora_segments (int32 [count, 3]: first row, end row, adapter slot; needs set_lora): each segment's rows
+  // get their slot's low-rank terms, added to the projections' float32 sums before they are rounded (and
+  // before the SiLU); rows outside every segment get exactly the results they would get without.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
       std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
@@ -40,19 +56,26 @@ class DecoderStack {
       const c10::optional<torch::Tensor>& decode_block_tables, const c10::optional<torch::Tensor>& decode_seq_lens,
       const c10::optional<torch::Tensor>& decode_seq_groups, const c10::optional<torch::Tensor>& prefill_block_tables,
       const c10::optional<torch::Tensor>& prefill_seq_lens,
-      const c10::optional<torch::Tensor>& prefill_query_start_loc) const;
+      const c10::optional<torch::Tensor>& prefill_query_start_loc,
+      const c10::optional<torch::Tensor>& lora_segments = c10::nullopt) const;
+
+  // The adapters' weights, one entry a layer (checked against the shape).
+  void set_lora(std::vector<DecoderLayerLoRA> lora);
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Seconds spent in each kind of op since construction (norms, qkv, rotary, cache_write,
-  // decode_attention, prefill_attention, o, gate_up, down): the breakdown that timing the Python
+  // decode_attention, prefill_attention, o, gate_up, down, lora: the adapters' terms): the breakdown that timing the Python
   // layers' calls gave (scripts/bench.py). Two clock reads an op, ~13 us a SmolLM2 step.
   std::map<std::string, double> op_seconds() const;
 
  private:
-  enum Stage { kNorms, kQkv, kRotary, kCacheWrite, kDecodeAttention, kPrefillAttention, kO, kGateUp, kDown, kStages };
+  enum Stage {
+    kNorms, kQkv, kRotary, kCacheWrite, kDecodeAttention, kPrefillAttention, kO, kGateUp, kDown, kLoRA, kStages
+  };
 
   std::vector<DecoderLayerWeights> layers_;
+  std::vector<DecoderLayerLoRA> lora_;
   DecoderShape shape_;
   mutable std::array<double, kStages> seconds_{};
 };

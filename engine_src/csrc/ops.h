@@ -58,12 +58,22 @@ void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torc
 
 // bf16 GEMMs on weights packed in panels [cols / kGemmPanelCols rounded up, depth / 2, kGemmPanelCols, 2]
 // (cpu/gemm_ops.cpp): out[rows, cols] = x w^T (+ bias, float32), or silu(x gate^T) * (x up^T); out is
-// bf16 or float32 (unrounded sums).
+// bf16 or float32 (unrounded sums). `addend` (float32 [rows, cols], or [rows, 2 * cols] for gate then up) is
+// added to the sums first.
 // Only where the active kernel table has the bf16 dot product (has_gemm_bf16).
 bool has_gemm_bf16();
 void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-               const c10::optional<torch::Tensor>& bias);
+               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend = c10::nullopt);
 void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
-                        const torch::Tensor& up);
+                        const torch::Tensor& up, const c10::optional<torch::Tensor>& addend = c10::nullopt);
+
+// Segmented LoRA (cpu/lora_ops.cpp): for each segment (int32 [count, 3]: first row, end row, slot; in order,
+// apart), y[rows] += scale * (x[rows] A[slot]^T) B[slot], A float32 [slots, rank, in], b_t float32 [slots,
+// rank, out] (B transposed), slot s using its first ranks[s] ranks (int32 [slots], optional: all); x float32 or
+// bfloat16, y x's dtype or float32. `store` (y float32): writes the term instead, and -0.0 into every other
+// row (outside the segments, or of a slot of rank 0): an addend that changes nothing.
+void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
+                        const torch::Tensor& a, const torch::Tensor& b_t,
+                        const c10::optional<torch::Tensor>& ranks, double scale, bool store);
 
 }  // namespace batchgen::cpu

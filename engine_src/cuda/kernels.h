@@ -57,4 +57,17 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            float scale, int sliding_window, float logits_soft_cap,
                                            cudaStream_t stream);
 
+// Segmented LoRA (lora_kernels.cu; the CPU op's contract, engine_src/csrc/ops.h): for each segment of
+// `segments` (device int32 [num_segments, 3]: first row, end row, slot; max_segment_rows bounds end - first),
+// y[rows] += scale * (x[rows] A[slot]^T) B[slot] with a float32 [slots, capacity, in], b_t float32 [slots,
+// capacity, out] (B transposed) and ranks (device int32 [slots], or null: capacity). x [num_rows, in] of
+// `dtype`; y [num_rows, out] of `dtype`, or float32 with y_float. store (y_float): y = the terms, -0.0 in every
+// other row. workspace: lora_workspace_bytes(num_rows, capacity) bytes.
+size_t lora_workspace_bytes(int64_t num_rows, int capacity);
+cudaError_t launch_lora_shrink_expand(DType dtype, bool y_float, void* y, int64_t y_stride, const void* x,
+                                      int64_t x_stride, int64_t num_rows, const int* segments, int num_segments,
+                                      int max_segment_rows, const float* a, const float* b_t, const int* ranks,
+                                      int capacity, int in, int out, float scale, bool store, void* workspace,
+                                      cudaStream_t stream);
+
 }  // namespace batchgen::kernels

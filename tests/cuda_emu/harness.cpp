@@ -6,6 +6,7 @@
 #include "gen/cache_kernels.cpp"
 #include "gen/attention_decode.cpp"
 #include "gen/attention_prefill.cpp"
+#include "gen/lora_kernels.cpp"
 
 using namespace batchgen::kernels;
 
@@ -47,6 +48,16 @@ int emu_prefill(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void
                                         key_cache, value_cache, block_tables, table_stride, seq_lens,
                                         query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                         block_size, scale, window, soft_cap, nullptr);
+}
+
+size_t emu_lora_workspace_bytes(int64_t num_rows, int capacity) { return lora_workspace_bytes(num_rows, capacity); }
+
+int emu_lora(int dtype, int y_float, void* y, int64_t y_stride, const void* x, int64_t x_stride, int64_t num_rows,
+             const int* segments, int num_segments, int max_segment_rows, const float* a, const float* b_t,
+             const int* ranks, int capacity, int in, int out, float scale, int store, void* workspace) {
+  return launch_lora_shrink_expand(static_cast<DType>(dtype), y_float != 0, y, y_stride, x, x_stride, num_rows,
+                                   segments, num_segments, max_segment_rows, a, b_t, ranks, capacity, in, out, scale,
+                                   store != 0, workspace, nullptr);
 }
 
 }  // extern "C"

@@ -92,9 +92,16 @@ __attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t
   for (int v = 0; v < kPanelVecs; ++v) {
     const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
     Vec y = acc[v];
-    if (up != nullptr) {
+    if (a.addend != nullptr) {  // -0.0 where nothing is to be added: y then stays y, bit for bit
+      const float* addend = a.addend + row * a.addend_stride + col + v * Vec::N;
+      y = y + Vec{_mm512_maskz_loadu_ps(first_lanes(count), addend)};
+      if (up != nullptr) {
+        y = silu(y) * (up[v] + Vec{_mm512_maskz_loadu_ps(first_lanes(count), addend + a.cols)});
+      }
+    } else if (up != nullptr) {
       y = silu(y) * up[v];
-    } else if (a.bias != nullptr) {
+    }
+    if (up == nullptr && a.bias != nullptr) {
       y = y + Vec{_mm512_maskz_loadu_ps(first_lanes(count), a.bias + col + v * Vec::N)};
     }
     const int64_t offset = row * a.out_stride + col + v * Vec::N;

@@ -36,7 +36,8 @@ void run_gemm(const GemmArgs& args, int64_t panels) {
 
 const BF16* bf16_data(const torch::Tensor& t) { return static_cast<const BF16*>(t.data_ptr()); }
 
-GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
+GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                 const c10::optional<torch::Tensor>& addend) {
   GemmArgs args{};
   args.x = bf16_data(x);
   args.x_stride = x.stride(0);
@@ -47,6 +48,10 @@ GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
   args.rows = x.size(0);
   args.cols = out.size(1);
   args.depth = x.size(1);
+  if (addend.has_value()) {
+    args.addend = addend->data_ptr<float>();
+    args.addend_stride = addend->stride(0);
+  }
   return args;
 }
 
@@ -55,15 +60,15 @@ GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
 bool has_gemm_bf16() { return active_kernels().gemm_bf16 != nullptr; }
 
 void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-               const c10::optional<torch::Tensor>& bias) {
-  GemmArgs args = args_of(out, x, weight);
+               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend) {
+  GemmArgs args = args_of(out, x, weight, addend);
   if (bias.has_value()) args.bias = bias->data_ptr<float>();
   run_gemm(args, weight.size(0));
 }
 
 void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
-                        const torch::Tensor& up) {
-  GemmArgs args = args_of(out, x, gate);
+                        const torch::Tensor& up, const c10::optional<torch::Tensor>& addend) {
+  GemmArgs args = args_of(out, x, gate, addend);
   args.up = bf16_data(up);
   run_gemm(args, gate.size(0));
 }

@@ -14,6 +14,7 @@
 #endif
 #include "cpu/kernels.h"
 #include "cpu/layer_impl.h"
+#include "cpu/lora_impl.h"
 
 #define BATCHGEN_STRINGIFY_(x) #x
 #define BATCHGEN_STRINGIFY(x) BATCHGEN_STRINGIFY_(x)
@@ -31,13 +32,13 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              &collect_row,
                              {&top_k_block<float>, &top_k_block<BF16>, nullptr},
 #ifdef BATCHGEN_AMX
-                             &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>
+                             &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>,
 #elif defined(BATCHGEN_DOT_BF16)
-                             &gemm_row_blocks<&gemm_panels, kRowBlockBytes>
+                             &gemm_row_blocks<&gemm_panels, kRowBlockBytes>,
 #else
-                             nullptr
+                             nullptr,
 #endif
-};
+                             {&lora_rows<float>, &lora_rows<BF16>, nullptr}};
 
 }  // namespace
 

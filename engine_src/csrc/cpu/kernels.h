@@ -154,6 +154,10 @@ struct GemmArgs {
   const BF16* weight;  // panels, as above
   const BF16* up;      // panels of the up projection, or nullptr
   const float* bias;   // [cols] or nullptr
+  // float32 added to the sums before the bias or the SiLU (LoRA's terms), or nullptr: [rows, cols], with
+  // `up` [rows, 2 * cols] (the gate's columns, then the up projection's), rows `addend_stride` apart.
+  const float* addend;
+  int64_t addend_stride;
   void* out;           // [rows, cols], rows `out_stride` elements apart
   int64_t out_stride;
   bool float_out;
@@ -165,12 +169,39 @@ inline GemmArgs gemm_rows(const GemmArgs& args, int64_t first, int64_t count) {
   GemmArgs part = args;
   part.x = args.x + first * args.x_stride;
   part.out = static_cast<char*>(args.out) + first * args.out_stride * (args.float_out ? 4 : 2);
+  if (args.addend != nullptr) part.addend = args.addend + first * args.addend_stride;
   part.rows = count;
   return part;
 }
 
 // Computes the columns of panels [panel_begin, panel_end) for every row.
 using GemmFn = void (*)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end);
+
+// One segmented LoRA call (lora_impl.h): for rows of one adapter slot, y[row] (+)= scale * (x[row] A^T) B^T,
+// summed in float32. A is [slots, rank, in] and B is stored transposed, [slots, rank, out], so that the
+// expand runs along contiguous output columns. A slot's adapter uses its first ranks[slot] ranks (all `rank`
+// without `ranks`); the rest are zero rows, which would add exact zeros: padding changes nothing but time.
+// y is x's dtype, or float32; `store` writes float32 y instead of adding.
+struct LoRAArgs {
+  const void* x;  // [rows, in], rows `x_stride` elements apart
+  int64_t x_stride;
+  const float* a;
+  const float* b;
+  const int32_t* ranks;  // [slots] or nullptr
+  void* y;  // [rows, out], rows `y_stride` elements apart
+  int64_t y_stride;
+  bool y_float;
+  bool store;
+  int64_t in, out, rank;
+  float scale;
+};
+constexpr int64_t kMaxLoRARank = 512;
+
+// Rows [begin, end), all of adapter slot `slot`; scratch: kLoRATileRows * in floats. Each row's sums run in one
+// fixed order, whatever rows it is called with, so a row's result never depends on its segment's size or
+// neighbours.
+constexpr int kLoRATileRows = 8;
+using LoRARowsFn = void (*)(const LoRAArgs& args, int64_t begin, int64_t end, int64_t slot, float* scratch);
 
 struct KernelTable {
   const char* name;
@@ -183,6 +214,7 @@ struct KernelTable {
   CollectRowFn collect_row;
   TopKBlockFn top_k_block[kNumDTypes];
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product
+  LoRARowsFn lora_rows[kNumDTypes];
 };
 
 namespace scalar {

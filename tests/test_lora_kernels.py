@@ -1,0 +1,159 @@
+"""The segmented LoRA kernel (`ops.lora_shrink_expand`) and the GEMMs' float32 addend against pure torch.
+
+Each kernel test runs under every kernel table this processor has (the reference is `ops.reference`): float32
+results agree to float32 rounding, bf16 ones to one bf16 step. A row's result must not depend on its segment,
+its neighbours, the tile it lands in or the thread count (batch invariance), and padding ranks must change
+nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from kernel_cases import every_isa, torch_threads  # noqa: F401 - every_isa: the fixture
+
+from batchgen import _C, ops
+from batchgen.ops import reference
+
+SLOTS, IN, OUT = 3, 200, 136  # neither a multiple of any vector width: every tail runs
+
+
+pytestmark = pytest.mark.usefixtures("every_isa")
+
+
+def _weights(rank: int, seed: int = 0, slots: int = SLOTS, n_in: int = IN, n_out: int = OUT):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(slots, rank, n_in, generator=gen) * 0.1
+    b_t = torch.randn(slots, rank, n_out, generator=gen) * 0.1
+    return a, b_t
+
+
+def _rows(count: int, dtype: torch.dtype, width: int = IN, seed: int = 1) -> torch.Tensor:
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _segments(*triples: tuple[int, int, int]) -> torch.Tensor:
+    return torch.tensor(triples, dtype=torch.int32).reshape(-1, 3)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 step either way: the kernel's float32 sum may round the other way
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=2**-7)
+
+
+SEGMENTS = _segments((0, 5, 1), (5, 6, 0), (9, 30, 2), (30, 31, 1))  # rows 6-8 and 31-33: no adapter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("y_dtype", ["x", torch.float32])
+def test_add_matches_reference(dtype, y_dtype):
+    a, b_t = _weights(16)
+    x = _rows(34, dtype)
+    y = _rows(34, dtype if y_dtype == "x" else y_dtype, OUT, seed=2)
+    expected = y.clone()
+    reference.lora_shrink_expand(expected, x, SEGMENTS, a, b_t, scale=0.5)
+    ops.lora_shrink_expand(y, x, SEGMENTS, a, b_t, scale=0.5)
+    _close(y, expected)
+    untouched = _rows(34, y.dtype, OUT, seed=2)
+    assert torch.equal(y[6:9], untouched[6:9]) and torch.equal(y[31:], untouched[31:])
+    assert not torch.equal(y[:6], untouched[:6])  # the terms are there: the check above can fail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_the_terms_and_negative_zero_elsewhere(dtype):
+    a, b_t = _weights(8)
+    ranks = torch.tensor([8, 0, 5], dtype=torch.int32)  # slot 1 has no adapter on this projection
+    x = _rows(34, dtype)
+    y = torch.full((34, OUT), 7.0)
+    expected = torch.empty(34, OUT)
+    reference.lora_shrink_expand(expected, x, SEGMENTS, a, b_t, ranks, store=True)
+    ops.lora_shrink_expand(y, x, SEGMENTS, a, b_t, ranks, store=True)
+    _close(y, expected)
+    empty_rows = torch.tensor([r for r in range(34) if not (5 <= r < 6 or 9 <= r < 30)])
+    assert torch.equal(y[empty_rows].view(torch.int32), torch.full((len(empty_rows), OUT), -0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_the_row_in_a_batch(dtype):
+    """Batch invariance: every row of a 4-row tile, a tail and a segment split over threads gives the bits it
+    gives alone, under 1 or 2 threads."""
+    a, b_t = _weights(64)
+    x = _rows(71, dtype)
+    segments = _segments((0, 3, 0), (3, 40, 2), (40, 41, 1), (43, 71, 0))
+    together = torch.zeros(71, OUT, dtype=dtype)
+    with torch_threads(2):
+        ops.lora_shrink_expand(together, x, segments, a, b_t)
+    checked = 0
+    for start, end, slot in segments.tolist():
+        for row in range(start, end):
+            alone = torch.zeros(1, OUT, dtype=dtype)
+            with torch_threads(1):
+                ops.lora_shrink_expand(alone, x[row:row + 1], _segments((0, 1, slot)), a, b_t)
+            assert torch.equal(alone[0], together[row]), row
+            checked += 1
+    assert checked == 69 and together[41:43].eq(0).all() and together[:41].ne(0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_ranks_changes_nothing(dtype):
+    """An adapter of rank 8 in slots of rank 32: zero-padded weights, or `ranks` saying 8, or the bare rank-8
+    weights all give the same bits."""
+    a8, b8 = _weights(8)
+    a32, b32 = torch.zeros(SLOTS, 32, IN), torch.zeros(SLOTS, 32, OUT)
+    a32[:, :8], b32[:, :8] = a8, b8
+    x = _rows(13, dtype)
+    segments = _segments((0, 13, 1))
+    outs = []
+    for a, b_t, ranks in ((a8, b8, None), (a32, b32, None), (a32, b32, torch.full((SLOTS,), 8, dtype=torch.int32))):
+        y = torch.zeros(13, OUT, dtype=dtype)
+        ops.lora_shrink_expand(y, x, segments, a, b_t, ranks)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert outs[0].ne(0).any()
+
+
+def test_bad_arguments_are_one_line_value_errors():
+    a, b_t = _weights(4)
+    x, y = _rows(6, torch.float32), torch.zeros(6, OUT)
+    cases = {
+        "segment 1 covers rows [2, 9)": (_segments((0, 3, 0), (2, 9, 0)), a, b_t),
+        "names slot 3 of 3": (_segments((0, 3, 3)), a, b_t),
+        "a [slots, rank, 200]": (_segments((0, 3, 0)), a[:, :, :10].contiguous(), b_t),
+    }
+    for message, (segments, wa, wb) in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _C.lora_shrink_expand(y, x, segments, wa, wb)
+    with pytest.raises(ValueError, match="ranks"):
+        _C.lora_shrink_expand(y, x, _segments((0, 3, 0)), a, b_t, torch.tensor([1, 9, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="store needs a float32 y"):
+        _C.lora_shrink_expand(y.bfloat16(), x.bfloat16(), _segments((0, 3, 0)), a, b_t, store=True)
+
+
+GEMM_ISAS = {"avx512_bf16", "amx_bf16"}
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemm_addend_is_added_before_rounding_and_negative_zero_adds_nothing(silu):
+    if _C.cpu_isa() not in GEMM_ISAS:
+        pytest.skip("the bf16 GEMM runs on the avx512_bf16 and amx_bf16 tables only")
+    gen = torch.Generator().manual_seed(3)
+    cols, depth = 100, 64
+    x = torch.randn(11, depth, generator=gen).bfloat16()
+    w, up = (ops.pack_gemm_weight(torch.randn(cols, depth, generator=gen).bfloat16()) for _ in range(2))
+    addend = torch.randn(11, 2 * cols if silu else cols, generator=gen)
+    addend[4:7] = -0.0
+
+    def run(terms):
+        if silu:
+            return ops.gemm_silu_mul_bf16(x, w, up, cols, addend=terms)
+        return ops.gemm_bf16(x, w, cols, addend=terms)
+
+    got, plain = run(addend), run(None)
+    expected = (reference.gemm_silu_mul_bf16(x, w, up, cols, addend) if silu
+                else reference.gemm_bf16(x, w, cols, addend=addend))
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7)
+    assert torch.equal(got[4:7], plain[4:7]) and not torch.equal(got[:4], plain[:4])
