@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from batchgen.engine.config import batch_limits_problem
 
 MODEL_IMPLS = ("auto", "native", "transformers")
+QUANTIZATIONS = ("int8",)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -64,6 +65,7 @@ class EngineConfig:
     enable_lora: bool = False  # requests may name LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters resident at once (device slots); others wait in host memory
     max_lora_rank: int = 16  # the largest adapter rank accepted
+    quantization: str | None = None  # "int8": the layers' projections on int8 compute (docs/int8.md)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -102,6 +104,7 @@ class EngineConfig:
             (self.model_impl in MODEL_IMPLS, "model_impl", "must be auto, native or transformers"),
             (self.max_loras >= 1, "max_loras", "must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
+            (self.quantization in (None, *QUANTIZATIONS), "quantization", "must be int8 or unset"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

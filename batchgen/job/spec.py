@@ -96,6 +96,7 @@ class ModelSpec(_Section):
     seed: int = 0
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
     model_impl: Literal["auto", "native", "transformers"] = "auto"
+    quantization: Literal["int8"] | None = None  # int8 compute for the layers' projections (docs/int8.md)
     name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
 
     def engine_kwargs(self, model_path: Path) -> dict[str, Any]:
@@ -103,7 +104,7 @@ class ModelSpec(_Section):
         kw = self.model_dump()
         for where in ("path", "name", "revision"):  # the model is resolved to a local dir by then
             kw.pop(where)
-        for optional in ("gpu_memory_utilization", "num_threads"):
+        for optional in ("gpu_memory_utilization", "num_threads", "quantization"):
             if kw[optional] is None:
                 del kw[optional]
         return {"model": str(model_path), **kw}
@@ -384,7 +385,8 @@ class Job:
         s = self.spec
         data = {
             "model": {"path": self.model_source.identity, "revision": s.model.revision, "dtype": s.model.dtype,
-                      "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl},
+                      "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl,
+                      "quantization": s.model.quantization},
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
@@ -418,7 +420,8 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("input", "check_model"): False,
+_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("model", "quantization"): None,
+                   ("input", "check_model"): False,
                    ("input", "dataset"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
