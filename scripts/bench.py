@@ -291,13 +291,14 @@ def sampling_params(wl: Workload):
 
 
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
-                 bytes_per_block: int, model_impl: str = "native") -> Run:
+                 bytes_per_block: int, model_impl: str = "native", quantization: str | None = None) -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
               swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl)
+              enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl,
+              quantization=quantization)
     llm.generate([list(range(10, 26))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
     if wl.structured_outputs is not None:
@@ -332,6 +333,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     del llm, profile
     gc.collect()
     engine = "batchgen" if model_impl == "native" else f"batchgen-{model_impl}"
+    engine += f"+{quantization}" if quantization else ""
     return Run(wl.name, engine, dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
                rss.peak_mb, rss.start_mb, extra)
 
