@@ -314,7 +314,8 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("python", "mixed"), ("task-data", "answers.jsonl"), ("task-data", "texts.jsonl"),
             ("task-data", "embed_requests.jsonl"), ("task-job", "score"), ("task-job", "embed"),
             ("task-job", "classify"), ("run-batch-embeddings", None), ("python", "ray-data"),
-            ("python", "lora")}  # docs/lora.md, run by tests/test_lora.py
+            ("python", "lora"),  # docs/lora.md, run by tests/test_lora.py
+            ("python", "int8")}  # docs/int8.md, run by tests/test_int8_engine.py
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():
