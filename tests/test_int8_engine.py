@@ -6,10 +6,7 @@ same as in a batch, and the option refused where it cannot run.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -124,15 +121,12 @@ def test_job_files_take_model_quantization(tmp_path):
     assert "Traceback" not in r.output
 
 
-def test_guide_example_runs(tiny_model_dirs, tmp_path):
-    """docs/int8.md's example as written, on the tiny Llama at the path it names."""
+def test_guide_example_runs(tiny_model_dirs, capsys):
+    """docs/int8.md's example as written, on the tiny Llama in place of the path it names."""
     guide = (REPO / "docs" / "int8.md").read_text(encoding="utf-8")
     (code,) = re.findall(r"<!-- readme-test: python int8 -->\n```python\n(.*?)```", guide, re.S)
-    home = tmp_path / "home"
-    model = home / ".cache" / "batchgen" / "models" / "SmolLM2-135M-Instruct"
-    model.parent.mkdir(parents=True)
-    model.symlink_to(tiny_model_dirs["llama"], target_is_directory=True)
-    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("'")
+    path = "~/.cache/batchgen/models/SmolLM2-135M-Instruct"
+    assert path in code
+    exec(code.replace(path, str(tiny_model_dirs["llama"])), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("'") and len(printed) > 3
