@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import transformers as tf
+from conftest import ARCHITECTURES
 from jobkit import REPO, cli, job_dict, setup_job, write_job
 from test_llm import GREEDY, MAX_NEW, make_prompts, tokens
 from torch import nn
@@ -66,11 +67,12 @@ def first_difference(hf: nn.Module, prompt: list[int], got: list[int], want: lis
     return at, float(logits[want[at]] - logits[got[at]])
 
 
-def test_greedy_matches_the_int8_reference_model(tiny_model_dirs):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_the_int8_reference_model(tiny_model_dirs, arch):
     """Token for token, but for near-ties: batchgen's float32 ops (attention, norms) round a few ulps differently
     from transformers', and now and then such a difference moves an activation across a rounding boundary of
     its quantization, a one-step change in one int8 value that can tip two logits within ~1% of each other."""
-    model_dir = tiny_model_dirs["llama"]
+    model_dir = tiny_model_dirs[arch]
     hf = int8_reference_model(model_dir)
     prompts = make_prompts(hf.config.vocab_size)
     llm = LLM(model_dir, dtype="float32", quantization="int8", kv_cache_memory="32MiB", max_num_batched_tokens=256)
