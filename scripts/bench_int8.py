@@ -22,7 +22,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="bf16/int8 throughput pairs, alternating")
     parser.add_argument("--agree-prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, help="the first this many of mixed's requests only (a loaded machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every result here")
@@ -87,6 +88,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     cfg, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
     mixed = make_workload("mixed", tokenizer, args.seed, **SETTINGS[args.quick]["mixed"])
+    if args.prompts:
+        mixed = replace(mixed, prompts=mixed.prompts[: args.prompts], max_tokens=mixed.max_tokens[: args.prompts])
     bytes_per_block = BLOCK * kv_bytes_per_token(cfg, "bfloat16")
     kv_blocks = int(sum(mixed.kv_blocks()) * 1.1) + 16
     rates: dict[str, list[float]] = {label(q): [] for q in QUANTIZATIONS}
