@@ -105,6 +105,8 @@ def test_unknown_or_impossible_quantization_is_refused(tiny_model_dirs):
         LLM(tiny_model_dirs["llama"], quantization="int8", enable_lora=True)
     with pytest.raises(ConfigError, match="quantization: int8 takes float32 or bfloat16"):
         LLM(tiny_model_dirs["llama"], quantization="int8", dtype="float16")
+    with pytest.raises(ConfigError, match="quantization: int8 needs batchgen's native model implementation"):
+        LLM(tiny_model_dirs["llama"], quantization="int8", model_impl="transformers")
 
 
 def test_job_files_take_model_quantization(tmp_path):
