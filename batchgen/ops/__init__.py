@@ -244,7 +244,7 @@ def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] (float32 or bf16) quantized per row: (q uint8 [rows, depth] = round(x * (1 / s)) + 128, 128 in
+    """x [rows, in] (float32 or bf16) quantized per row: (q uint8 [rows, depth] = round(x / s) + 128, 128 in
     the padding up to `_C.INT8_DEPTH_STEP`, s float32 [rows] = max |x| / 127 of the row)."""
     if not x.is_cpu:
         return reference.quantize_int8_rows(x)

@@ -235,7 +235,7 @@ def quantize_int8_rows(x: torch.Tensor, depth_step: int = 64) -> tuple[torch.Ten
     xf = x.float()
     amax = xf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = (torch.round(xf * (1 / scale)[:, None]).clamp_(-127, 127) + 128).to(torch.uint8)
+    q = (torch.round(xf / scale[:, None]).clamp_(-127, 127) + 128).to(torch.uint8)
     depth = -(-x.shape[1] // depth_step) * depth_step
     return torch.nn.functional.pad(q, (0, depth - x.shape[1]), value=128), scale
 

@@ -78,9 +78,8 @@ template <typename T>
 float quantize_int8_row(const T* x, int64_t depth, int64_t padded_depth, uint8_t* q) {
   const float amax = max_magnitude(x, depth);
   const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-  const float inverse = 1.0f / scale;  // a product per element: a quotient cost as much as the GEMM at small depths
   for (int64_t k = 0; k < depth; ++k) {
-    float v = std::rint(to_float(x[k]) * inverse);  // the default rounding mode, half to even; inlined, unlike nearbyint
+    float v = std::rint(to_float(x[k]) / scale);  // the default rounding mode, half to even
     v = v > 127.0f ? 127.0f : (v >= -127.0f ? v : -127.0f);  // NaN to -127
     q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + kInt8ZeroPoint);
   }
