@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from batchgen.engine.config import batch_limits_problem
 
 MODEL_IMPLS = ("auto", "native", "transformers")
+QUANTIZATIONS = ("int8",)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -65,6 +66,7 @@ class EngineConfig:
     max_loras: int = 1  # adapters resident at once (device slots); others wait in host memory
     max_lora_rank: int = 16  # the largest adapter rank accepted
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: all); the least recently used go
+    quantization: str | None = None  # "int8": the layers' projections on int8 compute (docs/int8.md)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -105,6 +107,7 @@ class EngineConfig:
             (self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
              f"must be >= max_loras ({self.max_loras}): the resident adapters stay in host memory"),
+            (self.quantization in (None, *QUANTIZATIONS), "quantization", "must be int8 or unset"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

@@ -36,6 +36,7 @@ class LLM:
     batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention),
     enable_lora, max_loras, max_lora_rank, max_cpu_loras (LoRA adapters: every batch call takes `lora_request=`,
     one `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
+    quantization ("int8": the layers' projections on int8 compute, CPU and native models only; docs/int8.md).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,

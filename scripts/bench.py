@@ -311,7 +311,7 @@ def make_lora_adapters(model: str, root: Path, count: int, rank: int) -> list[Pa
 
 
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
-                 bytes_per_block: int, model_impl: str = "native") -> Run:
+                 bytes_per_block: int, model_impl: str = "native", quantization: str | None = None) -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
     import tempfile
 
@@ -321,7 +321,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
               swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl,
-              **lora)
+              quantization=quantization, **lora)
     adapters: list[LoRARequest | None] = [None]
     with tempfile.TemporaryDirectory() as tmp:
         if wl.adapters:
@@ -363,6 +363,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     del llm, profile
     gc.collect()
     engine = "batchgen" if model_impl == "native" else f"batchgen-{model_impl}"
+    engine += f"+{quantization}" if quantization else ""
     return Run(wl.name, engine, dtype, seconds, len(wl.prompts), wl.prompt_tokens, outputs,
                rss.peak_mb, rss.start_mb, extra)
 

@@ -90,7 +90,7 @@ class LLMEngine:
         logger.info("loading weights from %s (%s, %s)", plan.model_dir, str(self.dtype).removeprefix("torch."),
                     self.device)
         model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
-                           plan.model_impl, for_lora=config.enable_lora)
+                           plan.model_impl, for_lora=config.enable_lora, quantization=config.quantization)
         self.lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, self.dtype, self.device,
                                  config.max_cpu_loras) if config.enable_lora else None)
         if self.device.type == "cpu":

@@ -53,6 +53,7 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         problems.append(ConfigProblem("model", f"architecture {architecture(hf_config)} has head_dim "
                                                f"{geometry.head_dim}; batchgen's attention kernels take "
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
+    problems += _quantization_problems(config, impl, device, dtype)
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
@@ -60,6 +61,19 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         raise ConfigError(problems)
     return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape, impl)
 
+
+
+def _quantization_problems(config: EngineConfig, impl: str, device: torch.device,
+                           dtype: torch.dtype) -> list[ConfigProblem]:
+    """int8 compute runs batchgen's own CPU kernels on float32 or bf16 activations, in the native models'
+    plain linear layers (which LoRA replaces)."""
+    if config.quantization != "int8":
+        return []
+    why = ("needs batchgen's native model implementation" if impl != "native"
+           else "runs on CPU only" if device.type != "cpu"
+           else "takes float32 or bfloat16 (the activations' dtype)" if dtype not in (torch.float32, torch.bfloat16)
+           else "cannot be combined with enable_lora" if config.enable_lora else None)
+    return [ConfigProblem("quantization", f"int8 {why}")] if why else []
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
     if num_blocks >= 2:

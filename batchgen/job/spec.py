@@ -97,6 +97,7 @@ class ModelSpec(_Section):
     seed: int = 0
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
     model_impl: Literal["auto", "native", "transformers"] = "auto"
+    quantization: Literal["int8"] | None = None  # int8 compute for the layers' projections (docs/int8.md)
     name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
     lora_modules: dict[str, str] | None = None  # LoRA adapters by name: a PEFT dir (local or a bucket URL)
     max_loras: PositiveInt | None = None  # adapters resident at once (default: all of lora_modules)
@@ -126,7 +127,7 @@ class ModelSpec(_Section):
             kw.pop(where)
         if self.lora_modules:
             kw |= {"enable_lora": True, "max_loras": self.max_loras or len(self.lora_modules)}
-        for optional in ("gpu_memory_utilization", "num_threads", "max_loras", "max_cpu_loras"):
+        for optional in ("gpu_memory_utilization", "num_threads", "max_loras", "max_cpu_loras", "quantization"):
             if kw[optional] is None:
                 del kw[optional]
         return {"model": str(model_path), **kw}
@@ -427,7 +428,8 @@ class Job:
         s = self.spec
         data = {
             "model": {"path": self.model_source.identity, "revision": s.model.revision, "dtype": s.model.dtype,
-                      "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl},
+                      "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl,
+                      "quantization": s.model.quantization},
             "input": s.input.model_dump(exclude={"paths"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
@@ -467,7 +469,8 @@ class Job:
 
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
-_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("input", "check_model"): False,
+_LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("model", "quantization"): None,
+                   ("input", "check_model"): False,
                    ("input", "dataset"): None,
                    ("output", "format"): "parquet",
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,

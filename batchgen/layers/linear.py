@@ -164,6 +164,33 @@ def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear
     return replaced
 
 
+class Int8Linear(nn.Module):
+    """y = x W^T + b on int8 compute (`ops.linear_int8`, opt-in: quantization="int8", docs/int8.md): W quantized
+    per output feature at load, x per row on every call, exact int32 sums scaled back in float32; y in x's
+    dtype. A row's result depends on that row alone. Inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = ops.pack_int8_weight(weight)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _with_leading_shape(ops.linear_int8(_as_rows(x), self.weight, self.bias), x)
+
+
+def quantize_linears(module: nn.Module) -> None:
+    """Replaces every `Linear` below module by an `Int8Linear` (dropping the plain weight)."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, Linear):
+            setattr(module, name, Int8Linear(child.weight, child.bias))
+        else:
+            quantize_linears(child)
+
+
 def gather_panels(module: nn.Module) -> None:
     """Moves the GEMM panels of every packed module below `module` side by side onto huge pages
     (`ops.on_huge_pages`): each step streams them all from memory, 4 KiB page by 4 KiB page otherwise."""

@@ -26,6 +26,7 @@ from batchgen.layers.linear import (
     gather_panels,
     linear,
     pack_linears,
+    quantize_linears,
     uses_gemm_panels,
 )
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
@@ -210,14 +211,18 @@ class LlamaForCausalLM(nn.Module):
         """A classifier's logits [n, num_labels] in float32 (transformers' head has no bias and no activation)."""
         return linear(hidden.float(), self.score.weight.float())
 
-    def pack_weights(self, for_lora: bool = False) -> None:
+    def pack_weights(self, for_lora: bool = False, quantization: str | None = None) -> None:
         """Packs the projections for the CPU GEMMs (see layers/linear.py), after loading. A head tied
         to the embedding gets a packed copy of its own: the embedding lookup needs the plain one. The
         head's logits come out in float32 where the GEMM can give them so. The GEMM panels then move
         side by side onto huge pages (`gather_panels`). `for_lora`: LoRA adds to gate and up before the
         activation; the decoder stack adds them inside its fused GEMM, but without the stack gate and up stay one
-        plain projection for `LoRALinear` and the layers run in Python."""
-        if not for_lora or self._stack_applies():
+        plain projection for `LoRALinear` and the layers run in Python. `quantization="int8"`: the layers'
+        projections run on int8 compute (`Int8Linear`), in the Python layers; the head, the embeddings and the
+        norms stay in the model's dtype."""
+        if quantization == "int8":
+            quantize_linears(self.layers)
+        elif not for_lora or self._stack_applies():
             for layer in self.layers:
                 layer.mlp.pack()
         pack_linears(self.layers)

@@ -134,20 +134,21 @@ def _checkpoint_tensors(model_dir: Path):
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
-               model_impl: str = "native", for_lora: bool = False) -> torch.nn.Module:
+               model_impl: str = "native", for_lora: bool = False, quantization: str | None = None) -> torch.nn.Module:
     """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits` (where
     `has_lm_head`), `compute_scores` (a classifier's head, where `class_labels` is set), `attention_layers()`,
     `vocab_size` and `hidden_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl);
-    `for_lora`: packed for LoRA layers (native models only, see LlamaForCausalLM.pack_weights)."""
+    `for_lora`: packed for LoRA layers, `quantization`: "int8" or None (native models only, see
+    LlamaForCausalLM.pack_weights)."""
     if model_impl == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 
         return load_transformers_model(model_dir, hf_config, dtype, device)
-    return _load_native(model_dir, hf_config, dtype, device, max_model_len, for_lora)
+    return _load_native(model_dir, hf_config, dtype, device, max_model_len, for_lora, quantization)
 
 
 def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, for_lora: bool = False) -> LlamaForCausalLM:
+                 max_model_len: int, for_lora: bool = False, quantization: str | None = None) -> LlamaForCausalLM:
     cfg = native_config(hf_config, max_model_len)
     model_class = GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
     with torch.device("meta"):  # no random init of parameters the checkpoint overwrites (~1.7 s for 135M)
@@ -158,5 +159,5 @@ def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
             rotary.reset_table()
     model.load_weights(_checkpoint_tensors(model_dir))
     model.eval().requires_grad_(False)
-    model.pack_weights(for_lora)
+    model.pack_weights(for_lora, quantization)
     return model

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,12 @@ __all__ = [
     "gemm_on_tiles",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
+    "Int8Weight",
+    "gemm_int8",
+    "linear_int8",
+    "pack_int8_weight",
+    "quantize_int8_rows",
+    "quantize_int8_weight",
     "lora_shrink_expand",
     "mask_logits",
     "on_huge_pages",
@@ -212,6 +219,79 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor,
     if not (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)):
         return reference.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)
     _C.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight [out_features, in_features] quantized to int8 per output feature and packed for the int8 GEMM
+    (engine_src/csrc/cpu/gemm_int8.h): `panels` int8 [ceil(out / P), depth / 4, P, 4], P = `_C.GEMM_PANEL_COLS`,
+    the depth in_features rounded up to `_C.INT8_DEPTH_STEP` with zeros; `scale` float32 and `compensation`
+    (128 * the sum of a feature's int8 weights, for the loops that multiply activations offset by 128) int32,
+    [ceil(out / P) * P] each, the padding features' scale 1 and weights 0."""
+
+    panels: torch.Tensor
+    scale: torch.Tensor
+    compensation: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output feature: (q int8 [out, in] in [-127, 127], scale float32 [out]) with
+    weight ~ q * scale[:, None], scale = max |w| / 127 of the feature (1 for a feature of zeros), q rounded half
+    to even."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
+    """`weight` [out_features, in_features] quantized (quantize_int8_weight) and packed for `linear_int8`."""
+    out_features, in_features = weight.shape
+    q, scale = quantize_int8_weight(weight)
+    cols, step = _C.GEMM_PANEL_COLS, _C.INT8_DEPTH_STEP
+    count, depth = -(-out_features // cols), -(-in_features // step) * step
+    padded = torch.nn.functional.pad(q, (0, depth - in_features, 0, count * cols - out_features))
+    panels = padded.reshape(count, cols, depth // 4, 4).permute(0, 2, 1, 3).contiguous()
+    compensation = padded.sum(dim=1, dtype=torch.int32) * 128
+    scale = torch.nn.functional.pad(scale, (0, count * cols - out_features), value=1.0)
+    return Int8Weight(panels, scale.contiguous(), compensation.contiguous(), out_features, in_features)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] (float32 or bf16) quantized per row: (q uint8 [rows, depth] = round(x / s) + 128, 128 in
+    the padding up to `_C.INT8_DEPTH_STEP`, s float32 [rows] = max |x| / 127 of the row)."""
+    if not x.is_cpu:
+        return reference.quantize_int8_rows(x)
+    depth = -(-x.shape[1] // _C.INT8_DEPTH_STEP) * _C.INT8_DEPTH_STEP
+    q = torch.empty(x.shape[0], depth, dtype=torch.uint8)
+    scale = torch.empty(x.shape[0], dtype=torch.float32)
+    _C.quantize_int8_rows(x, q, scale)
+    return q, scale
+
+
+def gemm_int8(q: torch.Tensor, x_scale: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_scale[m] * weight.scale[n] * sum_k (q[m, k] - 128) w[n, k] (+ bias, float32) for rows quantized by
+    `quantize_int8_rows`: [rows, out_features] in float32, bf16 or int32 (the exact sums, unscaled)."""
+    if not q.is_cpu:
+        return reference.gemm_int8(q, x_scale, weight, bias, out_dtype)
+    out = torch.empty(q.shape[0], weight.out_features, dtype=out_dtype)
+    _C.gemm_int8(out, q, x_scale, weight.panels, weight.compensation, weight.scale, bias)
+    return out
+
+
+def linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`gemm_int8(*quantize_int8_rows(x), weight, bias)` in one call, in x's dtype unless `out_dtype` says.
+    A row's result depends on that row alone (the sums are exact integers)."""
+    out_dtype = out_dtype or x.dtype
+    if not x.is_cpu:
+        return reference.linear_int8(x, weight, bias, out_dtype)
+    out = torch.empty(x.shape[0], weight.out_features, dtype=out_dtype)
+    _C.linear_int8(out, x, weight.panels, weight.compensation, weight.scale, bias)
+    return out
 
 
 # A Llama model's decoder layers on CPU in one call, through the ops above (contract: engine_src/README.md;

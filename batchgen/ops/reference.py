@@ -251,3 +251,36 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor,
             continue
         term = (scale * (x[start:end].float() @ a[slot, :rank].T)) @ b_t[slot, :rank]
         y[start:end] = term if store else (y[start:end].float() + term).to(y.dtype)
+
+
+def quantize_int8_rows(x: torch.Tensor, depth_step: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = (torch.round(xf / scale[:, None]).clamp_(-127, 127) + 128).to(torch.uint8)
+    depth = -(-x.shape[1] // depth_step) * depth_step
+    return torch.nn.functional.pad(q, (0, depth - x.shape[1]), value=128), scale
+
+
+def unpack_int8_weight(weight) -> torch.Tensor:
+    """The int8 [out_features, in_features] that `batchgen.ops.pack_int8_weight` packed into `weight.panels`."""
+    count, groups, cols, _ = weight.panels.shape
+    full = weight.panels.permute(0, 2, 1, 3).reshape(count * cols, 4 * groups)
+    return full[: weight.out_features, : weight.in_features]
+
+
+def gemm_int8(q: torch.Tensor, x_scale: torch.Tensor, weight, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exact integer sums (float64 holds them exactly: |sum| < 2^53), then (sum * x_scale) * w_scale + bias in
+    float32, the order of batchgen's epilogue."""
+    signed = q[:, : weight.in_features].double() - 128
+    sums = (signed @ unpack_int8_weight(weight).double().T).to(torch.int32)
+    if out_dtype == torch.int32:
+        return sums
+    out = sums.float() * x_scale[:, None] * weight.scale[None, : weight.out_features]
+    return (out if bias is None else out + bias).to(out_dtype)
+
+
+def linear_int8(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return gemm_int8(*quantize_int8_rows(x), weight, bias, out_dtype or x.dtype)

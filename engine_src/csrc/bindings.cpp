@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checked_ops.h"
+#include "cpu/gemm_int8.h"
 #include "cpu/isa.h"
 #include "decoder_stack.h"
 #include "ops.h"
@@ -617,6 +618,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &batchgen::DecoderStack::num_layers)
       .def("op_seconds", &batchgen::DecoderStack::op_seconds,
            "Seconds spent in each kind of op since construction (for profiles such as scripts/bench.py's)");
+  m.attr("INT8_DEPTH_STEP") = batchgen::cpu::kInt8DepthStep;
+  m.def("supported_int8_kernels", &batchgen::cpu::supported_int8_kernels, "int8 GEMM loops usable on this processor");
+  m.def("int8_kernel", &batchgen::cpu::int8_kernel, "The int8 GEMM loop in use");
+  m.def("set_int8_kernel", &batchgen::cpu::set_int8_kernel,
+        "Force an int8 GEMM loop ('' follows the kernel table again; tests, benchmarks)", py::arg("name"));
+  m.def("quantize_int8_rows", &batchgen::cpu::quantize_int8_rows, "Per-row int8 quantization (offset by 128)",
+        py::arg("x"), py::arg("q"), py::arg("x_scale"), no_gil);
+  m.def("gemm_int8", &batchgen::cpu::gemm_int8, "out = x_scale w_scale (q - 128) w^T (+ bias) on int8 panels",
+        py::arg("out"), py::arg("q"), py::arg("x_scale"), py::arg("weight"), py::arg("compensation"),
+        py::arg("w_scale"), py::arg("bias") = py::none(), no_gil);
+  m.def("linear_int8", &batchgen::cpu::linear_int8, "quantize_int8_rows then gemm_int8 in one call", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("compensation"), py::arg("w_scale"), py::arg("bias") = py::none(),
+        no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

@@ -6,6 +6,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -75,5 +76,21 @@ void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch:
 void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
                         const torch::Tensor& a, const torch::Tensor& b_t,
                         const c10::optional<torch::Tensor>& ranks, double scale, bool store);
+
+// int8 GEMMs (cpu/gemm_int8_ops.cpp, layouts in cpu/gemm_int8.h): activations quantized per row into q
+// (uint8, offset by 128) and x_scale; out[rows, cols] (float32, bfloat16 or the exact int32 sums) =
+// x_scale[m] * w_scale[n] * (q - 128) w^T (+ bias) on int8 weight panels with their compensation sums.
+// linear_int8 quantizes x (float32 or bfloat16) and multiplies in one call. The loop follows the active
+// kernel table unless set_int8_kernel names one ("" follows the table again).
+std::vector<std::string> supported_int8_kernels();
+std::string int8_kernel();
+void set_int8_kernel(const std::string& name);
+void quantize_int8_rows(const torch::Tensor& x, torch::Tensor& q, torch::Tensor& x_scale);
+void gemm_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& x_scale, const torch::Tensor& weight,
+               const torch::Tensor& compensation, const torch::Tensor& w_scale,
+               const c10::optional<torch::Tensor>& bias);
+void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                 const torch::Tensor& compensation, const torch::Tensor& w_scale,
+                 const c10::optional<torch::Tensor>& bias);
 
 }  // namespace batchgen::cpu

@@ -12,6 +12,26 @@
 #endif
 
 namespace batchgen::cpu {
+
+bool has_amx(int feature_bit) {
+#if defined(__x86_64__) && defined(__linux__)
+  // AMX-TILE (CPUID leaf 7, EDX bit 24) and Linux's leave to use the tile data (arch_prctl
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process): without it the first tile
+  // instruction kills the process.
+  static const bool tiles_usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || (edx & (1u << 24)) == 0) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return tiles_usable && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << feature_bit)) != 0;
+#else
+  (void)feature_bit;
+  return false;
+#endif
+}
+
 namespace {
 
 struct Candidate {
@@ -37,23 +57,7 @@ bool has_avx512() {
 // Must cover the target list of kernels_avx512_bf16.cpp.
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
-// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and Linux's leave to use the tile data
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process): without it the first
-// tile instruction kills the process.
-bool has_amx_bf16() {
-#ifdef __linux__
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-#else
-  return false;
-#endif
-}
+bool has_amx_bf16() { return has_avx512_bf16() && has_amx(22); }
 #endif
 
 // Slowest first.

@@ -17,4 +17,8 @@ std::vector<std::string> supported_isas();
 // Switches the kernels in use (ValueError when `name` is not supported); for tests and benchmarks.
 void set_isa(const std::string& name);
 
+// Whether the processor has AMX tiles with the feature of CPUID leaf 7 EDX bit `feature_bit` (22 AMX-BF16,
+// 25 AMX-INT8) and Linux lets this process use them.
+bool has_amx(int feature_bit);
+
 }  // namespace batchgen::cpu

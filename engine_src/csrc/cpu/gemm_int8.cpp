@@ -1,0 +1,93 @@
+// The torch-free parts of the int8 GEMM shared by every loop (gemm_int8.h): the float epilogue and the
+// per-row quantization of the activations. Compiled for the library's baseline, with -ffp-contract=off
+// (setup.py): the epilogue rounds (sum * sx) * sw, then + bias, exactly as the torch reference does.
+#include "cpu/gemm_int8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/dtype.h"
+#include "cpu/int8_quantize.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace batchgen::cpu {
+
+void finish_int8_rows(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
+                      bool offset_sums) {
+  const int width = static_cast<int>(std::min<int64_t>(kInt8PanelCols, a.cols - col));
+  const int32_t* compensation = a.compensation + col;
+  const float* w_scale = a.w_scale + col;
+  for (int64_t r = 0; r < count; ++r) {
+    int32_t exact[kInt8PanelCols];
+    for (int c = 0; c < width; ++c) exact[c] = sums[r * kInt8PanelCols + c] - (offset_sums ? compensation[c] : 0);
+    const int64_t offset = (row + r) * a.out_stride + col;
+    if (a.out_kind == Int8Out::i32) {
+      std::copy(exact, exact + width, static_cast<int32_t*>(a.out) + offset);
+      continue;
+    }
+    const float x_scale = a.x_scale[row + r];
+    float y[kInt8PanelCols];
+    for (int c = 0; c < width; ++c) y[c] = static_cast<float>(exact[c]) * x_scale * w_scale[c];
+    if (a.bias != nullptr) {
+      for (int c = 0; c < width; ++c) y[c] = y[c] + a.bias[col + c];
+    }
+    if (a.out_kind == Int8Out::f32) {
+      std::copy(y, y + width, static_cast<float*>(a.out) + offset);
+    } else {
+      BF16* out = static_cast<BF16*>(a.out) + offset;
+      for (int c = 0; c < width; ++c) out[c] = from_float<BF16>(y[c]);
+    }
+  }
+}
+
+namespace {
+
+template <typename T>
+float max_magnitude(const T* x, int64_t depth) {
+  float amax = 0.0f;
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; k + 8 <= depth; k += 8) {
+    __m256 v;
+    if constexpr (std::is_same_v<T, BF16>) {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
+      v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    } else {
+      v = _mm256_loadu_ps(x + k);
+    }
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float lane : lanes) amax = std::max(amax, lane);
+#endif
+  for (; k < depth; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+  return amax;
+}
+
+}  // namespace
+
+template <typename T>
+float quantize_int8_row(const T* x, int64_t depth, int64_t padded_depth, uint8_t* q) {
+  const float amax = max_magnitude(x, depth);
+  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  for (int64_t k = 0; k < depth; ++k) {
+    float v = std::rint(to_float(x[k]) / scale);  // the default rounding mode, half to even
+    v = v > 127.0f ? 127.0f : (v >= -127.0f ? v : -127.0f);  // NaN to -127
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + kInt8ZeroPoint);
+  }
+  std::fill(q + depth, q + padded_depth, static_cast<uint8_t>(kInt8ZeroPoint));
+  return scale;
+}
+
+template float quantize_int8_row<float>(const float*, int64_t, int64_t, uint8_t*);
+template float quantize_int8_row<BF16>(const BF16*, int64_t, int64_t, uint8_t*);
+
+}  // namespace batchgen::cpu

@@ -1,0 +1,216 @@
+// The int8 GEMM's ops (gemm_int8.h): operand checks, the choice of loop, activations quantized per row
+// and the work cut into tasks for torch's threads.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "cpu/gemm_int8.h"
+#include "cpu/gemm_parallel.h"
+#include "cpu/int8_quantize.h"
+#include "cpu/isa.h"
+#include "ops.h"
+
+namespace batchgen::cpu {
+namespace {
+
+// A loop, and the slowest kernel table (isa.cpp's names) whose processors may run it: the loop in use
+// follows the active table (BATCHGEN_CPU_ISA=avx2 also runs int8 as an AVX2 processor would).
+struct Int8Kernel {
+  const char* name;
+  Int8GemmFn gemm;
+  bool (*supported)();
+  const char* table;
+};
+
+bool always() { return true; }
+#ifdef BATCHGEN_HAVE_AVX2
+bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
+#endif
+#ifdef BATCHGEN_HAVE_AVX512
+bool has_avx512_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+bool has_amx_int8() { return has_avx512_vnni() && has_amx(25); }
+#endif
+
+// Slowest first.
+const std::vector<Int8Kernel>& int8_kernels() {
+  static const std::vector<Int8Kernel> list = {
+      {"scalar", &int8_scalar::gemm_int8, &always, "scalar"},
+#ifdef BATCHGEN_HAVE_AVX2
+      {"avx2", &int8_avx2::gemm_int8, &always, "avx2"},
+      {"avx_vnni", &int8_avx_vnni::gemm_int8, &has_avx_vnni, "avx2"},
+#endif
+#ifdef BATCHGEN_HAVE_AVX512
+      {"avx512_vnni", &int8_avx512_vnni::gemm_int8, &has_avx512_vnni, "avx512"},
+      {"amx_int8", &int8_amx::gemm_int8, &has_amx_int8, "amx_bf16"},
+#endif
+  };
+  return list;
+}
+
+std::atomic<const Int8Kernel*> forced{nullptr};
+
+int table_rank(const std::string& table) {
+  static const std::vector<std::string> order = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
+  return static_cast<int>(std::find(order.begin(), order.end(), table) - order.begin());
+}
+
+const Int8Kernel& kernel_in_use() {
+  if (const Int8Kernel* kernel = forced.load(std::memory_order_acquire)) return *kernel;
+  const int active = table_rank(active_kernels().name);
+  const Int8Kernel* best = &int8_kernels().front();
+  for (const Int8Kernel& k : int8_kernels()) {
+    if (k.supported() && table_rank(k.table) <= active) best = &k;
+  }
+  return *best;
+}
+
+void run_int8_gemm(const Int8GemmArgs& args) {
+  const Int8GemmFn gemm = kernel_in_use().gemm;
+  const int64_t panels = (args.cols + kInt8PanelCols - 1) / kInt8PanelCols;
+  parallel_panels(args.rows, panels, kInt8BlockRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
+    gemm(int8_rows(args, first_row, rows), begin, end);
+  });
+}
+
+void check_int8_weight(const char* op, const torch::Tensor& weight, const torch::Tensor& compensation,
+                       const torch::Tensor& w_scale, int64_t depth, int64_t cols) {
+  const int64_t panels = (cols + kInt8PanelCols - 1) / kInt8PanelCols;
+  TORCH_CHECK_VALUE(weight.is_cpu() && weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
+                        weight.dim() == 4 && weight.size(0) == panels && weight.size(1) * kInt8GroupBytes == depth &&
+                        weight.size(2) == kInt8PanelCols && weight.size(3) == kInt8GroupBytes,
+                    op, ": weight must be contiguous int8 CPU panels [", panels, ", ", depth / kInt8GroupBytes, ", ",
+                    kInt8PanelCols, ", ", kInt8GroupBytes, "] for ", cols, " outputs, got ", weight.scalar_type(), " ",
+                    weight.sizes());
+  for (const auto& [name, t, dtype] : {std::tuple{"compensation", &compensation, torch::kInt32},
+                                       std::tuple{"w_scale", &w_scale, torch::kFloat32}}) {
+    TORCH_CHECK_VALUE(t->is_cpu() && t->scalar_type() == dtype && t->is_contiguous() && t->dim() == 1 &&
+                          t->size(0) == panels * kInt8PanelCols,
+                      op, ": ", name, " must be a contiguous ", dtype, " CPU tensor of ", panels * kInt8PanelCols,
+                      " entries, got ", t->scalar_type(), " ", t->sizes());
+  }
+}
+
+Int8GemmArgs int8_args(const char* op, torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& x_scale,
+                       const torch::Tensor& weight, const torch::Tensor& compensation, const torch::Tensor& w_scale,
+                       const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK_VALUE(q.is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.stride(1) == 1 &&
+                        q.size(1) % kInt8DepthStep == 0,
+                    op, ": q must be a uint8 CPU tensor [rows, depth], depth a multiple of ", kInt8DepthStep,
+                    ", contiguous in its last dimension, got ", q.scalar_type(), " ", q.sizes());
+  const int64_t rows = q.size(0), depth = q.size(1);
+  TORCH_CHECK_VALUE(x_scale.is_cpu() && x_scale.scalar_type() == torch::kFloat32 && x_scale.is_contiguous() &&
+                        x_scale.dim() == 1 && x_scale.size(0) == rows,
+                    op, ": x_scale must be a contiguous float32 CPU tensor of ", rows, " entries");
+  const auto kind = out.scalar_type();
+  TORCH_CHECK_VALUE(out.is_cpu() && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
+                        (kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kInt32),
+                    op, ": out must be a float32, bfloat16 or int32 CPU tensor [", rows,
+                    ", cols] contiguous in its last dimension, got ", kind, " ", out.sizes());
+  const int64_t cols = out.size(1);
+  check_int8_weight(op, weight, compensation, w_scale, depth, cols);
+  Int8GemmArgs args{};
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                          bias->dim() == 1 && bias->size(0) == cols,
+                      op, ": bias must be a contiguous float32 CPU tensor of ", cols, " entries");
+    args.bias = bias->data_ptr<float>();
+  }
+  args.x = q.data_ptr<uint8_t>();
+  args.x_stride = q.stride(0);
+  args.x_scale = x_scale.data_ptr<float>();
+  args.weight = weight.data_ptr<int8_t>();
+  args.compensation = compensation.data_ptr<int32_t>();
+  args.w_scale = w_scale.data_ptr<float>();
+  args.out = out.data_ptr();
+  args.out_stride = out.stride(0);
+  args.out_kind = kind == torch::kFloat32 ? Int8Out::f32 : kind == torch::kBFloat16 ? Int8Out::bf16 : Int8Out::i32;
+  args.rows = rows;
+  args.cols = cols;
+  args.depth = depth;
+  return args;
+}
+
+}  // namespace
+
+std::vector<std::string> supported_int8_kernels() {
+  std::vector<std::string> names;
+  for (const Int8Kernel& k : int8_kernels()) {
+    if (k.supported()) names.emplace_back(k.name);
+  }
+  return names;
+}
+
+std::string int8_kernel() { return kernel_in_use().name; }
+
+void set_int8_kernel(const std::string& name) {
+  if (name.empty()) {
+    forced.store(nullptr, std::memory_order_release);
+    return;
+  }
+  for (const Int8Kernel& k : int8_kernels()) {
+    if (name == k.name && k.supported()) {
+      forced.store(&k, std::memory_order_release);
+      return;
+    }
+  }
+  std::string joined;
+  for (const std::string& n : supported_int8_kernels()) joined += (joined.empty() ? "" : ", ") + n;
+  TORCH_CHECK_VALUE(false, "int8 GEMM kernel '", name, "' is not supported here; supported: ", joined);
+}
+
+void quantize_int8_rows(const torch::Tensor& x, torch::Tensor& q, torch::Tensor& x_scale) {
+  const char* op = "quantize_int8_rows";
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                        (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+                    op, ": x must be a float32 or bfloat16 CPU tensor [rows, depth] contiguous in its last dimension");
+  const int64_t rows = x.size(0), depth = x.size(1);
+  TORCH_CHECK_VALUE(q.is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.stride(1) == 1 &&
+                        q.size(0) == rows && q.size(1) >= depth && q.size(1) % kInt8DepthStep == 0,
+                    op, ": q must be a uint8 CPU tensor [", rows, ", depth rounded up to ", kInt8DepthStep, "]");
+  TORCH_CHECK_VALUE(x_scale.is_cpu() && x_scale.scalar_type() == torch::kFloat32 && x_scale.is_contiguous() &&
+                        x_scale.dim() == 1 && x_scale.size(0) == rows,
+                    op, ": x_scale must be a contiguous float32 CPU tensor of ", rows, " entries");
+  const int64_t padded = q.size(1);
+  uint8_t* q_data = q.data_ptr<uint8_t>();
+  float* scales = x_scale.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint8_t* q_row = q_data + r * q.stride(0);
+      if (dtype == torch::kFloat32) {
+        scales[r] = quantize_int8_row(x.data_ptr<float>() + r * x.stride(0), depth, padded, q_row);
+      } else {
+        const auto* row = static_cast<const BF16*>(x.data_ptr()) + r * x.stride(0);
+        scales[r] = quantize_int8_row(row, depth, padded, q_row);
+      }
+    }
+  });
+}
+
+void gemm_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& x_scale, const torch::Tensor& weight,
+               const torch::Tensor& compensation, const torch::Tensor& w_scale,
+               const c10::optional<torch::Tensor>& bias) {
+  run_int8_gemm(int8_args("gemm_int8", out, q, x_scale, weight, compensation, w_scale, bias));
+}
+
+void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                 const torch::Tensor& compensation, const torch::Tensor& w_scale,
+                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 4, "linear_int8: weight must be int8 panels, got ", weight.sizes());
+  const int64_t padded = weight.size(1) * kInt8GroupBytes;
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) <= padded && x.size(1) > padded - kInt8DepthStep,
+                    "linear_int8: x has ", x.size(1), " features, the weight's panels ", padded, " (padded)");
+  torch::Tensor q = torch::empty({x.size(0), padded}, x.options().dtype(torch::kUInt8));
+  torch::Tensor x_scale = torch::empty({x.size(0)}, x.options().dtype(torch::kFloat32));
+  quantize_int8_rows(x, q, x_scale);
+  gemm_int8(out, q, x_scale, weight, compensation, w_scale, bias);
+}
+
+}  // namespace batchgen::cpu

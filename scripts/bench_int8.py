@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""int8 compute against bf16 on one model in one run (issue 36): throughput and quality.
+
+  throughput  bench.py's mixed workload through batchgen in bf16 and with quantization="int8" (bf16 activations),
+              the two alternating for --rounds rounds, each run in a fresh process; the ratio of the medians
+  agreement   greedy continuations of the first --agree-prompts mixed prompts, 64 tokens each (ignore_eos): the
+              share of tokens int8 gives where bf16 gives the same token at the same position after the same
+              prefix (the common prefix, tokens after a first difference counted as different), and the share of
+              prompts whose 64 tokens are all the same; float32 against bf16 alike, for scale
+  perplexity  of tests/data/pride_and_prejudice_ch1.txt (the prompt's logprobs), bf16 and int8; the budget is
+              int8 within 2% of bf16
+
+    .venv/bin/python scripts/bench_int8.py --quick          # smoke test
+    .venv/bin/python scripts/bench_int8.py --json /tmp/int8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import BLOCK, SETTINGS, isolated, kv_bytes_per_token, make_workload, run_batchgen  # noqa: E402
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
+AGREE_TOKENS = 64
+PERPLEXITY_BUDGET = 0.02
+QUANTIZATIONS = (None, "int8")
+
+
+def label(quantization: str | None) -> str:
+    return quantization or "bf16"
+
+
+def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
+            dtype: str = "bfloat16") -> dict:
+    """Greedy continuations of `prompts` and the perplexity of TEXT under one configuration."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads,
+              kv_cache_memory="2GiB", max_num_seqs=64)
+    greedy = SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True)
+    continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    text_ids = llm.tokenizer(TEXT.read_text())["input_ids"]
+    scored = llm.generate([text_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [entry[token] for entry, token in zip(scored.prompt_logprobs[1:], text_ids[1:], strict=True)]
+    return dict(continuations=continuations, perplexity=math.exp(-sum(logprobs) / len(logprobs)),
+                text_tokens=len(text_ids))
+
+
+def agreement(want: list[list[int]], got: list[list[int]]) -> dict:
+    prefixes = [next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
+                for w, g in zip(want, got, strict=True)]
+    return dict(token_share=sum(prefixes) / sum(map(len, want)),
+                identical_share=sum(p == len(w) for p, w in zip(prefixes, want, strict=True)) / len(want),
+                mean_common_prefix=statistics.mean(prefixes))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="bf16/int8 throughput pairs, alternating")
+    parser.add_argument("--agree-prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, help="the first this many of mixed's requests only (a loaded machine)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every result here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model is None:
+        from batchgen.models.smollm2 import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    torch.set_num_threads(args.threads)
+    cfg, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    mixed = make_workload("mixed", tokenizer, args.seed, **SETTINGS[args.quick]["mixed"])
+    if args.prompts:
+        mixed = replace(mixed, prompts=mixed.prompts[: args.prompts], max_tokens=mixed.max_tokens[: args.prompts])
+    bytes_per_block = BLOCK * kv_bytes_per_token(cfg, "bfloat16")
+    kv_blocks = int(sum(mixed.kv_blocks()) * 1.1) + 16
+    rates: dict[str, list[float]] = {label(q): [] for q in QUANTIZATIONS}
+    for round_ in range(args.rounds):
+        for q in QUANTIZATIONS:
+            print(f"round {round_ + 1}/{args.rounds}: mixed, {label(q)}", flush=True)
+            run = isolated(True, run_batchgen, args.model, mixed, "bfloat16", args.threads, kv_blocks, 64,
+                           bytes_per_block, "native", q)
+            rates[label(q)].append(run.rates()["total_tok_s"])
+    prompts = mixed.prompts[: args.agree_prompts]
+    results = {label(q): isolated(True, quality, args.model, q, args.threads, prompts) for q in QUANTIZATIONS}
+    results["fp32"] = isolated(True, quality, args.model, None, args.threads, prompts, "float32")
+    ppl = {name: r["perplexity"] for name, r in results.items()}
+    report = dict(
+        model=args.model, threads=args.threads, load_average=os.getloadavg(),
+        mixed_total_tok_s=rates, int8_over_bf16=statistics.median(rates["int8"]) / statistics.median(rates["bf16"]),
+        agreement=agreement(results["bf16"]["continuations"], results["int8"]["continuations"]),
+        fp32_agreement=agreement(results["bf16"]["continuations"], results["fp32"]["continuations"]),
+        agreement_prompts=len(prompts), perplexity=ppl, perplexity_change=ppl["int8"] / ppl["bf16"] - 1,
+        text_tokens=results["bf16"]["text_tokens"], workload=dict(asdict(mixed), prompts=len(mixed.prompts)))
+    report["perplexity_budget_met"] = abs(report["perplexity_change"]) <= PERPLEXITY_BUDGET
+    print("mixed total tok/s: " + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)}" for k, vs in rates.items()))
+    print(f"int8 / bf16 throughput (medians): x{report['int8_over_bf16']:.2f}")
+    a = report["agreement"]
+    print(f"greedy agreement over {AGREE_TOKENS} tokens of {len(prompts)} mixed prompts: {a['token_share']:.1%} of "
+          f"tokens before the first difference, {a['identical_share']:.1%} of prompts identical")
+    f = report["fp32_agreement"]
+    print(f"  for scale, float32 against bf16 on the same prompts: {f['token_share']:.1%} of tokens, "
+          f"{f['identical_share']:.1%} of prompts identical")
+    print(f"perplexity of {TEXT.name} ({report['text_tokens']} tokens): bf16 {ppl['bf16']:.3f}, int8 "
+          f"{ppl['int8']:.3f} ({report['perplexity_change']:+.2%}; budget {PERPLEXITY_BUDGET:.0%} "
+          f"{'met' if report['perplexity_budget_met'] else 'missed'}); float32 {ppl['fp32']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""batchgen's int8 GEMM (`ops.quantize_int8_rows`, `ops.gemm_int8`, `ops.linear_int8`) against the pure-torch
+reference (`batchgen.ops.reference`): the same quantized operands must give the same int32 sums and the same
+float32 / bf16 outputs bit for bit, on every loop this processor runs (scalar, AVX2, AVX-VNNI, AVX512-VNNI,
+AMX-INT8) and under every kernel table (which picks the loop by default); a row's output must not depend on
+the other rows or the thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import torch_threads
+
+from batchgen import _C, ops
+from batchgen.ops import reference
+
+INT8_KERNELS = _C.supported_int8_kernels()
+
+
+@pytest.fixture(params=INT8_KERNELS)
+def int8_kernel(request):
+    _C.set_int8_kernel(request.param)
+    try:
+        yield request.param
+    finally:
+        _C.set_int8_kernel("")
+
+
+def _operands(rows: int, depth: int, cols: int, seed: int, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, depth, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(dtype)
+    w = torch.randn(cols, depth, generator=gen) / depth**0.5
+    bias = torch.randn(cols, generator=gen)
+    return x, ops.pack_int8_weight(w), w, bias
+
+
+SHAPES = [(1, 64, 48), (2, 100, 37), (7, 130, 96), (16, 576, 49), (17, 64, 1), (45, 1000, 160), (300, 70, 15)]
+
+
+@pytest.mark.parametrize(("rows", "depth", "cols"), SHAPES)
+@pytest.mark.usefixtures("int8_kernel")
+def test_sums_and_outputs_equal_the_reference_bit_for_bit(rows, depth, cols):
+    x, packed, _, bias = _operands(rows, depth, cols, seed=rows + depth + cols)
+    q, scale = ops.quantize_int8_rows(x)
+    sums = ops.gemm_int8(q, scale, packed, out_dtype=torch.int32)
+    assert torch.equal(sums, reference.gemm_int8(q, scale, packed, out_dtype=torch.int32))
+    assert sums.abs().max() > 1000  # sums of many products, not a degenerate case
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for b in (None, bias):
+            expected = reference.gemm_int8(q, scale, packed, b, out_dtype)
+            assert torch.equal(ops.gemm_int8(q, scale, packed, b, out_dtype), expected), (out_dtype, b is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_quantize_like_the_reference(dtype):
+    x, *_ = _operands(37, 130, 8, seed=3, dtype=dtype)
+    x[5] = 0  # a row of zeros: scale 1, all q = 0
+    q, scale = ops.quantize_int8_rows(x)
+    expected_q, expected_scale = reference.quantize_int8_rows(x)
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
+    assert q.shape == (37, 192) and bool((q[:, 130:] == 128).all())
+    assert scale[5] == 1 and bool((q[5] == 128).all())
+    assert int(q.min()) == 1 and int(q.max()) == 255  # every row's largest |x| maps to +-127
+
+
+def test_weights_quantize_per_output_feature():
+    w = torch.randn(50, 70) * torch.logspace(-3, 1, 50)[:, None]
+    packed = ops.pack_int8_weight(w)
+    q = reference.unpack_int8_weight(packed)
+    assert q.dtype == torch.int8 and q.shape == (50, 70)
+    assert torch.equal(q.abs().amax(dim=1), torch.full((50,), 127, dtype=torch.int8))
+    dequantized = q.float() * packed.scale[:50, None]
+    assert bool(((dequantized - w).abs() <= packed.scale[:50, None] / 2 * (1 + 1e-6)).all())
+    assert torch.equal(packed.compensation[:50], q.sum(dim=1, dtype=torch.int32) * 128)
+
+
+@pytest.mark.usefixtures("int8_kernel")
+def test_a_row_does_not_depend_on_the_batch_or_the_threads():
+    x, packed, _, bias = _operands(200, 576, 200, seed=11)
+    with torch_threads(1):
+        alone = torch.cat([ops.linear_int8(x[i : i + 1], packed, bias) for i in range(0, 200, 13)])
+    with torch_threads(2):
+        batched = ops.linear_int8(x, packed, bias)[::13]
+    assert torch.equal(alone, batched)
+
+
+def test_every_kernel_table_runs_the_int8_gemm_like_the_reference(cpu_isas):
+    x, packed, w, bias = _operands(33, 200, 70, seed=5)
+    exact = x.float() @ w.T + bias
+    loops = {}
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        loops[isa] = _C.int8_kernel()
+        out = ops.linear_int8(x, packed, bias)
+        assert torch.equal(out, reference.linear_int8(x, packed, bias)), isa
+        assert float((out.float() - exact).abs().max()) < 0.05 * float(exact.abs().max())
+    assert loops["scalar"] == "scalar"  # the loop follows the table
+    assert loops.get("avx2", "avx2") in ("avx2", "avx_vnni")
+    if "amx_bf16" in loops and "amx_int8" in INT8_KERNELS:
+        assert loops["amx_bf16"] == "amx_int8"
+
+
+def test_bad_operands_are_refused_in_one_line():
+    x, packed, _, _ = _operands(4, 64, 48, seed=1)
+    q, scale = ops.quantize_int8_rows(x)
+    with pytest.raises(ValueError, match="gemm_int8: q must be a uint8"):
+        _C.gemm_int8(torch.empty(4, 48), q.to(torch.int8), scale, packed.panels, packed.compensation, packed.scale)
+    with pytest.raises(ValueError, match="gemm_int8: weight must be"):
+        _C.gemm_int8(torch.empty(4, 97), q, scale, packed.panels, packed.compensation, packed.scale)
+    with pytest.raises(ValueError, match="int8 GEMM kernel 'nope' is not supported"):
+        _C.set_int8_kernel("nope")
