@@ -10,7 +10,6 @@ import torch
 import transformers as tf
 
 from batchgen import _C, LLM, LoRARequest, SamplingParams, ops
-from batchgen.config import ConfigError
 
 peft = pytest.importorskip("peft")
 from lora_kit import make_adapter  # noqa: E402  (after the skip: it imports peft)
