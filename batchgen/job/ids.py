@@ -30,6 +30,7 @@ CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next
 BATCH = 4096  # ids looked up together
 FENCE = 256  # spilled hashes per block read back
 HASH_BYTES = 1 << 16  # bytes of ids hashed together
+HASH_NAME = "poly-splitmix64/1"  # names ``hash_ids``: hashes kept on disk say which function made them
 T = TypeVar("T")
 
 _BASE = np.uint64(0x100000001B3)  # odd: the polynomial's base (FNV's 64-bit prime)
@@ -183,11 +184,14 @@ class DoneIds(AbstractSet[str]):
         self._total = 0  # ids of all parts, an id complete in two parts counted twice
         self._twice: int | None = 0
 
-    def add_part(self, ids: list[str], load: Callable[[], Iterable[str]]) -> None:
-        """A part's complete ids, each once (``load`` gives them again to confirm a match)."""
-        self._hashes.add(hashes_of(ids), len(self._loaders))
+    def add_part(self, ids: list[str] | None, load: Callable[[], Iterable[str] | pa.Array],
+                 hashes: np.ndarray | None = None) -> None:
+        """A part's complete ids, each once, or their ``hashes`` alone (``load`` gives the ids, as a
+        list or an Arrow array, to confirm a match)."""
+        hashes = hashes_of(ids or []) if hashes is None else hashes
+        self._hashes.add(hashes, len(self._loaders))
         self._loaders.append(load)
-        self._total += len(ids)
+        self._total += len(hashes)
         self._twice = None
 
     @property
@@ -252,7 +256,8 @@ class DoneIds(AbstractSet[str]):
         if ids is not None:
             self._cache.move_to_end(part)
             return ids
-        ids = as_bytes(id_array(self._loaders[part]()))
+        loaded = self._loaders[part]()
+        ids = as_bytes(loaded if isinstance(loaded, pa.Array) else id_array(loaded))
         self._cache[part] = ids
         self._cached_ids += len(ids)
         while self._cached_ids > CONFIRM_CACHE_IDS and len(self._cache) > 1:
@@ -270,7 +275,8 @@ class DoneIds(AbstractSet[str]):
         """Every id once (through a set of them all: for small outputs and tests)."""
         seen: set[str] = set()
         for load in self._loaders:
-            for row_id in load():
+            loaded = load()
+            for row_id in loaded.to_pylist() if isinstance(loaded, pa.Array) else loaded:
                 if row_id not in seen:
                     seen.add(row_id)
                     yield row_id

@@ -72,6 +72,11 @@ class FirstSeen:
         self._remember(ids, hashes, keys, np.flatnonzero(first < 0))
         return first
 
+    def add(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> None:
+        """Ids known to be first seen at ``keys`` (from an index), so later rows are checked against them."""
+        if len(ids):
+            self._remember(as_bytes(ids), hashes, keys, np.arange(len(ids)))
+
     def where(self, key: int) -> str:
         """The row of a key, in messages."""
         return self._files[key >> KEY_BITS].where(key & ((1 << KEY_BITS) - 1))
