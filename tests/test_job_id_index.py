@@ -16,6 +16,7 @@ import pytest
 from jobkit import cli, outputs_by_key, prompts, run, setup_job, write_jsonl
 from test_job_scale import collide
 
+from batchgen.job import ids as ids_module
 from batchgen.job.ids import DoneIds
 from batchgen.job.inputs import InputReader
 from batchgen.job.inputs import id_index as index_module
@@ -183,3 +184,27 @@ def test_packed_ids_are_the_listed_ids_with_their_hashes(tmp_path):
     index = formats_module._index(stale, formats_module.META_ROWS, 5)
     assert index is not None and index.packed is None and index.array.to_pylist() == ["b"]
     assert np.array_equal(index.hashes, reader_module.hash_ids(pa.array(["b"])))
+
+
+@pytest.mark.parametrize("dtype,values", [(np.int64, np.uint32), (np.int32, np.uint16)])
+def test_run_filters_never_hide_a_match(monkeypatch, dtype, values):
+    monkeypatch.setattr(ids_module, "FILTERED_RUN", 1)
+    monkeypatch.setattr(ids_module, "RUN_CAP", 64)
+    rng = np.random.default_rng(35)
+    pool = rng.integers(-(1 << 62), 1 << 62, 300, dtype=np.int64)
+    runs = ids_module.SortedRuns(dtype, values)
+    added: dict[int, list[int]] = {}
+    for value in range(40):
+        batch = rng.choice(pool, 12)  # repeats within and across runs
+        runs.add(batch, value)
+        for h in batch.astype(dtype).tolist():
+            added.setdefault(h, []).append(value)
+    assert any(f is not None for f in runs.filters) and len(runs.runs) > 3
+    query = np.concatenate([pool, rng.integers(-(1 << 62), 1 << 62, 300, dtype=np.int64)])
+    got: dict[int, list[int]] = {}
+    for at, found in runs.matches(query):
+        for i, v in zip(at.tolist(), found.tolist(), strict=True):
+            got.setdefault(i, []).append(v)
+    expected = {i: added[h] for i, h in enumerate(query.astype(dtype).tolist()) if h in added}
+    assert {i: sorted(v) for i, v in got.items()} == {i: sorted(v) for i, v in expected.items()}
+    assert runs.contains(query).tolist() == [h in added for h in query.astype(dtype).tolist()]

@@ -30,6 +30,8 @@ CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next
 BATCH = 4096  # ids looked up together
 FENCE = 256  # spilled hashes per block read back
 HASH_BYTES = 1 << 16  # bytes of ids hashed together
+FILTERED_RUN = 1 << 14  # runs of at least this many hashes have a filter
+FILTER_BITS = 8  # the filter's bits a hash: ~12% of the hashes not in a run pass it
 HASH_NAME = "poly-splitmix64/1"  # names ``hash_ids``: hashes kept on disk say which function made them
 T = TypeVar("T")
 
@@ -115,12 +117,17 @@ class SortedRuns:
     """A multiset of hashes, each with a value, as a few sorted runs (LSM-style: a new run is
     merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32 only
     the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false match
-    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row)."""
+    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row).
+
+    Each run of ``FILTERED_RUN`` hashes or more has a filter beside it (``FILTER_BITS`` bits a
+    hash: ~1 byte): a lookup searches a run only for the hashes its filter lets through (~1 in 8
+    that are not there), so a batch asked of many runs costs about one search, not one a run."""
 
     def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32) -> None:
         self.dtype = dtype
         self.value_type = values
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self.filters: list[np.ndarray | None] = []
         self.size = 0
 
     def add(self, hashes: np.ndarray, value: int | np.ndarray = 0) -> None:
@@ -133,21 +140,23 @@ class SortedRuns:
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
+            self.filters.pop()
             merged = np.concatenate([last[0], run[0]])
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)
+        self.filters.append(_filter(run[0]) if len(run[0]) >= FILTERED_RUN else None)
+
+    def _candidates(self, run: int, query: np.ndarray) -> np.ndarray:
+        """Positions in ``query`` that may be in run ``run``."""
+        bits = self.filters[run]
+        return np.arange(len(query)) if bits is None else np.flatnonzero(_maybe_in(bits, query))
 
     def contains(self, hashes: np.ndarray) -> np.ndarray:
         """Per hash: is it (maybe: another id may have the same hash) in the set?"""
         found = np.zeros(len(hashes), dtype=bool)
-        if not self.runs or not len(hashes):
-            return found
-        order = np.argsort(hashes.astype(self.dtype))  # sorted queries: searchsorted walks each run once
-        query = hashes.astype(self.dtype)[order]
-        for keys, _ in self.runs:
-            at = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
-            found[order] |= keys[at] == query
+        for at, _ in self.matches(hashes):
+            found[at] = True
         return found
 
     def matches(self, hashes: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -158,16 +167,30 @@ class SortedRuns:
         query = hashes.astype(self.dtype)
         order = np.argsort(query)
         query = query[order]
-        for keys, values in self.runs:
-            at = np.searchsorted(keys, query)
-            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query)
-            at = at[hit]
+        for run, (keys, values) in enumerate(self.runs):
+            maybe = self._candidates(run, query)
+            at = np.searchsorted(keys, query[maybe])
+            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[maybe])
+            hit, at = maybe[hit], at[hit]
             while len(hit):  # the first match of each, then the next ones where a hash repeats in the run
                 yield order[hit], values[at]
                 at = at + 1
                 more = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[hit])
                 more = more[at[more] < len(keys)]
                 hit, at = hit[more], at[more]
+
+
+def _filter(keys: np.ndarray) -> np.ndarray:
+    """A bitmap of ``keys``' low bits, ``FILTER_BITS`` bits a key (rounded up to a power of two)."""
+    size = 1 << max(int(len(keys) * FILTER_BITS - 1).bit_length(), 3)
+    bits = np.zeros(size, dtype=bool)
+    bits[keys.astype(np.int64) & (size - 1)] = True
+    return np.packbits(bits, bitorder="little")
+
+
+def _maybe_in(bits: np.ndarray, query: np.ndarray) -> np.ndarray:
+    slot = query.astype(np.int64) & (8 * len(bits) - 1)
+    return ((bits[slot >> 3] >> (slot & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 class DoneIds(AbstractSet[str]):
