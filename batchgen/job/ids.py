@@ -123,9 +123,12 @@ class SortedRuns:
     hash: ~1 byte): a lookup searches a run only for the hashes its filter lets through (~1 in 8
     that are not there), so a batch asked of many runs costs about one search, not one a run."""
 
-    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32) -> None:
+    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32,
+                 filtered: bool = True) -> None:
+        """``filtered``: keep filters (a structure asked in many runs, where a byte a hash pays)."""
         self.dtype = dtype
         self.value_type = values
+        self.filtered = filtered
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self.filters: list[np.ndarray | None] = []
         self.size = 0
@@ -145,7 +148,7 @@ class SortedRuns:
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)
-        self.filters.append(_filter(run[0]) if len(run[0]) >= FILTERED_RUN else None)
+        self.filters.append(_filter(run[0]) if self.filtered and len(run[0]) >= FILTERED_RUN else None)
 
     def _candidates(self, run: int, query: np.ndarray) -> np.ndarray:
         """Positions in ``query`` that may be in run ``run``."""
