@@ -208,3 +208,17 @@ def test_run_filters_never_hide_a_match(monkeypatch, dtype, values):
     expected = {i: added[h] for i, h in enumerate(query.astype(dtype).tolist()) if h in added}
     assert {i: sorted(v) for i, v in got.items()} == {i: sorted(v) for i, v in expected.items()}
     assert runs.contains(query).tolist() == [h in added for h in query.astype(dtype).tolist()]
+
+
+def test_ids_done_twice_are_counted_with_filters(monkeypatch):
+    monkeypatch.setattr(ids_module, "FILTERED_RUN", 1)
+    monkeypatch.setattr(ids_module, "RUN_CAP", 16)
+    rng = random.Random(35)
+    parts = [[f"id{rng.randrange(120)}" for _ in range(6)] for _ in range(30)]
+    parts = [list(dict.fromkeys(part)) for part in parts]  # each id once in a part
+    done = DoneIds()
+    for part in parts:
+        done.add_part(part, lambda part=part: part)
+    assert any(f is not None for f in done._hashes.filters) and len(done._hashes.runs) > 3
+    total = sum(map(len, parts))
+    assert done.twice == total - len({i for part in parts for i in part}) > 0

@@ -150,7 +150,7 @@ class SortedRuns:
         self.runs.append(run)
         self.filters.append(_filter(run[0]) if self.filtered and len(run[0]) >= FILTERED_RUN else None)
 
-    def _candidates(self, run: int, query: np.ndarray) -> np.ndarray:
+    def candidates(self, run: int, query: np.ndarray) -> np.ndarray:
         """Positions in ``query`` that may be in run ``run``."""
         bits = self.filters[run]
         return np.arange(len(query)) if bits is None else np.flatnonzero(_maybe_in(bits, query))
@@ -171,7 +171,7 @@ class SortedRuns:
         order = np.argsort(query)
         query = query[order]
         for run, (keys, values) in enumerate(self.runs):
-            maybe = self._candidates(run, query)
+            maybe = self.candidates(run, query)
             at = np.searchsorted(keys, query[maybe])
             hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[maybe])
             hit, at = maybe[hit], at[hit]
@@ -233,6 +233,7 @@ class DoneIds(AbstractSet[str]):
         found = [keys[1:][keys[1:] == keys[:-1]] for keys, _ in runs]
         for i, (keys, _) in enumerate(runs):
             for later, _ in runs[i + 1:]:
+                later = later[self._hashes.candidates(i, later)]
                 at = np.minimum(np.searchsorted(keys, later), len(keys) - 1)
                 found.append(later[keys[at] == later])
         suspects = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
