@@ -30,6 +30,9 @@ CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next
 BATCH = 4096  # ids looked up together
 FENCE = 256  # spilled hashes per block read back
 HASH_BYTES = 1 << 16  # bytes of ids hashed together
+FILTERED_RUN = 1 << 14  # runs of at least this many hashes have a filter
+FILTER_BITS = 8  # the filter's bits a hash: ~12% of the hashes not in a run pass it
+HASH_NAME = "poly-splitmix64/1"  # names ``hash_ids``: hashes kept on disk say which function made them
 T = TypeVar("T")
 
 _BASE = np.uint64(0x100000001B3)  # odd: the polynomial's base (FNV's 64-bit prime)
@@ -114,12 +117,20 @@ class SortedRuns:
     """A multiset of hashes, each with a value, as a few sorted runs (LSM-style: a new run is
     merged into the last ones while the result stays under ``RUN_CAP``). With ``dtype`` int32 only
     the hashes' low 32 bits are kept (4 bytes a row), for a caller that can afford a false match
-    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row)."""
+    in about n / 2**32 lookups; ``values`` is the values' type (uint16: 2 bytes a row).
 
-    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32) -> None:
+    Each run of ``FILTERED_RUN`` hashes or more has a filter beside it (``FILTER_BITS`` bits a
+    hash: ~1 byte): a lookup searches a run only for the hashes its filter lets through (~1 in 8
+    that are not there), so a batch asked of many runs costs about one search, not one a run."""
+
+    def __init__(self, dtype: type[np.integer] = np.int64, values: type[np.integer] = np.uint32,
+                 filtered: bool = True) -> None:
+        """``filtered``: keep filters (a structure asked in many runs, where a byte a hash pays)."""
         self.dtype = dtype
         self.value_type = values
+        self.filtered = filtered
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self.filters: list[np.ndarray | None] = []
         self.size = 0
 
     def add(self, hashes: np.ndarray, value: int | np.ndarray = 0) -> None:
@@ -132,21 +143,23 @@ class SortedRuns:
         self.size += len(hashes)
         while self.runs and len(self.runs[-1][0]) <= len(run[0]) and len(self.runs[-1][0]) + len(run[0]) <= RUN_CAP:
             last = self.runs.pop()
+            self.filters.pop()
             merged = np.concatenate([last[0], run[0]])
             order = np.argsort(merged, kind="stable")
             run = (merged[order], np.concatenate([last[1], run[1]])[order])
         self.runs.append(run)
+        self.filters.append(_filter(run[0]) if self.filtered and len(run[0]) >= FILTERED_RUN else None)
+
+    def candidates(self, run: int, query: np.ndarray) -> np.ndarray:
+        """Positions in ``query`` that may be in run ``run``."""
+        bits = self.filters[run]
+        return np.arange(len(query)) if bits is None else np.flatnonzero(_maybe_in(bits, query))
 
     def contains(self, hashes: np.ndarray) -> np.ndarray:
         """Per hash: is it (maybe: another id may have the same hash) in the set?"""
         found = np.zeros(len(hashes), dtype=bool)
-        if not self.runs or not len(hashes):
-            return found
-        order = np.argsort(hashes.astype(self.dtype))  # sorted queries: searchsorted walks each run once
-        query = hashes.astype(self.dtype)[order]
-        for keys, _ in self.runs:
-            at = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
-            found[order] |= keys[at] == query
+        for at, _ in self.matches(hashes):
+            found[at] = True
         return found
 
     def matches(self, hashes: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -157,16 +170,30 @@ class SortedRuns:
         query = hashes.astype(self.dtype)
         order = np.argsort(query)
         query = query[order]
-        for keys, values in self.runs:
-            at = np.searchsorted(keys, query)
-            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query)
-            at = at[hit]
+        for run, (keys, values) in enumerate(self.runs):
+            maybe = self.candidates(run, query)
+            at = np.searchsorted(keys, query[maybe])
+            hit = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[maybe])
+            hit, at = maybe[hit], at[hit]
             while len(hit):  # the first match of each, then the next ones where a hash repeats in the run
                 yield order[hit], values[at]
                 at = at + 1
                 more = np.flatnonzero(keys[np.minimum(at, len(keys) - 1)] == query[hit])
                 more = more[at[more] < len(keys)]
                 hit, at = hit[more], at[more]
+
+
+def _filter(keys: np.ndarray) -> np.ndarray:
+    """A bitmap of ``keys``' low bits, ``FILTER_BITS`` bits a key (rounded up to a power of two)."""
+    size = 1 << max(int(len(keys) * FILTER_BITS - 1).bit_length(), 3)
+    bits = np.zeros(size, dtype=bool)
+    bits[keys.astype(np.int64) & (size - 1)] = True
+    return np.packbits(bits, bitorder="little")
+
+
+def _maybe_in(bits: np.ndarray, query: np.ndarray) -> np.ndarray:
+    slot = query.astype(np.int64) & (8 * len(bits) - 1)
+    return ((bits[slot >> 3] >> (slot & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 class DoneIds(AbstractSet[str]):
@@ -183,11 +210,14 @@ class DoneIds(AbstractSet[str]):
         self._total = 0  # ids of all parts, an id complete in two parts counted twice
         self._twice: int | None = 0
 
-    def add_part(self, ids: list[str], load: Callable[[], Iterable[str]]) -> None:
-        """A part's complete ids, each once (``load`` gives them again to confirm a match)."""
-        self._hashes.add(hashes_of(ids), len(self._loaders))
+    def add_part(self, ids: list[str] | None, load: Callable[[], Iterable[str] | pa.Array],
+                 hashes: np.ndarray | None = None) -> None:
+        """A part's complete ids, each once, or their ``hashes`` alone (``load`` gives the ids, as a
+        list or an Arrow array, to confirm a match)."""
+        hashes = hashes_of(ids or []) if hashes is None else hashes
+        self._hashes.add(hashes, len(self._loaders))
         self._loaders.append(load)
-        self._total += len(ids)
+        self._total += len(hashes)
         self._twice = None
 
     @property
@@ -203,6 +233,7 @@ class DoneIds(AbstractSet[str]):
         found = [keys[1:][keys[1:] == keys[:-1]] for keys, _ in runs]
         for i, (keys, _) in enumerate(runs):
             for later, _ in runs[i + 1:]:
+                later = later[self._hashes.candidates(i, later)]
                 at = np.minimum(np.searchsorted(keys, later), len(keys) - 1)
                 found.append(later[keys[at] == later])
         suspects = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
@@ -252,7 +283,8 @@ class DoneIds(AbstractSet[str]):
         if ids is not None:
             self._cache.move_to_end(part)
             return ids
-        ids = as_bytes(id_array(self._loaders[part]()))
+        loaded = self._loaders[part]()
+        ids = as_bytes(loaded if isinstance(loaded, pa.Array) else id_array(loaded))
         self._cache[part] = ids
         self._cached_ids += len(ids)
         while self._cached_ids > CONFIRM_CACHE_IDS and len(self._cache) > 1:
@@ -270,7 +302,8 @@ class DoneIds(AbstractSet[str]):
         """Every id once (through a set of them all: for small outputs and tests)."""
         seen: set[str] = set()
         for load in self._loaders:
-            for row_id in load():
+            loaded = load()
+            for row_id in loaded.to_pylist() if isinstance(loaded, pa.Array) else loaded:
                 if row_id not in seen:
                     seen.add(row_id)
                     yield row_id

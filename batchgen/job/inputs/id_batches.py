@@ -5,13 +5,14 @@ their records first and give their ids as a batch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..errors import JobError
 from ..ids import id_array
 from .rows import InputFile, Record
 
@@ -68,3 +69,36 @@ def column_ids(column: pa.Array, f: InputFile, start: int, name: str) -> tuple[p
         ids[i] = f"{f.name}:{start + i}"
         errors[i] = f"field {name!r}: missing id" if missing[i] else f"field {name!r}: id is empty or not valid Unicode"
     return id_array(ids), errors
+
+
+class RowsAt:
+    """Records of one file at increasing row numbers, for rows whose ids came from the file's index:
+    the file is read forward once, from its first ask, a batch at a time (columnar for Parquet)."""
+
+    def __init__(self, batches: Callable[[], Iterator[IdBatch]], f: InputFile):
+        self._batches = batches
+        self._file = f
+        self._it: Iterator[IdBatch] | None = None
+        self._batch: IdBatch | None = None
+
+    def read(self, rows: np.ndarray) -> list[Record]:
+        """The records of rows numbered ``rows`` (ascending, and after every row asked before)."""
+        records: list[Record] = []
+        while len(rows):
+            b = self._batch_with(int(rows[0]))
+            here = rows[:int(np.searchsorted(rows, b.index[-1], side="right"))]
+            at = np.searchsorted(b.index, here)
+            if not np.array_equal(b.index[np.minimum(at, len(b.index) - 1)], here):
+                raise JobError(f"input file {self._file.name} changed while it was read (row {int(here[0])})")
+            records += b.read(at)
+            rows = rows[len(here):]
+        return records
+
+    def _batch_with(self, row: int) -> IdBatch:
+        if self._it is None:
+            self._it = self._batches()
+        while self._batch is None or not len(self._batch.index) or self._batch.index[-1] < row:
+            self._batch = next(self._it, None)
+            if self._batch is None:
+                raise JobError(f"input file {self._file.name} changed while it was read (row {row} is gone)")
+        return self._batch

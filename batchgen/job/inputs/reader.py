@@ -12,7 +12,7 @@ format numbers it: from 0; for JSONL the physical line, so ids stay put when lin
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ from . import openai_batch
 from .csv import DELIMITERS, CsvColumns, CsvSource
 from .discover import discover
 from .hf_dataset import DatasetSource
-from .id_batches import IdBatch, InputIds, column_ids
+from .id_batches import IdBatch, InputIds, RowsAt, column_ids
+from .id_index import INDEX_DIR, IndexDir, IndexedBatch
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
@@ -55,11 +56,12 @@ class InputReader:
     def __init__(self, spec: InputSpec, base_dir: Path | Location, overrides: Mapping[str, str] | None = None,
                  files: list[InputFile] | None = None, exclude: Location | None = None,
                  model_name: str | None = None, storage: StorageOptions | None = None,
-                 base_names: set[str] | None = None):
+                 base_names: set[str] | None = None, index_dir: IndexDir | None = None):
         """Finds the input files (raising ``JobInvalid`` if any pattern fails) unless given.
         ``model_name``: OpenAI batch requests naming another ``body.model`` are error rows.
         ``base_names`` (a job with LoRA adapters): the names of the base model; an OpenAI batch request's
-        ``body.model`` naming anything else names its adapter."""
+        ``body.model`` naming anything else names its adapter. ``index_dir``: where the files' id
+        indexes are read and written (None: every file is read)."""
         self.spec = spec
         self.overrides = dict(overrides or {})
         self.model_name = model_name
@@ -70,6 +72,7 @@ class InputReader:
             if problems:
                 raise JobInvalid(problems)
         self.files = files
+        self.index_dir = index_dir
         self.warnings: list[str] = []
         self._carry_kinds: dict[str, str] = {}  # formats without a schema: each carried column's kind
         self._carry_types: dict[str, pa.DataType] = {}  # formats with one: the first file's Arrow types
@@ -78,7 +81,8 @@ class InputReader:
     def for_job(cls, job: Job) -> InputReader:
         return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
                    model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage,
-                   base_names=job.base_model_names if job.spec.model.lora_modules else None)
+                   base_names=job.base_model_names if job.spec.model.lora_modules else None,
+                   index_dir=IndexDir(job.output_dir / INDEX_DIR, job.spec.input.id_key or ""))
 
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
@@ -202,24 +206,54 @@ class InputReader:
         A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
         id, so each id is generated once, from its first row, and a rerun skips both. Ids are
         read, looked up and checked for repeats a batch at a time (columnar for a Parquet id
-        column); only the rows not in ``skip`` are read whole.
+        column, or from the file's id index when it holds); only the rows not in ``skip`` are read whole.
         """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
+        for f, b, read in self._file_batches(self._columns(), parse=True):
+            mine = (np.arange(len(b.ids)) if shard is None or shard.count == 1 else
+                    np.flatnonzero(np.fromiter(map(shard.owns, b.owners.to_pylist()), bool, len(b.ids))))
+            ids = b.ids.take(pa.array(mine)) if len(mine) < len(b.ids) else b.ids
+            done = (skip.contains(ids, b.hashes[mine]) if isinstance(skip, DoneIds)
+                    else np.fromiter((i in skip for i in ids.to_pylist()), bool, len(ids)))
+            for todo in _chunks(mine[~done]):
+                for record, at, row_id in zip(read(todo), todo.tolist(), b.ids.take(pa.array(todo)).to_pylist(),
+                                              strict=True):
+                    yield self._row(f, record, row_id, b.errors.get(at))
+
+    def _file_batches(self, columns: list[str], parse: bool
+                      ) -> Iterator[tuple[InputFile, IndexedBatch, Callable[[np.ndarray], list[Record]]]]:
+        """(file, a batch's ids, how to read its rows at positions) for every file: from
+        the file's index where one holds, else read (and an index written once the file is read whole)."""
         seen = FirstSeen(self.files) if self.spec.id_key else None
-        columns = self._columns()
+        keys = self.index_dir.keys_for(self.files) if self.index_dir is not None else None
+        indexed = [self.index_dir.read(f, keys, i) if self.index_dir is not None else None
+                   for i, f in enumerate(self.files)]
+        remember = seen is not None and any(batches is None for batches in indexed)
         try:
             for file_no, f in enumerate(self.files):
-                for b in self._id_batches(f, columns):
-                    if shard is not None and shard.count > 1:
-                        b = b.take(np.flatnonzero(np.fromiter(map(shard.owns, b.ids.to_pylist()), bool, len(b.ids))))
-                    ids, hashes, errors, _ = self._first_rows(seen, file_no, f, b)
-                    done = (skip.contains(ids, hashes) if isinstance(skip, DoneIds)
-                            else np.fromiter((i in skip for i in ids.to_pylist()), bool, len(ids)))
-                    for todo in _chunks(np.flatnonzero(~done)):
-                        for record, at, row_id in zip(b.read(todo), todo.tolist(), ids.take(todo).to_pylist(),
-                                                      strict=True):
-                            yield self._row(f, record, row_id, errors.get(at))
+                batches = indexed[file_no]
+                if batches is not None:
+                    rows_at = RowsAt(lambda f=f: self._id_batches(f, columns, parse), f)
+                    for b in batches:
+                        if remember and seen is not None:
+                            new = np.flatnonzero(b.checked & (b.first < 0))
+                            seen.add(b.ids.take(pa.array(new)), b.hashes[new], row_key(file_no, b.index[new]))
+                        yield f, b, lambda at, b=b, rows_at=rows_at: rows_at.read(b.index[at])
+                    continue
+                writer = self.index_dir.writer(f, keys, file_no) if self.index_dir is not None else None
+                warnings = len(self.warnings)
+                try:
+                    for ib in self._id_batches(f, columns, parse):
+                        b = self._first_rows(seen, file_no, f, ib)
+                        if writer is not None:
+                            writer.add(b)
+                        yield f, b, ib.read
+                    if writer is not None and len(self.warnings) == warnings:  # read whole, nothing left for later
+                        writer.publish()
+                finally:
+                    if writer is not None:
+                        writer.close()
         finally:
             if seen is not None:
                 seen.close()
@@ -251,29 +285,28 @@ class InputReader:
                        np.array(checked, dtype=bool), {i: e for i, (_, e) in enumerate(read) if e is not None},
                        lambda at: [records[i] for i in at.tolist()])
 
-    def _first_rows(self, seen: FirstSeen | None, file_no: int, f: InputFile, b: IdBatch
-                    ) -> tuple[pa.Array, np.ndarray, dict[int, str], np.ndarray]:
-        """(output ids, their hashes, errors by position, the positions of repeats) of a batch: a row
-        repeating an earlier row's id gets its own ``<file>:<row>`` id and the error naming the first row."""
+    def _first_rows(self, seen: FirstSeen | None, file_no: int, f: InputFile, b: IdBatch) -> IndexedBatch:
+        """The output ids of a batch, their hashes and errors: a row repeating an earlier row's id gets
+        its own ``<file>:<row>`` id and the error naming the first row."""
         hashes = hash_ids(b.ids)
         checked = np.flatnonzero(b.checked)
+        first = np.full(len(b.ids), -1, dtype=np.int64)
         if seen is None or not len(checked):
-            return b.ids, hashes, b.errors, checked[:0]
-        first = seen.first_of(b.ids.take(pa.array(checked)), hashes[checked],
-                              row_key(file_no, b.index[checked]))
-        repeats = checked[first >= 0]
+            return IndexedBatch(b.ids, hashes, b.ids, b.index, first, b.checked, b.errors)
+        first[checked] = seen.first_of(b.ids.take(pa.array(checked)), hashes[checked],
+                                       row_key(file_no, b.index[checked]))
+        repeats = np.flatnonzero(first >= 0)
         if not len(repeats):
-            return b.ids, hashes, b.errors, repeats
+            return IndexedBatch(b.ids, hashes, b.ids, b.index, first, b.checked, b.errors)
         ids, errors = b.ids.to_pylist(), dict(b.errors)
         column = self.spec.id_key or ""
-        for at, key in zip(repeats.tolist(), first[first >= 0].tolist(), strict=True):
+        for at, key in zip(repeats.tolist(), first[repeats].tolist(), strict=True):
             errors[at] = (f"field {column!r}: duplicate id {ids[at]!r}, first at {seen.where(key)}; "
                           "only that row is generated")
             ids[at] = f"{f.name}:{b.index[at]}"
         out = id_array(ids)
-        hashes = hashes.copy()
         hashes[repeats] = hash_ids(out.take(pa.array(repeats)))
-        return out, hashes, errors, repeats
+        return IndexedBatch(out, hashes, b.ids, b.index, first, b.checked, errors)
 
     def _row(self, f: InputFile, record: Record, row_id: str, id_error: str | None) -> Row:
         where = f.place_for(record, row_id)
@@ -286,21 +319,14 @@ class InputReader:
 
     def id_batches(self) -> Iterator[InputIds]:
         """Every row's output ids (bad rows included), a batch at a time, reading as little as
-        possible (a Parquet id column alone, columnar); for ``status`` and ``merge``."""
+        possible (an index, or a Parquet id column alone, columnar); for ``status`` and ``merge``."""
         id_key = self.spec.id_key
-        seen = FirstSeen(self.files) if id_key else None
-        try:
-            for file_no, f in enumerate(self.files):
-                for b in self._id_batches(f, [id_key] if id_key else [], parse=id_key is not None):
-                    ids, hashes, errors, repeats = self._first_rows(seen, file_no, f, b)
-                    duplicates = {}
-                    for at in repeats.tolist():
-                        place = f.place_for(Record(int(b.index[at]), None), ids[at].as_py())
-                        duplicates[at] = f"{place}: {errors[at]}"
-                    yield InputIds(ids, hashes, b.ids, duplicates)
-        finally:
-            if seen is not None:
-                seen.close()
+        for f, b, _ in self._file_batches([id_key] if id_key else [], parse=id_key is not None):
+            duplicates = {}
+            for at in np.flatnonzero(b.first >= 0).tolist():
+                place = f.place_for(Record(int(b.index[at]), None), b.ids[at].as_py())
+                duplicates[at] = f"{place}: {b.errors[at]}"
+            yield InputIds(b.ids, b.hashes, b.owners, duplicates)
 
     def ids(self) -> Iterator[InputId]:
         """Every row's ids, one by one (``id_batches``)."""

@@ -33,13 +33,14 @@ class FirstSeen:
 
     def __init__(self, files: list[InputFile]):
         self._files = files
-        self._recent = SortedRuns()  # hash -> number among the recent ids
+        self._recent = SortedRuns(filtered=False)  # hash -> number among the recent ids
         self._recent_ids: list[pa.Array] = []
         self._recent_hashes: list[np.ndarray] = []
         self._recent_keys: list[np.ndarray] = []
         self._recent_starts: list[int] = []
         self._recent_count = 0
-        self._hashes = SortedRuns(np.int32, np.uint16)  # hash -> spilled run: a false match costs one look there
+        # hash -> spilled run: a false match costs one look there; no filters (a byte a row, read once)
+        self._hashes = SortedRuns(np.int32, np.uint16, filtered=False)
         self._spilled = SpilledIds()
 
     def first_of(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -72,6 +73,11 @@ class FirstSeen:
         self._remember(ids, hashes, keys, np.flatnonzero(first < 0))
         return first
 
+    def add(self, ids: pa.Array, hashes: np.ndarray, keys: np.ndarray) -> None:
+        """Ids known to be first seen at ``keys`` (from an index), so later rows are checked against them."""
+        if len(ids):
+            self._remember(as_bytes(ids), hashes, keys, np.arange(len(ids)))
+
     def where(self, key: int) -> str:
         """The row of a key, in messages."""
         return self._files[key >> KEY_BITS].where(key & ((1 << KEY_BITS) - 1))
@@ -90,7 +96,7 @@ class FirstSeen:
             hashes = np.concatenate(self._recent_hashes)
             self._hashes.add(hashes, self._spilled.runs)
             self._spilled.spill(pa.concat_arrays(self._recent_ids), hashes, np.concatenate(self._recent_keys))
-            self._recent = SortedRuns()
+            self._recent = SortedRuns(filtered=False)
             self._recent_ids, self._recent_hashes, self._recent_keys, self._recent_starts = [], [], [], []
             self._recent_count = 0
 

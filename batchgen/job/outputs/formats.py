@@ -23,21 +23,27 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ...storage import Location
+from .. import ids as row_ids
 from ..errors import JobError
 from .files import remove_file, write_whole
 
 META_FORMAT = "batchgen.format"
 META_IDS = "batchgen.ids"  # JSON list of the part's complete ids, each once
+META_PACKED = "batchgen.packed_ids"  # the same with their hashes, packed (``PartIndex.packed``)
+_DIGEST = b"batchgen.ids_digest"
 META_ERRORS = "batchgen.errors"  # its error rows
 META_ROWS = "batchgen.rows"  # its records (Parquet rows), to tell a part rewritten since
 META_BYTES = "batchgen.bytes"  # a JSONL part's size, likewise
@@ -45,21 +51,70 @@ META_BYTES = "batchgen.bytes"  # a JSONL part's size, likewise
 
 @dataclass
 class PartIndex:
-    """What recovery and ``status`` need of a part: its complete ids (each once) and error rows."""
+    """What recovery and ``status`` need of a part: its complete ids (each once) and error rows.
+    ``listed``: the ids as the metadata lists them (JSON text) or as a list; ``packed``: the same
+    ids with their hashes as an Arrow batch, which needs no parsing (None: not written with it)."""
 
-    ids: list[str]
+    listed: str | list[str]
     errors: int
+    packed: pa.RecordBatch | None = None
+
+    @cached_property
+    def ids(self) -> list[str]:
+        return json.loads(self.listed) if isinstance(self.listed, str) else self.listed
+
+    @cached_property
+    def array(self) -> pa.Array:
+        """The ids as an Arrow array."""
+        return self.packed.column("id") if self.packed is not None else row_ids.id_array(self.ids)
+
+    @cached_property
+    def hashes(self) -> np.ndarray:
+        return self.packed.column("hash").to_numpy() if self.packed is not None else row_ids.hash_ids(self.array)
+
+    def __len__(self) -> int:
+        return self.packed.num_rows if self.packed is not None else len(self.ids)
 
 
 def index_meta(ids: list[str], errors: int, records: int) -> dict[str, str]:
-    return {META_IDS: json.dumps(ids, ensure_ascii=False, separators=(",", ":")), META_ERRORS: str(errors),
-            META_ROWS: str(records)}
+    listed = json.dumps(ids, ensure_ascii=False, separators=(",", ":"))
+    return {META_IDS: listed, META_PACKED: _packed(ids, listed), META_ERRORS: str(errors), META_ROWS: str(records)}
+
+
+def _packed(ids: list[str], listed: str) -> str:
+    """``ids`` and their hashes as a base64 Arrow IPC stream, naming a digest of ``listed`` so that
+    it is used only beside that very list."""
+    array = row_ids.id_array(ids)
+    batch = pa.RecordBatch.from_arrays([array, pa.array(row_ids.hash_ids(array))], ["id", "hash"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema.with_metadata({_DIGEST: _digest(listed)})) as w:
+        w.write_batch(batch)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+
+
+def _unpacked(meta: dict[str, str]) -> pa.RecordBatch | None:
+    text = meta.get(META_PACKED)
+    if text is None:
+        return None
+    try:
+        reader = pa.ipc.open_stream(base64.b64decode(text))
+        batch = reader.read_next_batch()
+    except (ValueError, StopIteration, pa.ArrowException):
+        return None
+    ok = (reader.schema.metadata or {}).get(_DIGEST) == _digest(meta[META_IDS]).encode()
+    return batch if ok and pa.types.is_string(batch.schema.field("id").type) else None
+
+
+def _digest(listed: str) -> str:
+    """The list's digest, with the hash function's name: hashes of another function are not used."""
+    text = f"{row_ids.HASH_NAME}\n{listed}"
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _index(meta: dict[str, str], size_key: str, size: int) -> PartIndex | None:
     if META_IDS not in meta or meta.get(size_key) != str(size):
         return None
-    return PartIndex(json.loads(meta[META_IDS]), int(meta[META_ERRORS]))
+    return PartIndex(meta[META_IDS], int(meta[META_ERRORS]), _unpacked(meta))
 
 
 def sample_key(record: dict[str, Any]) -> tuple[Any, Any, Any]:

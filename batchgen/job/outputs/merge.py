@@ -72,9 +72,9 @@ class Parts:
             if format_of(part.path).name == "parquet":
                 raise JobError(f"{part.path.name} is a Parquet part: merge joins jsonl and openai_batch parts; "
                                "read a Parquet output dir as one dataset (pyarrow.dataset or pandas.read_parquet)")
-            ids = summarize(part.path, part.info.size)[1].ids
-            self.done.add_part(ids, partial(part_ids, part.path))
-            self.written.append(np.zeros(len(ids), dtype=bool))
+            index = summarize(part.path, part.info.size)[1]
+            self.done.add_part(None, partial(part_ids, part.path), index.hashes)
+            self.written.append(np.zeros(len(index), dtype=bool))
         self._lines: OrderedDict[int, PartLines] = OrderedDict()
         self._handles: dict[int, IO[bytes]] = {}
 

@@ -190,9 +190,9 @@ def index_from_rows(path: Location) -> PartIndex:
     return PartIndex(ids.column("id").to_pylist(), errors)
 
 
-def part_ids(path: Location) -> list[str]:
+def part_ids(path: Location) -> pa.Array:
     """A part's complete ids, read again (``DoneIds`` confirms a hash match with them)."""
-    return summarize(path)[1].ids
+    return summarize(path)[1].array
 
 
 def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: bool = False,
@@ -235,8 +235,8 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
                     continue
                 index = summarize(part.path)[1]
             rec.parts += 1
-        rec.done.add_part(index.ids, partial(part_ids, part.path))
-        rec.done_here += len(index.ids) if same_count else sum(map(shard.owns, index.ids))
+        rec.done.add_part(None, partial(part_ids, part.path), index.hashes)
+        rec.done_here += len(index) if same_count else sum(map(shard.owns, index.ids))
     return rec
 
 

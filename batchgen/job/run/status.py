@@ -75,13 +75,13 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
     done = DoneIds()
     for part in parts:
         index = summarize(part.path, part.info.size)[1]
-        done.add_part(index.ids, partial(part_ids, part.path))
+        done.add_part(None, partial(part_ids, part.path), index.hashes)
         if part.shard.count != count:
             report.other_parts += 1
             continue
         st = per[part.shard.index]
         st.parts += 1
-        st.rows += len(index.ids)
+        st.rows += len(index)
         st.errors += index.errors
         st.started = True
     report.written_twice = done.twice
