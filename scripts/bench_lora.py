@@ -111,6 +111,13 @@ def alternate(model: str, prompts, params, options: dict, lora: dict, loras, rou
             rates.append(tokens / (time.perf_counter() - start))
         load = " ".join(f"{v:.1f}" for v in os.getloadavg())
         print(f"{i + 1:<6} {rates[0]:10.1f} {rates[1]:10.1f} {rates[1] / rates[0]:5.2f}x  {load}", flush=True)
+    for name, (llm, _) in engines.items():
+        stack = getattr(llm.engine.runner.model, "decoder_stack", None)
+        if stack is not None:
+            seconds = stack.op_seconds()
+            gemms = sum(seconds[op] for op in ("qkv", "o", "gate_up", "down"))
+            print(f"{name}'s decoder stack: LoRA terms {seconds['lora']:.2f} s, the four GEMMs {gemms:.2f} s, "
+                  f"all {sum(seconds.values()):.2f} s")
 
 
 def main() -> None:
