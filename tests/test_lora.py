@@ -171,6 +171,39 @@ def test_lora_rows_do_not_depend_on_their_segment(dtype):
         torch.testing.assert_close(together[rows].float(), base(x[rows]).float() + delta, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_lora_slots_hold_each_pieces_pair(dtype):
+    """StackedLoRA's slots, float32 or (in a bf16 model) bf16 pairs for the bf16 dot product, hold each q/k/v
+    piece's part of the adapter's pair, zero-padded; loading None empties a slot."""
+    from batchgen.lora.checkpoint import Adapter, LoRAWeights
+    from batchgen.lora.layers import LoRATarget, StackedLoRA, adapter_pair
+    from batchgen.ops.reference import unpack_lora_bf16
+
+    gen = torch.Generator().manual_seed(0)
+    target = LoRATarget(0, 97, {"q_proj": (0, 64), "k_proj": (64, 16), "v_proj": (80, 16), "qkv_proj": (0, 96)})
+    stacked = StackedLoRA(target, num_slots=2, max_rank=24, dtype=dtype)
+    weights = {(0, "q_proj"): LoRAWeights(torch.randn(5, 97, generator=gen).to(dtype),
+                                          torch.randn(64, 5, generator=gen).to(dtype)),
+               (0, "qkv_proj"): LoRAWeights(torch.randn(7, 97, generator=gen).to(dtype),
+                                            torch.randn(96, 7, generator=gen).to(dtype))}
+    adapter = Adapter(LoRARequest("a", 1, "."), weights)
+    stacked.load(1, adapter, torch.device("cpu"))
+    checked = 0
+    for (first, a, b_t, ranks), piece in zip(stacked.parts(), target.pieces(), strict=True):
+        want_a, want_b = adapter_pair(adapter, target, piece)
+        if dtype == torch.bfloat16:
+            assert a.dtype == b_t.dtype == torch.bfloat16 and a.shape[2] % _C.LORA_RANK_GROUP == 0
+            a, b_t = unpack_lora_bf16(a, b_t, 97)
+        rank = int(ranks[1])
+        assert first == piece[0] and rank == want_a.shape[0] and int(ranks[0]) == 0
+        assert torch.equal(a[1, :rank], want_a.float()) and torch.equal(b_t[1, :rank], want_b.T.float())
+        assert a[1, rank:].eq(0).all() and b_t[1, rank:].eq(0).all() and a[0].eq(0).all()
+        checked += 1
+    assert checked == 3
+    stacked.load(1, None, torch.device("cpu"))
+    assert all(a.eq(0).all() and b_t.eq(0).all() and ranks.eq(0).all() for _, a, b_t, ranks in stacked.parts())
+
+
 def _check_adapter_slots(scheduler, out) -> None:
     """Running requests' adapters are resident, in distinct slots, at most max_loras of them; every scheduled
     row's slot is its adapter's."""

@@ -84,18 +84,25 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype):
     a, b_t = _weights(64)
     x = _rows(71, dtype)
     segments = _segments((0, 3, 0), (3, 40, 2), (40, 41, 1), (43, 71, 0))
-    together = torch.zeros(71, OUT, dtype=dtype)
+    together, checked = _each_row_alone_equals_together(x, segments, a, b_t, dtype)
+    assert checked == 69 and together[41:43].eq(0).all() and together[:41].ne(0).any()
+
+
+def _each_row_alone_equals_together(x, segments, a, b_t, y_dtype) -> tuple[torch.Tensor, int]:
+    """The segments' terms of all rows at once on 2 threads, each row's bits checked against the row alone on 1;
+    returns the former and the rows checked."""
+    together = torch.zeros(x.shape[0], b_t.shape[2], dtype=y_dtype)
     with torch_threads(2):
         ops.lora_shrink_expand(together, x, segments, a, b_t)
     checked = 0
     for start, end, slot in segments.tolist():
         for row in range(start, end):
-            alone = torch.zeros(1, OUT, dtype=dtype)
+            alone = torch.zeros(1, b_t.shape[2], dtype=y_dtype)
             with torch_threads(1):
                 ops.lora_shrink_expand(alone, x[row:row + 1], _segments((0, 1, slot)), a, b_t)
             assert torch.equal(alone[0], together[row]), row
             checked += 1
-    assert checked == 69 and together[41:43].eq(0).all() and together[:41].ne(0).any()
+    return together, checked
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -157,3 +164,98 @@ def test_gemm_addend_is_added_before_rounding_and_negative_zero_adds_nothing(sil
                 else reference.gemm_bf16(x, w, cols, addend=addend))
     torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7)
     assert torch.equal(got[4:7], plain[4:7]) and not torch.equal(got[:4], plain[:4])
+
+
+# The bf16 form: bf16 x, A and B in pairs for the bf16 dot product (ops.pack_lora_bf16), t rounded to bf16.
+
+
+def _bf16_weights(rank: int, seed: int = 0, n_in: int = IN, n_out: int = OUT, capacity: int | None = None):
+    a, b_t = _weights(rank, seed, n_in=n_in, n_out=n_out)
+    a, b_t = a.bfloat16().float(), b_t.bfloat16().float()  # exact in bf16, as adapters loaded in a bf16 model
+    return a, b_t, ops.pack_lora_bf16(a, b_t, capacity)
+
+
+def test_pack_lora_bf16_round_trips_and_pads():
+    a, b_t, (a_pairs, b_pairs) = _bf16_weights(5, n_in=IN + 1, capacity=20)
+    assert a_pairs.shape == (SLOTS, (IN + 2) // 2, 32, 2) and b_pairs.shape == (SLOTS, 16, OUT, 2)
+    assert a_pairs[:, -1, :, 1].eq(0).all()  # the odd input's missing partner
+    back_a, back_b = reference.unpack_lora_bf16(a_pairs, b_pairs, IN + 1)
+    assert torch.equal(back_a[:, :5], a) and torch.equal(back_b[:, :5], b_t)
+    assert back_a[:, 5:].eq(0).all() and back_b[:, 5:].eq(0).all()
+    assert torch.equal(a_pairs[1, 3, 2], a[1, 2, 6:8].bfloat16())  # pair k of rank r at [k, r]
+
+
+@pytest.mark.parametrize(("n_in", "n_out"), [(IN, OUT), (IN + 1, OUT + 16)])  # 8 or 9 whole 16-column slices
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("store", [False, True])
+def test_bf16_form_matches_the_reference_that_rounds_t(n_in, n_out, y_dtype, store):
+    """Against pure torch with t rounded to bf16: within float32 rounding plus one bf16 step of each t (where
+    the kernel's float32 sum and torch's round t the other way), and much closer than without the rounding."""
+    if store and y_dtype != torch.float32:
+        pytest.skip("store writes float32")
+    # Two groups of 16 ranks, the second partial.
+    a, b_t, (a_pairs, b_pairs) = _bf16_weights(20, n_in=n_in, n_out=n_out, capacity=32)
+    ranks = torch.tensor([20, 0, 9], dtype=torch.int32)
+    x = _rows(34, torch.bfloat16, n_in)
+    y = _rows(34, y_dtype, n_out, seed=2)
+    expected, unrounded = y.clone().float(), y.clone().float()
+    reference.lora_shrink_expand(expected, x, SEGMENTS, a_pairs, b_pairs, ranks, scale=0.75, store=store)
+    reference.lora_shrink_expand(unrounded, x, SEGMENTS, a, b_t, ranks, scale=0.75, store=store)
+    ops.lora_shrink_expand(y, x, SEGMENTS, a_pairs, b_pairs, ranks, scale=0.75, store=store)
+    # |t| * 2^-7 bounds one bf16 step of t; summed against |B| it bounds the expand's change.
+    bound = torch.zeros(34, n_out)
+    for start, end, slot in SEGMENTS.tolist():
+        rank = int(ranks[slot])
+        t = 0.75 * (x[start:end].float() @ a[slot, :rank].T)
+        bound[start:end] = (t.abs() * 2**-7) @ b_t[slot, :rank].abs()
+    y_step = 2**-8 * expected.abs() if y_dtype == torch.bfloat16 else 0
+    err = (y.float() - expected).abs()
+    assert (err <= bound + 1e-5 * expected.abs() + 1e-6 + y_step).all()
+    if y_dtype == torch.float32:  # the kernel rounds t: the unrounded sums are farther away than its own error
+        assert err.max() * 4 < (unrounded - expected).abs().max()
+    if store:
+        empty_rows = [r for r in range(34) if not (5 <= r < 6 or 9 <= r < 30)]  # slot 1 has rank 0 here
+        negative_zero = torch.full((len(empty_rows), n_out), -0.0)
+        assert torch.equal(y[empty_rows].view(torch.int32), negative_zero.view(torch.int32))
+    else:
+        untouched = _rows(34, y_dtype, n_out, seed=2)
+        assert torch.equal(y[6:9], untouched[6:9]) and not torch.equal(y[9:30], untouched[9:30])
+
+
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_form_row_alone_equals_the_row_in_any_batch(y_dtype):
+    """Batch invariance of the bf16 form: each row gives the bits it gives alone (1 thread) in segments of
+    every size (tiles of 1-4 rows and their tails) under 2 threads, and in a second, shuffled composition."""
+    _, _, (a_pairs, b_pairs) = _bf16_weights(64, n_in=IN + 1)
+    x = _rows(71, torch.bfloat16, IN + 1)
+    compositions = [_segments((0, 3, 0), (3, 40, 2), (40, 41, 1), (43, 71, 0)),
+                    _segments((0, 1, 0), (1, 6, 0), (6, 13, 2), (13, 14, 2), (15, 71, 1))]
+    checked = 0
+    for segments in compositions:
+        together, rows = _each_row_alone_equals_together(x, segments, a_pairs, b_pairs, y_dtype)
+        assert together[:3].ne(0).any()
+        checked += rows
+    assert checked == 69 + 70
+
+
+def test_bf16_form_padding_ranks_changes_nothing():
+    """Rank 9 in capacities of 16 and 48, with or without `ranks`: the same bits."""
+    outs = []
+    x = _rows(13, torch.bfloat16)
+    for capacity, ranks in ((16, None), (48, None), (48, torch.full((SLOTS,), 9, dtype=torch.int32))):
+        _, _, (a_pairs, b_pairs) = _bf16_weights(9, capacity=capacity)
+        y = torch.zeros(13, OUT)
+        ops.lora_shrink_expand(y, x, _segments((0, 13, 1)), a_pairs, b_pairs, ranks)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and outs[0].ne(0).any()
+
+
+def test_bf16_form_bad_arguments_are_one_line_value_errors():
+    _, _, (a_pairs, b_pairs) = _bf16_weights(4)
+    x, y = _rows(6, torch.bfloat16), torch.zeros(6, OUT)
+    with pytest.raises(ValueError, match="bf16 a and b_t need a bf16 x"):
+        _C.lora_shrink_expand(y, x.float(), _segments((0, 3, 0)), a_pairs, b_pairs)
+    with pytest.raises(ValueError, match=re.escape("a multiple of 16")):
+        _C.lora_shrink_expand(y, x, _segments((0, 3, 0)), a_pairs[:, :, :8].contiguous(), b_pairs[:, :4].contiguous())
+    with pytest.raises(ValueError, match=re.escape("bf16 a [slots, 100, rank, 2]")):
+        _C.lora_shrink_expand(y, x, _segments((0, 3, 0)), a_pairs[:, :50].contiguous(), b_pairs)

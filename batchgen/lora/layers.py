@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from batchgen import ops
 from batchgen.layers.linear import PackedLinear, can_pack, linear
 
 if TYPE_CHECKING:
@@ -131,30 +132,40 @@ class LoRALinear(nn.Module):
 
 class StackedLoRA:
     """One projection's adapters as batchgen's C++ decoder stack reads them: for each piece of its output rows
-    (`LoRATarget.pieces`: q, k, v apart, so that no expand runs over another piece's zeros) every slot's pair
-    in float32, padded with zeros to `capacity` ranks, as `ops.lora_shrink_expand` takes them: a [slots,
-    capacity, in], b_t [slots, capacity, rows] (B transposed), and each slot's own rank in `ranks` (int32; 0
-    where its adapter does not reach the piece). The stack holds these tensors; `load` rewrites a slot in
-    place."""
+    (`LoRATarget.pieces`: q, k, v apart, so that no expand runs over another piece's zeros) every slot's pair,
+    padded with zeros to `capacity` ranks, as `ops.lora_shrink_expand` takes them, and each slot's own rank in
+    `ranks` (int32; 0 where its adapter does not reach the piece). In a bf16 model the pairs are bf16 (exact:
+    adapters load in the model's dtype) in `ops.pack_lora_bf16`'s form, for the bf16 dot product; otherwise
+    float32 a [slots, capacity, in] and b_t [slots, capacity, rows] (B transposed). The stack holds these
+    tensors; `load` rewrites a slot in place."""
 
-    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int):
+    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32):
         self.target = target
         self.pieces = target.pieces()
+        self.pairs = dtype == torch.bfloat16
         whole = len(self.pieces) > 1 and (0, target.out_features) in target.parts.values()
-        capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection
-        self.weights = [(torch.zeros(num_slots, capacity, target.in_features), torch.zeros(num_slots, capacity, rows),
+        self.capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection
+        self.weights = [(*self._packed(torch.zeros(num_slots, self.capacity, target.in_features),
+                                       torch.zeros(num_slots, self.capacity, rows)),
                          torch.zeros(num_slots, dtype=torch.int32)) for _, rows in self.pieces]
+
+    def _packed(self, a: torch.Tensor, b_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's (or every slot's) a [s, r, in] and b_t [s, r, rows] in the stack's form, `capacity` ranks."""
+        if self.pairs:
+            return ops.pack_lora_bf16(a, b_t, self.capacity)
+        padding = (0, 0, 0, self.capacity - a.shape[1])
+        return torch.nn.functional.pad(a.float(), padding), torch.nn.functional.pad(b_t.float(), padding)
 
     def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
         """Puts `adapter`'s pairs for this projection into `slot` (None empties it); CPU only, as the stack."""
         for piece, (a, b_t, ranks) in zip(self.pieces, self.weights, strict=True):
             pair = adapter_pair(adapter, self.target, piece)
-            a[slot].zero_()
-            b_t[slot].zero_()
             rank = 0 if pair is None else pair[0].shape[0]
-            if pair is not None:
-                a[slot, :rank] = pair[0]
-                b_t[slot, :rank] = pair[1].T
+            if pair is None:
+                a[slot].zero_()
+                b_t[slot].zero_()
+            else:
+                a[slot], b_t[slot] = (w[0] for w in self._packed(pair[0][None], pair[1].T[None]))
             ranks[slot] = rank
 
     def parts(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:

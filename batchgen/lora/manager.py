@@ -33,7 +33,7 @@ class LoRAManager:
         in_stack = getattr(model, "decoder_stack", None) is not None
         for owner, attr, target in model.lora_targets():
             if in_stack:
-                layer = stacked[(target.layer, attr)] = StackedLoRA(target, max_loras, max_lora_rank)
+                layer = stacked[(target.layer, attr)] = StackedLoRA(target, max_loras, max_lora_rank, dtype)
             else:
                 layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
                 setattr(owner, attr, layer)

@@ -55,6 +55,7 @@ __all__ = [
     "mask_logits",
     "on_huge_pages",
     "pack_gemm_weight",
+    "pack_lora_bf16",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reshape_and_cache",
@@ -209,13 +210,31 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return out
 
 
+def pack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA pairs a [slots, r, in] and b_t [slots, r, out] (B transposed) in bf16 as the bf16 dot product takes
+    them (`lora_shrink_expand`'s bf16 form): a [slots, ceil(in / 2), rank, 2] holding (A[r, 2k], A[r, 2k + 1])
+    at [k, r], b_t [slots, rank / 2, out, 2] holding (B^T[2i, o], B^T[2i + 1, o]) at [i, o]; `rank` (r by
+    default) rounded up to a multiple of `_C.LORA_RANK_GROUP`, the ranks past r zero, as an odd in's last
+    pair's second element."""
+    slots, given, n_in = a.shape
+    group = _C.LORA_RANK_GROUP
+    rank = -(-max(rank or given, given) // group) * group
+    a = torch.nn.functional.pad(a.to(torch.bfloat16), (0, n_in % 2, 0, rank - given))
+    b_t = torch.nn.functional.pad(b_t.to(torch.bfloat16), (0, 0, 0, rank - given))
+    a_pairs = a.reshape(slots, rank, -1, 2).transpose(1, 2).contiguous()
+    b_pairs = b_t.reshape(slots, rank // 2, 2, b_t.shape[2]).transpose(2, 3).contiguous()
+    return a_pairs, b_pairs
+
+
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
                        ranks: torch.Tensor | None = None, scale: float = 1.0, store: bool = False) -> None:
     """Segmented LoRA, in place: for each segment (int32 [count, 3]: first row, end row, slot; in order and
     apart) y[rows] += scale * (x[rows] A[slot]^T) B[slot], summed in float32. a float32 [slots, rank, in],
     b_t float32 [slots, rank, out] (B transposed), slot s using its first ranks[s] ranks (int32 [slots]; all
     without). x float32 or bf16; y x's dtype or float32. `store` (y float32): y = the terms, and -0.0 in every
-    other row (an addend that changes nothing). A row's result depends on its own data and slot alone."""
+    other row (an addend that changes nothing). A row's result depends on its own data and slot alone.
+    With bf16 x, a and b_t may be bf16 from `pack_lora_bf16`: the products then run on the bf16 dot product
+    and t = scale * x A^T is rounded to bf16 before the expand."""
     if not (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)):
         return reference.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)
     _C.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)

@@ -240,16 +240,28 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
 
 
+def unpack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 a [slots, rank, in] and b_t [slots, rank, out] that `batchgen.ops.pack_lora_bf16` packed."""
+    slots, pairs, rank, _ = a.shape
+    a = a.transpose(1, 2).reshape(slots, rank, 2 * pairs)[:, :, :in_features]
+    return a.float(), b_t.transpose(2, 3).reshape(slots, rank, b_t.shape[2]).float()
+
+
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
                        ranks: torch.Tensor | None = None, scale: float = 1.0, store: bool = False) -> None:
-    """In place: each segment's rows of y get scale * (x A[slot]^T) B[slot] in float32 (see ops)."""
+    """In place: each segment's rows of y get scale * (x A[slot]^T) B[slot] in float32 (see ops); with the bf16
+    form (bf16 a and b_t, `ops.pack_lora_bf16`) t = scale * x A^T rounded to bf16 before the expand."""
+    pairs = a.dtype == torch.bfloat16
+    if pairs:
+        a, b_t = unpack_lora_bf16(a, b_t, x.shape[1])
     if store:
         y.fill_(-0.0)
     for start, end, slot in segments.tolist():
         rank = a.shape[1] if ranks is None else int(ranks[slot])
         if start == end or rank == 0:
             continue
-        term = (scale * (x[start:end].float() @ a[slot, :rank].T)) @ b_t[slot, :rank]
+        t = scale * (x[start:end].float() @ a[slot, :rank].T)
+        term = (t.bfloat16().float() if pairs else t) @ b_t[slot, :rank]
         y[start:end] = term if store else (y[start:end].float() + term).to(y.dtype)
 
 

@@ -482,18 +482,36 @@ void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, cons
   check_index(op, "segments", segments, torch::kInt32, 2, "[count, 3]");
   TORCH_CHECK_VALUE(segments.is_cpu() && segments.size(1) == 3, op,
                     ": segments must be a CPU tensor [count, 3] (first row, end row, slot), got ", segments.sizes());
-  check_index(op, "a", a, torch::kFloat32, 3, "[slots, rank, in_features]");
-  check_index(op, "b_t", b_t, torch::kFloat32, 3, "[slots, rank, out_features]");
-  TORCH_CHECK_VALUE(a.is_cpu() && b_t.is_cpu() && a.size(2) == x.size(1) && b_t.size(2) == y.size(1) &&
-                        b_t.size(0) == a.size(0) && b_t.size(1) == a.size(1) &&
-                        a.size(1) <= batchgen::cpu::kMaxLoRARank,
-                    op, ": a [slots, rank, ", x.size(1), "] and b_t [slots, rank, ", y.size(1),
-                    "] must be CPU tensors of one rank <= ", batchgen::cpu::kMaxLoRARank, ", got ", a.sizes(), " and ",
-                    b_t.sizes());
+  const int64_t slots = a.size(0);
+  int64_t capacity;
+  if (a.scalar_type() == torch::kBFloat16) {  // the bf16 form: pairs for the bf16 dot product
+    const int64_t pairs = (x.size(1) + 1) / 2;
+    check_index(op, "a", a, torch::kBFloat16, 4, "[slots, ceil(in_features / 2), rank, 2]");
+    check_index(op, "b_t", b_t, torch::kBFloat16, 4, "[slots, rank / 2, out_features, 2]");
+    capacity = a.size(2);
+    TORCH_CHECK_VALUE(x.scalar_type() == torch::kBFloat16, op, ": bf16 a and b_t need a bf16 x, got ",
+                      x.scalar_type());
+    TORCH_CHECK_VALUE(a.is_cpu() && b_t.is_cpu() && a.size(1) == pairs && a.size(3) == 2 && b_t.size(0) == slots &&
+                          2 * b_t.size(1) == capacity && b_t.size(2) == y.size(1) && b_t.size(3) == 2 &&
+                          capacity % batchgen::cpu::kLoRARankGroup == 0 && capacity <= batchgen::cpu::kMaxLoRARank,
+                      op, ": bf16 a [slots, ", pairs, ", rank, 2] and b_t [slots, rank / 2, ", y.size(1),
+                      ", 2] must be CPU tensors of one rank, a multiple of ", batchgen::cpu::kLoRARankGroup,
+                      " up to ", batchgen::cpu::kMaxLoRARank, " (ops.pack_lora_bf16), got ", a.sizes(), " and ",
+                      b_t.sizes());
+  } else {
+    check_index(op, "a", a, torch::kFloat32, 3, "[slots, rank, in_features]");
+    check_index(op, "b_t", b_t, torch::kFloat32, 3, "[slots, rank, out_features]");
+    capacity = a.size(1);
+    TORCH_CHECK_VALUE(a.is_cpu() && b_t.is_cpu() && a.size(2) == x.size(1) && b_t.size(2) == y.size(1) &&
+                          b_t.size(0) == slots && b_t.size(1) == capacity && capacity <= batchgen::cpu::kMaxLoRARank,
+                      op, ": a [slots, rank, ", x.size(1), "] and b_t [slots, rank, ", y.size(1),
+                      "] must be CPU tensors of one rank <= ", batchgen::cpu::kMaxLoRARank, ", got ", a.sizes(),
+                      " and ", b_t.sizes());
+  }
   if (ranks.has_value()) {
     check_index(op, "ranks", *ranks, torch::kInt32, 1, "[slots]");
-    TORCH_CHECK_VALUE(ranks->is_cpu() && ranks->size(0) == a.size(0), op, ": ranks must be a CPU tensor of ",
-                      a.size(0), " entries (one a slot)");
+    TORCH_CHECK_VALUE(ranks->is_cpu() && ranks->size(0) == slots, op, ": ranks must be a CPU tensor of ", slots,
+                      " entries (one a slot)");
   }
   batchgen::cpu::lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store);
 }
@@ -557,6 +575,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16,
         "out = silu(x gate^T + addend's first half) * (x up^T + its second half) on bf16 panels", py::arg("out"),
         py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("addend") = py::none(), no_gil);
+  m.attr("LORA_RANK_GROUP") = batchgen::cpu::kLoRARankGroup;
   m.def("lora_shrink_expand", &lora_shrink_expand,
         "Segmented LoRA: y[segment rows] += scale * (x A[slot]^T) B[slot] (or, with store, y = that)", py::arg("y"),
         py::arg("x"), py::arg("segments"), py::arg("a"), py::arg("b_t"), py::arg("ranks") = py::none(), py::arg("scale") = 1.0,

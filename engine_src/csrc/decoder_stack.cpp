@@ -45,15 +45,19 @@ c10::optional<Tensor> lora_addend(const LoRAProjection& p, const Tensor& input, 
   return addend;
 }
 
+// A piece's a: float32 [slots, rank, in], or the bf16 form [slots, ceil(in / 2), rank, 2] (ops.h); b_t's
+// size(2) is the piece's columns in both forms.
 void check_lora(const LoRAProjection& p, size_t layer, const char* name, int64_t in, int64_t out) {
   int64_t next = 0;
   for (const LoRAPiece& piece : p) {
-    TORCH_CHECK_VALUE(piece.first == next && piece.a.dim() == 3 && piece.b_t.dim() == 3 && piece.ranks.dim() == 1 &&
-                          piece.a.size(2) == in && piece.ranks.size(0) == piece.a.size(0),
+    const bool pairs = piece.a.dim() == 4;
+    TORCH_CHECK_VALUE(piece.first == next && piece.b_t.dim() == piece.a.dim() && piece.ranks.dim() == 1 &&
+                          (pairs ? piece.a.size(1) == (in + 1) / 2 : piece.a.dim() == 3 && piece.a.size(2) == in) &&
+                          piece.ranks.size(0) == piece.a.size(0),
                       "DecoderStack.set_lora: layer ", layer, " ", name, " piece at column ", piece.first,
                       " needs to start at column ", next, " with a [slots, rank, ", in,
-                      "], b_t [slots, rank, columns] and ranks [slots], got ", piece.a.sizes(), ", ",
-                      piece.b_t.sizes(), ", ", piece.ranks.sizes());
+                      "] (or bf16 pairs [slots, ", (in + 1) / 2, ", rank, 2]), b_t to match and ranks [slots], got ",
+                      piece.a.sizes(), ", ", piece.b_t.sizes(), ", ", piece.ranks.sizes());
     next += piece.b_t.size(2);
   }
   TORCH_CHECK_VALUE(p.empty() || next == out, "DecoderStack.set_lora: layer ", layer, " ", name,

@@ -72,7 +72,9 @@ void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch:
 // apart), y[rows] += scale * (x[rows] A[slot]^T) B[slot], A float32 [slots, rank, in], b_t float32 [slots,
 // rank, out] (B transposed), slot s using its first ranks[s] ranks (int32 [slots], optional: all); x float32 or
 // bfloat16, y x's dtype or float32. `store` (y float32): writes the term instead, and -0.0 into every other
-// row (outside the segments, or of a slot of rank 0): an addend that changes nothing.
+// row (outside the segments, or of a slot of rank 0): an addend that changes nothing. With bf16 x, A and B may
+// come in bf16 as pairs for the bf16 dot product (a [slots, ceil(in / 2), rank, 2], b_t [slots, rank / 2, out,
+// 2], rank a multiple of 16; cpu/kernels.h: LoRAArgs): then x A^T is rounded to bf16 before the expand.
 void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
                         const torch::Tensor& a, const torch::Tensor& b_t,
                         const c10::optional<torch::Tensor>& ranks, double scale, bool store);

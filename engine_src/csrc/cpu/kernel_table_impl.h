@@ -38,7 +38,8 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
 #else
                              nullptr,
 #endif
-                             {&lora_rows<float>, &lora_rows<BF16>, nullptr}};
+                             {&lora_rows<float>, &lora_rows<BF16>, nullptr},
+                             &lora_rows_bf16};
 
 }  // namespace
 

@@ -182,11 +182,16 @@ using GemmFn = void (*)(const GemmArgs& args, int64_t panel_begin, int64_t panel
 // expand runs along contiguous output columns. A slot's adapter uses its first ranks[slot] ranks (all `rank`
 // without `ranks`); the rest are zero rows, which would add exact zeros: padding changes nothing but time.
 // y is x's dtype, or float32; `store` writes float32 y instead of adding.
+//
+// The bf16 form (`lora_rows_bf16`, x bf16): A and B in bf16, laid out for the bf16 dot product, which
+// multiplies pairs: a [slots, ceil(in / 2), rank, 2], a[s, k, r, j] = A[s, r, 2k + j] (zero past `in`), and b
+// [slots, rank / 2, out, 2], b[s, i, o, j] = B^T[s, 2i + j, o]; rank a multiple of kLoRARankGroup. The shrink's
+// t = scale * x A^T is rounded to bf16 before the expand (as the Python layers round it).
 struct LoRAArgs {
   const void* x;  // [rows, in], rows `x_stride` elements apart
   int64_t x_stride;
-  const float* a;
-  const float* b;
+  const void* a;  // float32, or bf16 pairs (above)
+  const void* b;
   const int32_t* ranks;  // [slots] or nullptr
   void* y;  // [rows, out], rows `y_stride` elements apart
   int64_t y_stride;
@@ -196,11 +201,13 @@ struct LoRAArgs {
   float scale;
 };
 constexpr int64_t kMaxLoRARank = 512;
+constexpr int64_t kLoRARankGroup = 16;  // ranks a shrink of the bf16 form sums side by side (one vector)
 
 // Rows [begin, end), all of adapter slot `slot`; scratch: kLoRATileRows * in floats. Each row's sums run in one
 // fixed order, whatever rows it is called with, so a row's result never depends on its segment's size or
 // neighbours.
 constexpr int kLoRATileRows = 8;
+constexpr int kLoRABlockRows = 16;  // rows of the bf16 form's AMX blocks: its chunks come in multiples of these
 using LoRARowsFn = void (*)(const LoRAArgs& args, int64_t begin, int64_t end, int64_t slot, float* scratch);
 
 struct KernelTable {
@@ -214,7 +221,8 @@ struct KernelTable {
   CollectRowFn collect_row;
   TopKBlockFn top_k_block[kNumDTypes];
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product
-  LoRARowsFn lora_rows[kNumDTypes];
+  LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
+  LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
 };
 
 namespace scalar {

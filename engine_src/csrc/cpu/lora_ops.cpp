@@ -46,7 +46,8 @@ void fill_gaps(float* y, int64_t stride, int64_t cols, int64_t rows, const std::
 void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
                         const torch::Tensor& a, const torch::Tensor& b_t, const c10::optional<torch::Tensor>& ranks,
                         double scale, bool store) {
-  const int64_t rows = x.size(0), slots = a.size(0), capacity = a.size(1);
+  const bool pairs = a.scalar_type() == torch::kBFloat16;  // the bf16 form (kernels.h: LoRAArgs)
+  const int64_t rows = x.size(0), slots = a.size(0), capacity = a.size(pairs ? 2 : 1);
   const int32_t* seg = segments.data_ptr<int32_t>();
   const int32_t* slot_ranks = ranks.has_value() ? ranks->data_ptr<int32_t>() : nullptr;
   for (int64_t s = 0; s < slots && slot_ranks != nullptr; ++s) {
@@ -68,8 +69,8 @@ void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::T
   LoRAArgs args{};
   args.x = x.data_ptr();
   args.x_stride = x.stride(0);
-  args.a = a.data_ptr<float>();
-  args.b = b_t.data_ptr<float>();
+  args.a = a.data_ptr();
+  args.b = b_t.data_ptr();
   args.ranks = slot_ranks;
   args.y = y.data_ptr();
   args.y_stride = y.stride(0);
@@ -81,16 +82,21 @@ void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::T
   args.scale = static_cast<float>(scale);
   if (store) fill_gaps(y.data_ptr<float>(), args.y_stride, args.out, rows, active);
   if (active.empty()) return;
-  const LoRARowsFn kernel = active_kernels().lora_rows[static_cast<int>(dtype_of(x))];
+  const LoRARowsFn kernel =
+      pairs ? active_kernels().lora_rows_bf16 : active_kernels().lora_rows[static_cast<int>(dtype_of(x))];
   TORCH_CHECK_VALUE(kernel != nullptr, "lora_shrink_expand: no kernel for ", x.scalar_type());
   // Chunks of ~64k multiply-adds in whole tiles over torch's threads; a call of fewer than ~128k (a decode
   // step's rows of a small piece) runs on this thread, where waking the others would cost more than the work.
+  // The bf16 form runs ~4x as many a second (AMX: tests at ~150-200 GMAC/s a thread), so 8x both: a parallel
+  // region costs microseconds on a quiet machine and can cost milliseconds on a busy one.
   const int64_t macs_per_row = std::max<int64_t>(1, capacity * (args.in + args.out));
-  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{1} << 16) / macs_per_row / kLoRATileRows) * kLoRATileRows;
+  const int64_t tile = pairs ? kLoRABlockRows : kLoRATileRows;
+  const int64_t chunk_macs = int64_t{1} << (pairs ? 19 : 16);
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_macs / macs_per_row / tile) * tile;
   const std::vector<Segment> chunks = chunks_of(active, chunk_rows);
   int64_t active_rows = 0;
   for (const Segment& s : active) active_rows += s.end - s.begin;
-  const int64_t grain = active_rows * macs_per_row < (int64_t{1} << 17) ? static_cast<int64_t>(chunks.size()) : 1;
+  const int64_t grain = active_rows * macs_per_row < 2 * chunk_macs ? static_cast<int64_t>(chunks.size()) : 1;
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kLoRATileRows * args.in);
     for (int64_t c = begin; c < end; ++c) kernel(args, chunks[c].begin, chunks[c].end, chunks[c].slot, scratch.data());

@@ -84,6 +84,11 @@ struct BF16Pairs {
     if (count == 32) return {_mm512_loadu_si512(p)};
     return {_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  // The first `pairs` (0 to 16) pairs at p, zeros after them.
+  static BF16Pairs load_pairs(const BF16* p, int pairs) {
+    if (pairs == 16) return {_mm512_loadu_si512(p)};
+    return {_mm512_maskz_loadu_epi32(first_lanes(pairs), p)};
+  }
   // The pair p[0], p[1] in every lane.
   static BF16Pairs broadcast_pair(const BF16* p) {
     int32_t pair;
