@@ -127,7 +127,8 @@ def main() -> None:
     for name in results["A"][0]["ms"]:
         a = [r["ms"][name] for r in results["A"]]
         b = [r["ms"][name] for r in results["B"]]
-        print(f"{name:28s} A {min(a):8.3f} .. {max(a):8.3f}   B {min(b):8.3f} .. {max(b):8.3f}   B/A {min(b) / min(a):.3f}")
+        print(f"{name:28s} A {min(a):8.3f} .. {max(a):8.3f}   B {min(b):8.3f} .. {max(b):8.3f}   "
+              f"B/A {min(b) / min(a):.3f}")
 
 
 if __name__ == "__main__":
