@@ -24,9 +24,10 @@ SHAPES = ((9, 3, 64), (8, 2, 80))
 class Cache:
     """A K/V cache with a pool of blocks handed out in a random order."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 400):
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 400,
+                 block_size: int = BLOCK_SIZE):
         gen = torch.Generator().manual_seed(1)
-        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.randn(shape, generator=gen).to(dtype)
         self.v = torch.randn(shape, generator=gen).to(dtype)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
@@ -72,8 +73,8 @@ def decode(cache: Cache, q: torch.Tensor, seqs: list[tuple[list[int], int]], gro
                                       seq_groups=None if groups is None else ints(groups), **variant)
 
 
-def blocks_for(length: int) -> int:
-    return -(-length // BLOCK_SIZE)
+def blocks_for(length: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-length // block_size)
 
 
 def one_sequence(shape, dtype, gen, **variant):
@@ -130,6 +131,36 @@ def test_row_results_do_not_depend_on_the_step(cpu_isas, dtype, shape):
                     expect(out[i : i + 1], pos, f"a decode at {pos} in a batch of {len(batch)}, {threads} threads")
                 (rows,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
                 expect(rows, 0, f"a whole prefill on {threads} threads")
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("shape", [(4, 1, 64), (8, 2, 80)], ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_rows_at_other_block_sizes_do_not_depend_on_the_step(cpu_isas, dtype, shape, block_size):
+    """Blocks of 8 keys (half a 16-key score tile on the amx_bf16 table) and of 32 (two), with head dims
+    of whole and half 32-element steps: a row decoded alone, or prefilled as the only token of its
+    chunk, equals the same row among the 15 others of its 16-row group in one whole prefill."""
+    from batchgen import _C
+
+    heads, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(5)
+    checked = 0
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        cache = Cache(kv_heads, head_dim, dtype, num_blocks=200, block_size=block_size)
+        table = cache.take(blocks_for(SEQ_LEN, block_size))
+        q = torch.randn(SEQ_LEN, heads, head_dim, generator=gen).to(dtype)
+        (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)])
+        positions = [0, 7, 8, 15, 31, 32, 63, 64, 100, 191, 299]
+        out = decode(cache, q, [(table, p) for p in positions])
+        for i, pos in enumerate(positions):
+            assert torch.equal(out[i], whole[pos]), f"{isa}, {dtype}, block {block_size}: a decode at {pos}"
+            (rows,) = prefill(cache, q, [(table, pos, 1)])
+            assert torch.equal(rows[0], whole[pos]), f"{isa}, {dtype}, block {block_size}: a 1-token chunk at {pos}"
+            checked += 1
+        for a, b in [(0, 9), (9, 70), (70, 255), (255, SEQ_LEN)]:
+            (rows,) = prefill(cache, q, [(table, a, b - a)])
+            assert torch.equal(rows, whole[a:b]), f"{isa}, {dtype}, block {block_size}: a chunk {a}..{b}"
+    assert checked == len(positions) * len(cpu_isas)
 
 
 @pytest.mark.parametrize("shared_len", [70, 130, 256])

@@ -60,6 +60,16 @@ using PairsTag = std::bool_constant<kPairs<T>>;
 template <typename T>
 using QueryT = std::conditional_t<kPairs<T>, BF16, float>;
 
+// bf16 caches on the amx_bf16 table take every path on the tile unit (attention_amx.h).
+#ifdef BATCHGEN_AMX
+template <typename T>
+constexpr bool kTilePath = std::is_same_v<T, BF16>;
+#else
+template <typename T>
+constexpr bool kTilePath = false;
+#endif
+struct AmxWork;
+
 inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // exp(x) for x <= 0, relative error ~2e-7: exp(x) = 2^n * exp(r) with n = round(x / ln2) and
@@ -546,8 +556,8 @@ struct Rows {
 // The keys of one tile that the rows of a row group see: row g those in [low[g], limit[g]) (low > 0 in the
 // first tile of a sliding window; limit 0 for a row that sees none), the group those from block fb on.
 struct GroupKeys {
-  int low[kGroupRows];
-  int limit[kGroupRows];
+  int low[kMaxGroupRows];
+  int limit[kMaxGroupRows];
   int fb;
   bool any_low;  // some low[g] > 0
 };
@@ -573,10 +583,9 @@ void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_un
 // read are left unwritten by the dot products and overwritten here). Kept out of softmax_rows, whose
 // scores stay in registers, so that the plain path's code does not change; with a window alone it runs
 // only in the tile where some row's window starts (the same products as softmax_rows' either way).
-template <int NG>
-void score_variants(const AttnArgs& a, const GroupKeys& keys, int width, float* s) {
+inline void score_variants(const AttnArgs& a, const GroupKeys& keys, int ng, int width, float* s) {
   const Vec scale = Vec::set1(a.scale), cap = Vec::set1(a.soft_cap), inv_cap = Vec::set1(a.inv_soft_cap);
-  for (int g = 0; g < NG; ++g) {
+  for (int g = 0; g < ng; ++g) {
     if (keys.limit[g] <= 0) continue;  // a row that sees none of the tile
     float* row = s + g * kTileKeys;
     for (int t = 0; t < width; t += Vec::N) {
@@ -602,13 +611,23 @@ void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const Group
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float scale = a.scale;
   if (a.soft_cap > 0.0f || keys.any_low) {  // the variants scale the scores themselves
-    score_variants<NG>(a, keys, width, rows.s);
+    score_variants(a, keys, NG, width, rows.s);
     scale = 1.0f;
   }
   float correction[NG];
   softmax_rows<NG>(rows.s, keys.limit, width, scale, rows.m + r0, rows.l + r0, correction);
   tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, fb, n, rows.acc + r0 * D);
 }
+
+}  // namespace
+}  // namespace batchgen::cpu::BATCHGEN_ISA_NS
+
+#ifdef BATCHGEN_AMX
+#include "cpu/attention_amx.h"
+#endif
+
+namespace batchgen::cpu::BATCHGEN_ISA_NS {
+namespace {
 
 template <typename T>
 void attend_tile_rows(const AttnArgs& a, int ng, const Rows<T>& rows, int64_t r0, const GroupKeys& keys,
@@ -705,7 +724,8 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
 // row groups share it, else is null.
 template <typename T>
 void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
-                 const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt) {
+                 const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt,
+                 [[maybe_unused]] const AmxWork* amx) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
@@ -719,6 +739,17 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
   // request and the use: one tile for large tiles, several for small ones, which go faster.
   const int64_t tile_bytes = bytes * walk.blocks_per_tile;
   const int64_t ahead = 2 * tile_bytes >= kPrefetchBytes ? 1 : kPrefetchBytes / (2 * tile_bytes);
+  constexpr int group_rows = kTilePath<T> ? kMaxGroupRows : kGroupRows;
+#ifdef BATCHGEN_AMX
+  const int64_t groups = (per_head + group_rows - 1) / group_rows;  // row groups of one kv head
+  const int64_t qt_size = qt_group_size(D);
+  if constexpr (kTilePath<T>) {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r0 = 0; r0 < per_head; r0 += group_rows)
+        queries_to_tiles(rows.q + (h * head_stride + r0) * D, static_cast<int>(min_i64(group_rows, per_head - r0)), D,
+                         amx->qt + (h * groups + r0 / group_rows) * qt_size);
+  }
+#endif
   for (int64_t visit = 0; visit < num_tiles; ++visit) {
     const int64_t h = visit % heads, start = walk.first(visit) * BS;
     const int64_t ahead_visit = visit + ahead;
@@ -751,8 +782,16 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
 #endif
     const Rows<T> head_rows = rows.from(h * head_stride, D);
     const int tile_keys = tile.count * BS;
-    for (int64_t r0 = 0; r0 < per_head; r0 += kGroupRows) {
-      const int ng = static_cast<int>(min_i64(kGroupRows, per_head - r0));
+#ifdef BATCHGEN_AMX
+    KeySource src{};
+    if constexpr (kTilePath<T>) {
+      const int valid = static_cast<int>(min_i64(tile_keys, keys_seen(task) - start));
+      interleave_values(tile, D, BS, valid, amx->vi);
+      src = key_source(tile, D, BS, amx->keys);
+    }
+#endif
+    for (int64_t r0 = 0; r0 < per_head; r0 += group_rows) {
+      const int ng = static_cast<int>(min_i64(group_rows, per_head - r0));
       GroupKeys keys;
       keys.fb = 0;
       keys.any_low = false;
@@ -779,6 +818,12 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         if (any == 0) continue;
         keys.fb = first_key / BS;
       }
+#ifdef BATCHGEN_AMX
+      if constexpr (kTilePath<T>) {
+        attend_tile_amx(a, ng, head_rows, r0, keys, src, amx->qt + (h * groups + r0 / group_rows) * qt_size, *amx);
+        continue;
+      }
+#endif
       attend_tile_rows<T>(a, ng, head_rows, r0, keys, tile, kt);
     }
   }
@@ -812,8 +857,17 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   rows.l = rows.m + count;
   rows.s = rows.l + count;
   uint32_t* kt = nullptr;  // the transposed K of the tile at work, when row groups share it
+  AmxWork* amx = nullptr;  // the tile path's scratch
+#ifdef BATCHGEN_AMX
+  AmxWork work;
+  if constexpr (kTilePath<T>) {
+    work = amx_work(rows.s + kMaxGroupRows * kTileKeys, count, heads, D);
+    amx = &work;
+    configure_tiles();
+  }
+#endif
 #ifdef BATCHGEN_DOT_BF16
-  if (kPairs<T> && per_head > kGroupRows && can_transpose_keys(D, a.block_size)) {
+  if (kPairs<T> && !kTilePath<T> && per_head > kGroupRows && can_transpose_keys(D, a.block_size)) {
     const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroupRows * kTileKeys);
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
@@ -827,20 +881,23 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   // The tiles after this task's last are the next task's.
   const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   if (task.member_lens == nullptr) {
-    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt);
+    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, amx);
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
     attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head,
-                   kt);
+                   kt, amx);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(a, task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(a, task, j + 1)) : after;
       attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group,
-                     nullptr);
+                     nullptr, amx);
     }
   }
   write_rows<T>(a, task, group, rows);
+#ifdef BATCHGEN_AMX
+  if constexpr (kTilePath<T>) _tile_release();
+#endif
 }
 
 }  // namespace

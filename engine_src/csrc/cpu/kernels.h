@@ -83,12 +83,21 @@ using AttendFn = void (*)(const AttnArgs& args, const AttnTask& task, const Attn
 
 constexpr int kTileKeys = 64;  // keys per online-softmax step of the CPU attention (attention_impl.h)
 constexpr int kGroupRows = 4;  // query rows sharing one pass over a K/V tile
+constexpr int kMaxGroupRows = 16;  // the same on the tile unit (attention_amx.h)
 
 // Floats of scratch memory that one task with `rows` query rows (q_count * heads per kv head) needs:
 // queries, accumulators, maxima and sums per row, the scores of one row group x one tile, and one
 // tile's K transposed into pairs of 4 bytes (on a 64-byte boundary).
+// The tile path of the amx_bf16 table (attention_amx.h) takes the scores of kMaxGroupRows rows instead,
+// and then the queries as tile operands (each kv head's rows padded to whole groups of 16), one tile's
+// sums, probabilities, value sums, interleaved V and copied K, each on a 64-byte boundary.
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
-  return 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys + kTileKeys * head_dim / 2 + 16;
+  const int64_t padded = (head_dim + 31) / 32 * 32;
+  const int64_t vector_path = 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys + kTileKeys * head_dim / 2 + 16;
+  const int64_t tile_path = 2 * rows * head_dim + 2 * rows + kMaxGroupRows * kTileKeys + 8 * rows * padded +
+                            4 * 16 * 16 + 16 * kTileKeys / 2 + 16 * head_dim + kTileKeys * head_dim / 2 +
+                            kTileKeys * padded / 2 + 7 * 16;
+  return vector_path > tile_path ? vector_path : tile_path;
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).
