@@ -56,9 +56,12 @@ def single_threaded():
     return torch_threads(1)
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """Largest allowed rel_err of a kernel against the reference."""
-    return 1e-5 if dtype == torch.float32 else 1e-2
+def tolerance(dtype: torch.dtype, device: str = "cpu") -> float:
+    """Largest allowed rel_err of a kernel against the reference. CUDA's float32 gets twice CPU's: its kernels
+    are built with --use_fast_math (exp2 and division approximate to 2 ulp)."""
+    if dtype != torch.float32:
+        return 1e-2
+    return 2e-5 if str(device).startswith("cuda") else 1e-5
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""Random PEFT LoRA adapters for the LoRA tests (tests/test_lora.py, tests/test_lora_jobs.py)."""
+"""Random PEFT LoRA adapters for the LoRA tests (tests/test_lora.py, tests/test_lora_jobs.py, tests/test_gpu.py),
+and the transformers greedy reference they are checked against."""
 
 from __future__ import annotations
 
@@ -20,3 +21,20 @@ def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool 
                 p.normal_(0, 0.05)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def prompts_of(vocab: int, lens=(3, 17, 40, 90), seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
+    """transformers' (or PEFT's) greedy continuation of each prompt alone, exactly max_new tokens, on the
+    model's device."""
+    outs = []
+    for p in prompts:
+        x = torch.tensor([p], device=model.device)
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs

@@ -12,26 +12,10 @@ import transformers as tf
 from batchgen import _C, LLM, LoRARequest, SamplingParams, ops
 
 peft = pytest.importorskip("peft")
-from lora_kit import make_adapter  # noqa: E402  (after the skip: it imports peft)
+from lora_kit import hf_greedy, make_adapter, prompts_of  # noqa: E402  (after the skip: it imports peft)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-PROMPT_LENS = [3, 17, 40, 90]
-
-
-def prompts_of(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
-    outs = []
-    for p in prompts:
-        x = torch.tensor([p])
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, len(p):].tolist())
-    return outs
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -137,17 +121,20 @@ def test_block_manager_never_shares_blocks_across_adapters():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_rows_do_not_depend_on_their_segment(dtype):
-    """A row's low-rank term is the same alone, in a segment of 37 rows, or beside other adapters' rows."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["gemms", "segmented-kernel"])
+def test_lora_rows_do_not_depend_on_their_segment(dtype, kernel):
+    """A row's low-rank term is the same alone, in a segment of 37 rows, or beside other adapters' rows; with
+    per-segment GEMMs, or with a float32 StackedLoRA and the segmented kernel (what LoRALinear does on CUDA)."""
     from batchgen.layers.linear import Linear
     from batchgen.lora.checkpoint import Adapter, LoRAWeights
-    from batchgen.lora.layers import LoRABatch, LoRALinear, LoRATarget, Segment
+    from batchgen.lora.layers import LoRABatch, LoRALinear, LoRATarget, Segment, StackedLoRA
 
     gen = torch.Generator().manual_seed(0)
     target = LoRATarget(0, 96, {"q_proj": (0, 64), "v_proj": (64, 32), "qkv_proj": (0, 96)})
     base = Linear(96, 96, bias=False).to(dtype).requires_grad_(False)  # batchgen's: rows independent of M
     batch = LoRABatch()
-    layer = LoRALinear(base, target, batch, num_slots=2)
+    layer = LoRALinear(base, target, batch, num_slots=2,
+                       stacked=StackedLoRA(target, num_slots=2, max_rank=64) if kernel else None)
     adapters = []
     for slot, rank in enumerate((8, 64)):
         def pair(out: int, rank: int = rank) -> LoRAWeights:

@@ -292,7 +292,7 @@ def test_prefill_of_single_tokens_equals_decode(device, isas, dtype, heads):
             _C.set_cpu_isa(isa)
         decode = ops.paged_attention_decode(query, *tables, 0.1)
         prefill = ops.paged_attention_prefill(query, *tables, starts, 0.1)
-        assert rel_err(prefill, decode) < tolerance(dtype), f"isa={isa}"
+        assert rel_err(prefill, decode) < tolerance(dtype, device), f"isa={isa}"
         if device == "cpu":  # the CPU kernels walk a row the same way in both (batch invariance)
             assert torch.equal(prefill, decode), f"isa={isa}"
 

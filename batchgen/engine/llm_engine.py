@@ -136,6 +136,8 @@ class LLMEngine:
     def _num_device_blocks(self, shape: CacheShape) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            # What torch's caching allocator holds unused (an engine before this one, freed) is free to us too.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
             budget -= 2**30  # activations and the sampler's logits
         else:

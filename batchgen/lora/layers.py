@@ -105,15 +105,21 @@ def adapter_pair(adapter: Adapter | None, target: LoRATarget, rows: tuple[int, i
 
 class LoRALinear(nn.Module):
     """`base`'s output plus each segment's adapter term. `slots[i]` holds the adapter in device slot i, or
-    None where that adapter does not touch this projection (or the slot is empty)."""
+    None where that adapter does not touch this projection (or the slot is empty). With `stacked` (on CUDA)
+    every slot's weights sit there instead and one segmented kernel call a piece adds all the segments' terms
+    (engine_src/cuda/lora_kernels.cu) rather than two GEMM launches a segment."""
 
-    def __init__(self, base: nn.Module, target: LoRATarget, batch: LoRABatch, num_slots: int):
+    def __init__(self, base: nn.Module, target: LoRATarget, batch: LoRABatch, num_slots: int,
+                 stacked: StackedLoRA | None = None):
         super().__init__()
-        self.base, self.target, self.batch = base, target, batch
+        self.base, self.target, self.batch, self.stacked = base, target, batch, stacked
         self.slots: list[SlotWeights | None] = [None] * num_slots
 
     def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
         """Puts `adapter`'s pairs for this projection into `slot` (None empties it)."""
+        if self.stacked is not None:
+            self.stacked.load(slot, adapter, device)
+            return
         pair = adapter_pair(adapter, self.target)
         self.slots[slot] = None if pair is None else SlotWeights(*(_gemm(w.to(device)) for w in pair))
 
@@ -123,6 +129,12 @@ class LoRALinear(nn.Module):
         return out
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.stacked is not None:
+            if self.batch.segments:
+                table = self.batch.table()
+                for first, a, b_t, ranks in self.stacked.parts():
+                    ops.lora_shrink_expand(out[:, first:first + b_t.shape[2]], x, table, a, b_t, ranks)
+            return
         for seg in self.batch.segments:
             weights = self.slots[seg.slot]
             if weights is not None:
@@ -139,15 +151,17 @@ class StackedLoRA:
     float32 a [slots, capacity, in] and b_t [slots, capacity, rows] (B transposed). The stack holds these
     tensors; `load` rewrites a slot in place."""
 
-    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.target = target
         self.pieces = target.pieces()
         self.pairs = dtype == torch.bfloat16
         whole = len(self.pieces) > 1 and (0, target.out_features) in target.parts.values()
         self.capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection
-        self.weights = [(*self._packed(torch.zeros(num_slots, self.capacity, target.in_features),
-                                       torch.zeros(num_slots, self.capacity, rows)),
-                         torch.zeros(num_slots, dtype=torch.int32)) for _, rows in self.pieces]
+        self.weights = [tuple(w.to(device) for w in (
+            *self._packed(torch.zeros(num_slots, self.capacity, target.in_features),
+                          torch.zeros(num_slots, self.capacity, rows)),
+            torch.zeros(num_slots, dtype=torch.int32))) for _, rows in self.pieces]
 
     def _packed(self, a: torch.Tensor, b_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's (or every slot's) a [s, r, in] and b_t [s, r, rows] in the stack's form, `capacity` ranks."""
@@ -157,7 +171,7 @@ class StackedLoRA:
         return torch.nn.functional.pad(a.float(), padding), torch.nn.functional.pad(b_t.float(), padding)
 
     def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
-        """Puts `adapter`'s pairs for this projection into `slot` (None empties it); CPU only, as the stack."""
+        """Puts `adapter`'s pairs for this projection into `slot` (None empties it), on the weights' device."""
         for piece, (a, b_t, ranks) in zip(self.pieces, self.weights, strict=True):
             pair = adapter_pair(adapter, self.target, piece)
             rank = 0 if pair is None else pair[0].shape[0]

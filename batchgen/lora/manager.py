@@ -7,7 +7,8 @@ named or loaded one that sits in no device slot is dropped, and read from its di
 next put into a slot. An adapter in a slot is never dropped (there are at most max_loras <= max_cpu_loras).
 
 A model with batchgen's C++ decoder stack (`decoder_stack`) gets its slots as `StackedLoRA`s, which the stack
-reads inside its GEMMs (`attach_lora`); any other model gets `LoRALinear`s in place of its projections."""
+reads inside its GEMMs (`attach_lora`); any other model gets `LoRALinear`s in place of its projections (on
+CUDA each holding a float32 `StackedLoRA` for the segmented kernel)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class LoRAManager:
             if in_stack:
                 layer = stacked[(target.layer, attr)] = StackedLoRA(target, max_loras, max_lora_rank, dtype)
             else:
-                layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras)
+                kernel = StackedLoRA(target, max_loras, max_lora_rank, device=device) if device.type == "cuda" else None
+                layer = LoRALinear(getattr(owner, attr), target, self.batch, max_loras, kernel)
                 setattr(owner, attr, layer)
             self.layers.append(layer)
             self.shapes |= {(target.layer, name): (target.in_features, rows)

@@ -468,12 +468,15 @@ void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const 
 void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, const Tensor& a, const Tensor& b_t,
                         const c10::optional<Tensor>& ranks, double scale, bool store) {
   const char* op = "lora_shrink_expand";
+  const bool cuda = on_cuda(op, x);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"x", &x}, {"y", &y}}) {
     check_rank(op, name, *t, 2, "[rows, features]");
-    TORCH_CHECK_VALUE(t->is_cpu() && t->stride(1) == 1 &&
-                          (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16),
-                      op, ": ", name, " must be a float32 or bfloat16 CPU tensor contiguous in its last dimension, "
-                      "got ", t->scalar_type(), " ", t->sizes(), " strides ", t->strides(), " on ", t->device());
+    TORCH_CHECK_VALUE(t->device() == x.device() && t->stride(1) == 1 &&
+                          (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16 ||
+                           (cuda && t->scalar_type() == torch::kFloat16)),
+                      op, ": ", name, " must be a float32 or bfloat16 (CUDA: or float16) tensor on x's device, "
+                      "contiguous in its last dimension, got ", t->scalar_type(), " ", t->sizes(), " strides ",
+                      t->strides(), " on ", t->device());
   }
   TORCH_CHECK_VALUE(y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32, op,
                     ": y must be x's dtype or float32, got ", y.scalar_type());
@@ -485,6 +488,7 @@ void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, cons
   const int64_t slots = a.size(0);
   int64_t capacity;
   if (a.scalar_type() == torch::kBFloat16) {  // the bf16 form: pairs for the bf16 dot product
+    TORCH_CHECK_VALUE(!cuda, op, ": the bf16 form of a and b_t is CPU-only; give CUDA float32 a and b_t");
     const int64_t pairs = (x.size(1) + 1) / 2;
     check_index(op, "a", a, torch::kBFloat16, 4, "[slots, ceil(in_features / 2), rank, 2]");
     check_index(op, "b_t", b_t, torch::kBFloat16, 4, "[slots, rank / 2, out_features, 2]");
@@ -502,18 +506,23 @@ void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, cons
     check_index(op, "a", a, torch::kFloat32, 3, "[slots, rank, in_features]");
     check_index(op, "b_t", b_t, torch::kFloat32, 3, "[slots, rank, out_features]");
     capacity = a.size(1);
-    TORCH_CHECK_VALUE(a.is_cpu() && b_t.is_cpu() && a.size(2) == x.size(1) && b_t.size(2) == y.size(1) &&
-                          b_t.size(0) == slots && b_t.size(1) == capacity && capacity <= batchgen::cpu::kMaxLoRARank,
+    TORCH_CHECK_VALUE(a.device() == x.device() && b_t.device() == x.device() && a.size(2) == x.size(1) &&
+                          b_t.size(2) == y.size(1) && b_t.size(0) == slots && b_t.size(1) == capacity &&
+                          capacity <= batchgen::cpu::kMaxLoRARank,
                       op, ": a [slots, rank, ", x.size(1), "] and b_t [slots, rank, ", y.size(1),
-                      "] must be CPU tensors of one rank <= ", batchgen::cpu::kMaxLoRARank, ", got ", a.sizes(),
-                      " and ", b_t.sizes());
+                      "] must be tensors on x's device of one rank <= ", batchgen::cpu::kMaxLoRARank, ", got ",
+                      a.sizes(), " and ", b_t.sizes(), " on ", a.device(), " and ", b_t.device());
   }
   if (ranks.has_value()) {
     check_index(op, "ranks", *ranks, torch::kInt32, 1, "[slots]");
-    TORCH_CHECK_VALUE(ranks->is_cpu() && ranks->size(0) == slots, op, ": ranks must be a CPU tensor of ", slots,
-                      " entries (one a slot)");
+    TORCH_CHECK_VALUE((ranks->is_cpu() || ranks->device() == x.device()) && ranks->size(0) == slots, op,
+                      ": ranks must be a tensor of ", slots, " entries (one a slot) on the CPU or x's device");
   }
-  batchgen::cpu::lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store);
+  if (cuda) {
+    BATCHGEN_CUDA_CALL(lora_shrink_expand, y, x, segments, a, b_t, ranks, scale, store);
+  } else {
+    batchgen::cpu::lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store);
+  }
 }
 
 }  // namespace batchgen::checked

@@ -27,4 +27,10 @@ void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tens
 // src and dst may be on different devices (one of them CUDA); block_mapping is an int64 CPU tensor.
 void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping);
 
+// ops.h's lora_shrink_expand with its float32 a and b_t: segments and ranks may be CPU tensors (the launch
+// reads the segments' lengths on the host first).
+void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
+                        const torch::Tensor& a, const torch::Tensor& b_t, const c10::optional<torch::Tensor>& ranks,
+                        double scale, bool store);
+
 }  // namespace batchgen::cuda

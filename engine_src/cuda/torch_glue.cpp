@@ -217,4 +217,32 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
   }
 }
 
+void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
+                        const torch::Tensor& a, const torch::Tensor& b_t, const c10::optional<torch::Tensor>& ranks,
+                        double scale, bool store) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(a.is_contiguous() && b_t.is_contiguous(), "batchgen::lora_shrink_expand: a and b_t must be contiguous");
+  // The grid is sized by the longest segment, so the (host) table is read here before it goes to the device.
+  const torch::Tensor table = segments.contiguous();
+  const int* rows = table.data_ptr<int>();
+  int max_segment_rows = 0;
+  for (int64_t i = 0; i < table.size(0); ++i) {
+    max_segment_rows = std::max(max_segment_rows, rows[3 * i + 1] - rows[3 * i]);
+  }
+  const torch::Tensor device_table = table.to(x.device());
+  torch::Tensor device_ranks;
+  if (ranks.has_value()) device_ranks = ranks->to(x.device()).contiguous();
+  const int capacity = to_int(a.size(1), "rank");
+  const torch::Tensor workspace = torch::empty(
+      {static_cast<int64_t>(k::lora_workspace_bytes(x.size(0), capacity))}, x.options().dtype(torch::kUInt8));
+  check_launch(k::launch_lora_shrink_expand(
+                   kernel_dtype(x), y.scalar_type() == torch::kFloat, y.data_ptr(), y.stride(0), x.data_ptr(),
+                   x.stride(0), x.size(0), device_table.data_ptr<int>(), to_int(table.size(0), "segments"),
+                   max_segment_rows, a.data_ptr<float>(), b_t.data_ptr<float>(),
+                   device_ranks.defined() ? device_ranks.data_ptr<int>() : nullptr, capacity,
+                   to_int(x.size(1), "in_features"), to_int(y.size(1), "out_features"), static_cast<float>(scale),
+                   store, workspace.data_ptr(), current_stream()),
+               "lora_shrink_expand");
+}
+
 }  // namespace batchgen::cuda
