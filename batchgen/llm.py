@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
+from batchgen.engine.gc_pacing import fewer_collections
 from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine, Prompt
 from batchgen.engine.pooling import PoolingConfig
 from batchgen.engine.preflight import plan_model
@@ -231,23 +232,24 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         loras = _per_prompt(lora_request, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for i, (request_id, prompt, params) in enumerate(zip(ids, prompts, sampling_params, strict=True)):
-            self.add_request(request_id, prompt, params, completion=None if completions is None else completions[i],
-                             lora_request=loras[i])
         done: dict[str, AnyOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+        with fewer_collections():
+            for i, (request_id, prompt, params) in enumerate(zip(ids, prompts, sampling_params, strict=True)):
+                self.add_request(request_id, prompt, params,
+                                 completion=None if completions is None else completions[i], lora_request=loras[i])
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(prompts), desc=desc, unit="req", dynamic_ncols=True)
-        while self.has_unfinished_requests():
-            for output in self.step():
-                done[output.request_id] = output
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(out_tok=self.engine.num_output_tokens, refresh=False)
-        if bar is not None:
-            bar.close()
+                bar = tqdm(total=len(prompts), desc=desc, unit="req", dynamic_ncols=True)
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    done[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(out_tok=self.engine.num_output_tokens, refresh=False)
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
 

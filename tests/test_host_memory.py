@@ -37,3 +37,25 @@ def test_release_freed_memory_hands_the_retained_heap_back():
     before, kept, released = map(int, result.stdout.split())
     assert kept > before - 100  # retained: freeing 320 MiB gave nothing back
     assert released < kept - 250  # released
+
+
+def test_fewer_collections_raises_the_young_threshold_and_restores_the_callers():
+    import gc
+
+    from batchgen.engine.gc_pacing import YOUNG_THRESHOLD, fewer_collections
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with fewer_collections():
+            assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(0, 10, 10)  # the caller turned collection off: it stays off
+        with fewer_collections():
+            assert gc.get_threshold()[0] == 0
+        gc.set_threshold(700, 10, 10)
+        with pytest.raises(RuntimeError), fewer_collections():
+            raise RuntimeError("a failed loop restores the thresholds too")
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import __version__
+from ...engine.gc_pacing import fewer_collections
 from ...outputs import RequestOutput
 from ..engine import EngineFactory, build_engine
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
@@ -182,7 +183,8 @@ class Runner:
         snap = Snapshot()
         self.reporter.start(plan)
         try:
-            interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
+            with fewer_collections():
+                interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
             status = "interrupted" if interrupted else "complete"
         finally:
             self.reporter.finish(snap, status)
