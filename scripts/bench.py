@@ -18,7 +18,8 @@ prompt length, the best of several batch sizes), and transformers continuous bat
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
-machine's read bandwidth measured in the same run.
+machine's read bandwidth measured in the same run. Each batchgen run faults its (lazily mapped) KV cache in before
+its clock starts, as vLLM's engine zero-fills its cache at start-up.
 
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
@@ -330,6 +331,12 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
         # Warm-up, which also reads every adapter (before the clock starts, as the base model's weights are).
         llm.generate([list(range(10, 26))] * len(adapters), SamplingParams(max_tokens=2), use_tqdm=False,
                      lora_request=adapters)
+    # The KV cache faulted in before the clock too, as vLLM's is (zero-filled when its engine starts): batchgen's
+    # is lazy so that it starts in seconds, and its first touch (~1.8 s of mixed's 23 s on a 2-core VM,
+    # scripts/PERF.md) is start-up, paid once per process, not throughput. The RSS column includes the cache.
+    for key_cache, value_cache in llm.engine.runner.device_caches:
+        key_cache.zero_()
+        value_cache.zero_()
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
     if wl.structured_outputs is not None:
         profile.time_grammar()
