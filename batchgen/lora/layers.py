@@ -17,7 +17,7 @@ the terms inside its GEMMs (`ops.lora_shrink_expand`, engine_src/csrc/cpu/lora_o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -59,16 +59,27 @@ class Segment:
     slot: int
 
 
-@dataclass
 class LoRABatch:
     """The step being run, shared by every LoRALinear of one model: its rows' adapter segments (base-model
-    rows are in none)."""
+    rows are in none). The runner assigns `segments` once a step; `table()` is built once from them."""
 
-    segments: list[Segment] = field(default_factory=list)
+    def __init__(self, segments: list[Segment] | None = None):
+        self.segments = segments or []
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self._segments
+
+    @segments.setter
+    def segments(self, segments: list[Segment]) -> None:
+        self._segments, self._table = segments, None
 
     def table(self) -> torch.Tensor:
         """The segments as `ops.lora_shrink_expand` takes them: int32 [count, 3] (first row, end row, slot)."""
-        return torch.tensor([(s.start, s.end, s.slot) for s in self.segments], dtype=torch.int32).reshape(-1, 3)
+        if self._table is None:
+            rows = [(s.start, s.end, s.slot) for s in self._segments]
+            self._table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+        return self._table
 
 
 def _gemm(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
