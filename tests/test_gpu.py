@@ -22,7 +22,6 @@ pytestmark = [
 ]
 
 
-
 @pytest.fixture(autouse=True)
 def _release_engines():
     """Each engine takes gpu_memory_utilization of the device for its KV cache: the next test's engine needs the

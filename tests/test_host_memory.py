@@ -59,3 +59,39 @@ def test_fewer_collections_raises_the_young_threshold_and_restores_the_callers()
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*before)
+
+
+def _record_young_threshold(monkeypatch, cls) -> list[int]:
+    """Wraps cls.step so that each call records the collector's first threshold at that moment."""
+    import gc
+
+    seen: list[int] = []
+    step = cls.step
+
+    def recording(self):
+        seen.append(gc.get_threshold()[0])
+        return step(self)
+
+    monkeypatch.setattr(cls, "step", recording)
+    return seen
+
+
+def test_generate_and_the_job_loop_step_under_fewer_collections(tiny_model_dirs, tmp_path, monkeypatch):
+    import gc
+
+    import fake_llm
+    from jobkit import run, setup_job
+
+    from batchgen import LLM, SamplingParams
+    from batchgen.engine.gc_pacing import YOUNG_THRESHOLD
+
+    before = gc.get_threshold()
+    seen = _record_young_threshold(monkeypatch, LLM)
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32", kv_cache_memory="8MiB")
+    llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert seen and set(seen) == {max(before[0], YOUNG_THRESHOLD)} and gc.get_threshold() == before
+
+    seen = _record_young_threshold(monkeypatch, fake_llm.FakeLLM)
+    result = run(setup_job(tmp_path, rows=12))
+    assert result.exit_code == 0, result.output
+    assert seen and set(seen) == {max(before[0], YOUNG_THRESHOLD)} and gc.get_threshold() == before
