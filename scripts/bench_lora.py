@@ -13,12 +13,15 @@ Tokens/s count prompt + output tokens over the wall time of generate().
 (each pair seeing the same machine), the ratio printed per pair with the load average.
 --kernel: `ops.lora_shrink_expand` alone, one call of 4 rank-16 slots (rows split evenly) at SmolLM2's shapes,
 the float32 form (float32 A and B, float32 FMAs) against the bf16 form (`ops.pack_lora_bf16`, the bf16 dot
-product) in alternation, the fastest call of each.
+product) in alternation, the fastest call of each. With --device cuda: the CUDA kernel (float32 A and B, bf16 x)
+with the segment table on the host (read and copied each call) against the table already on the device, each
+timed to completion; the engine runs then run on the GPU as well.
 
     .venv/bin/python scripts/bench_lora.py --dtype bf16
     .venv/bin/python scripts/bench_lora.py --quick        # smoke test
     .venv/bin/python scripts/bench_lora.py --alternate 6 --count 16
     .venv/bin/python scripts/bench_lora.py --kernel --threads 2
+    python scripts/bench_lora.py --kernel --device cuda                           # on a GPU machine
 """
 
 from __future__ import annotations
@@ -62,6 +65,36 @@ def time_fastest(fns, calls: int) -> list[float]:
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
+
+
+def _lora_call_synced(y, x, table, a, b_t) -> None:
+    import torch
+
+    from batchgen import ops
+
+    ops.lora_shrink_expand(y, x, table, a, b_t, store=True)
+    torch.cuda.synchronize()
+
+
+def bench_cuda_kernel(calls: int) -> None:
+    import torch
+
+    slots, rank = 4, bench.LORA_RANK
+    print(f"{'rows':>5} {'in->out':>10} {'host table us':>13} {'device table us':>15} {'speed-up':>8}  "
+          f"(4 slots of rank {rank}, {torch.cuda.get_device_name()})")
+    for rows in (16, 64, 256, 2048):
+        for n_in, n_out in ((576, 576), (576, 1536)):
+            gen = torch.Generator().manual_seed(rows + n_out)
+            a = (torch.randn(slots, rank, n_in, generator=gen) * 0.05).cuda()
+            b_t = (torch.randn(slots, rank, n_out, generator=gen) * 0.05).cuda()
+            x = torch.randn(rows, n_in, generator=gen).bfloat16().cuda()
+            y = torch.empty(rows, n_out, device="cuda")
+            step = rows // slots
+            host = torch.tensor([(s * step, (s + 1) * step, s) for s in range(slots)], dtype=torch.int32)
+            times = time_fastest([partial(_lora_call_synced, y, x, table, a, b_t) for table in (host, host.cuda())],
+                                 calls)
+            print(f"{rows:>5} {f'{n_in}->{n_out}':>10} {times[0] * 1e6:13.1f} {times[1] * 1e6:15.1f} "
+                  f"{times[0] / times[1]:7.2f}x", flush=True)
 
 
 def bench_kernel(threads: int | None, calls: int, isa: str | None) -> None:
@@ -134,9 +167,13 @@ def main() -> None:
     parser.add_argument("--kernel", action="store_true", help="the LoRA kernel alone: float32 form against bf16")
     parser.add_argument("--calls", type=int, default=2000, help="--kernel: calls of each form per shape")
     parser.add_argument("--isa", help="--kernel: this kernel table (_C.supported_cpu_isas()) instead of the best")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     if args.kernel:
-        bench_kernel(args.threads, args.calls, args.isa)
+        if args.device == "cuda":
+            bench_cuda_kernel(args.calls)
+        else:
+            bench_kernel(args.threads, args.calls, args.isa)
         return
     from batchgen import LoRARequest, SamplingParams
     from batchgen.models.loader import load_tokenizer
@@ -149,6 +186,8 @@ def main() -> None:
     prompts = [bench.chat_prompt(tokenizer, frames, rng, rng.randint(20, 200)) for _ in range(count)]
     params = [SamplingParams(temperature=0, max_tokens=rng.choice((16, 32, 64)), ignore_eos=True) for _ in prompts]
     options = dict(dtype=bench.DTYPES[args.dtype], kv_cache_memory="1GiB", num_threads=args.threads)
+    if args.device == "cuda":
+        options = dict(dtype=bench.DTYPES[args.dtype], device="cuda", gpu_memory_utilization=0.3)
     with tempfile.TemporaryDirectory() as tmp:
         paths = bench.make_lora_adapters(model, Path(tmp), 4, bench.LORA_RANK)
         adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]

@@ -40,10 +40,11 @@ def _lora_weights(rank: int):
     return torch.randn(SLOTS, rank, IN, generator=gen) * 0.1, torch.randn(SLOTS, rank, OUT, generator=gen) * 0.1
 
 
+@pytest.mark.parametrize("table_on", ["cpu", "cuda"])  # a device table is not read on the host
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("y_float", "store"), [(False, False), (True, False), (True, True)],
                          ids=["add", "add-float32", "store"])  # store needs a float32 y
-def test_lora_kernel_matches_the_reference(dtype, y_float, store):
+def test_lora_kernel_matches_the_reference(dtype, y_float, store, table_on):
     a, b_t = _lora_weights(16)
     ranks = torch.tensor([16, 0, 5], dtype=torch.int32)  # slot 1 does not reach this projection
     gen = torch.Generator().manual_seed(1)
@@ -52,18 +53,19 @@ def test_lora_kernel_matches_the_reference(dtype, y_float, store):
     expected = y.clone()
     reference.lora_shrink_expand(expected, x, SEGMENTS, a, b_t, ranks, 0.5, store)
     got = y.cuda()
-    ops.lora_shrink_expand(got, x.cuda(), SEGMENTS, a.cuda(), b_t.cuda(), ranks.cuda(), 0.5, store)
+    ops.lora_shrink_expand(got, x.cuda(), SEGMENTS.to(table_on), a.cuda(), b_t.cuda(), ranks.cuda(), 0.5, store)
     step = 1e-5 if got.dtype == torch.float32 else 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=step, atol=step)
     assert not torch.equal(got.cpu()[:6], y[:6])  # the terms are there: the check above can fail
 
 
-def test_lora_kernel_rows_do_not_depend_on_their_segment():
+@pytest.mark.parametrize("table_on", ["cpu", "cuda"])
+def test_lora_kernel_rows_do_not_depend_on_their_segment(table_on):
     a, b_t = (w.cuda() for w in _lora_weights(64))
     x = torch.randn(71, IN, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
     segments = torch.tensor([(0, 3, 0), (3, 40, 2), (40, 41, 1), (43, 71, 0)], dtype=torch.int32)
     together = torch.zeros(71, OUT, dtype=torch.bfloat16, device="cuda")
-    ops.lora_shrink_expand(together, x, segments, a, b_t)
+    ops.lora_shrink_expand(together, x, segments.to(table_on), a, b_t)
     checked = 0
     for start, end, slot in segments.tolist():
         for row in range(start, end):

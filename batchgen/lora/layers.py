@@ -61,7 +61,8 @@ class Segment:
 
 class LoRABatch:
     """The step being run, shared by every LoRALinear of one model: its rows' adapter segments (base-model
-    rows are in none). The runner assigns `segments` once a step; `table()` is built once from them."""
+    rows are in none). The runner assigns `segments` once a step; `table()` is built once from them (and
+    copied once to each device that asks)."""
 
     def __init__(self, segments: list[Segment] | None = None):
         self.segments = segments or []
@@ -72,14 +73,19 @@ class LoRABatch:
 
     @segments.setter
     def segments(self, segments: list[Segment]) -> None:
-        self._segments, self._table = segments, None
+        self._segments, self._tables = segments, {}
 
-    def table(self) -> torch.Tensor:
-        """The segments as `ops.lora_shrink_expand` takes them: int32 [count, 3] (first row, end row, slot)."""
-        if self._table is None:
-            rows = [(s.start, s.end, s.slot) for s in self._segments]
-            self._table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
-        return self._table
+    def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The segments as `ops.lora_shrink_expand` takes them, on `device`: int32 [count, 3] (first row, end
+        row, slot)."""
+        device = torch.device(device)
+        if device not in self._tables:
+            if device.type == "cpu":
+                rows = [(s.start, s.end, s.slot) for s in self._segments]
+                self._tables[device] = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+            else:
+                self._tables[device] = self.table().to(device, non_blocking=True)
+        return self._tables[device]
 
 
 def _gemm(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -142,7 +148,7 @@ class LoRALinear(nn.Module):
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.stacked is not None:
             if self.batch.segments:
-                table = self.batch.table()
+                table = self.batch.table(x.device)
                 for first, a, b_t, ranks in self.stacked.parts():
                     ops.lora_shrink_expand(out[:, first:first + b_t.shape[2]], x, table, a, b_t, ranks)
             return

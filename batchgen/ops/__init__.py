@@ -235,7 +235,7 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, segments: torch.Tensor,
     other row (an addend that changes nothing). A row's result depends on its own data and slot alone.
     With bf16 x, a and b_t may be bf16 from `pack_lora_bf16`: the products then run on the bf16 dot product
     and t = scale * x A^T is rounded to bf16 before the expand. On CUDA (float32 a and b_t; x may also be
-    float16) the kernel is engine_src/cuda/lora_kernels.cu; segments stay a CPU tensor."""
+    float16) the kernel is engine_src/cuda/lora_kernels.cu; segments may be there too (no host read then)."""
     on_kernel = x.dtype in (torch.float32, torch.bfloat16) if x.is_cpu else x.is_cuda and _C.has_cuda()
     if not on_kernel:
         return reference.lora_shrink_expand(y, x, segments, a, b_t, ranks, scale, store)

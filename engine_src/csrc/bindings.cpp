@@ -483,8 +483,9 @@ void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, cons
   TORCH_CHECK_VALUE(!store || y.scalar_type() == torch::kFloat32, op, ": store needs a float32 y");
   TORCH_CHECK_VALUE(y.size(0) == x.size(0), op, ": y has ", y.size(0), " rows but x has ", x.size(0));
   check_index(op, "segments", segments, torch::kInt32, 2, "[count, 3]");
-  TORCH_CHECK_VALUE(segments.is_cpu() && segments.size(1) == 3, op,
-                    ": segments must be a CPU tensor [count, 3] (first row, end row, slot), got ", segments.sizes());
+  TORCH_CHECK_VALUE((segments.is_cpu() || (cuda && segments.device() == x.device())) && segments.size(1) == 3, op,
+                    ": segments must be a tensor [count, 3] (first row, end row, slot) on the CPU (or on x's CUDA "
+                    "device), got ", segments.sizes(), " on ", segments.device());
   const int64_t slots = a.size(0);
   int64_t capacity;
   if (a.scalar_type() == torch::kBFloat16) {  // the bf16 form: pairs for the bf16 dot product

@@ -28,7 +28,7 @@ void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tens
 void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping);
 
 // ops.h's lora_shrink_expand with its float32 a and b_t: segments and ranks may be CPU tensors (the launch
-// reads the segments' lengths on the host first).
+// reads the segments' lengths on the host first) or on x's device (no host read: x's rows bound the grid).
 void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& segments,
                         const torch::Tensor& a, const torch::Tensor& b_t, const c10::optional<torch::Tensor>& ranks,
                         double scale, bool store);

@@ -222,12 +222,17 @@ void lora_shrink_expand(torch::Tensor& y, const torch::Tensor& x, const torch::T
                         double scale, bool store) {
   const c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(a.is_contiguous() && b_t.is_contiguous(), "batchgen::lora_shrink_expand: a and b_t must be contiguous");
-  // The grid is sized by the longest segment, so the (host) table is read here before it goes to the device.
+  // The grid's row tiles cover the longest segment. A host table is read for that length before it is copied
+  // over; a device table is not read (that would synchronise): every row of x bounds it, and the tiles past a
+  // segment's end return at once.
   const torch::Tensor table = segments.contiguous();
-  const int* rows = table.data_ptr<int>();
-  int max_segment_rows = 0;
-  for (int64_t i = 0; i < table.size(0); ++i) {
-    max_segment_rows = std::max(max_segment_rows, rows[3 * i + 1] - rows[3 * i]);
+  int max_segment_rows = to_int(x.size(0), "rows");
+  if (table.is_cpu()) {
+    const int* rows = table.data_ptr<int>();
+    max_segment_rows = 0;
+    for (int64_t i = 0; i < table.size(0); ++i) {
+      max_segment_rows = std::max(max_segment_rows, rows[3 * i + 1] - rows[3 * i]);
+    }
   }
   const torch::Tensor device_table = table.to(x.device());
   torch::Tensor device_ranks;
