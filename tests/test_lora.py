@@ -4,12 +4,13 @@ adapter slots in the scheduler, the prefix cache keyed by adapter, and the one-l
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import transformers as tf
 
-from batchgen import _C, LLM, LoRARequest, SamplingParams, ops
+from batchgen import _C, LLM, LoRARequest, SamplingParams, StructuredOutputsParams, ops
 
 peft = pytest.importorskip("peft")
 from lora_kit import hf_greedy, make_adapter, prompts_of  # noqa: E402  (after the skip: it imports peft)
@@ -65,10 +66,10 @@ def _sampled(i: int) -> SamplingParams:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixed_batch_rows_match_each_row_alone(tiny_model_dirs, llama_adapters, dtype):
-    """Five adapters and the base model over 20 prompts, two device slots, a KV cache small enough to preempt:
+    """Five adapters and the base model over 40 prompts, two device slots, a KV cache small enough to preempt:
     every row's tokens and logprobs are bit-identical to the row run alone with its adapter."""
     base_dir = tiny_model_dirs["llama"]
-    prompts = prompts_of(400, lens=[5, 20, 33, 47, 64] * 4, seed=3)
+    prompts = prompts_of(400, lens=[5, 20, 33, 47, 64] * 8, seed=3)
     loras = [None if i % 6 == 5 else llama_adapters[i % 6] for i in range(len(prompts))]
     params = [_sampled(i) for i in range(len(prompts))]
     block_bytes = 2 * 2 * 2 * 16 * 64 * (4 if dtype == "float32" else 2)
@@ -356,8 +357,8 @@ def test_transformers_backend_matches_peft(tmp_path, tiny_model_dirs, arch, rank
 
 
 def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs, llama_adapters, tmp_path):
-    """chat, beam_search, embed and score_completions under an adapter give what batchgen gives on the model
-    with the adapter merged into its weights (PEFT's merge_and_unload)."""
+    """chat, n samples, beam_search, structured outputs, embed and score_completions under an adapter give what
+    batchgen gives on the model with the adapter merged into its weights (PEFT's merge_and_unload)."""
     import shutil
     from pathlib import Path
 
@@ -384,6 +385,13 @@ def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs
     got = with_lora.beam_search(prompts, beams, use_tqdm=False, lora_request=[lora, lora])
     want = merged.beam_search(prompts, beams, use_tqdm=False)
     assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in want]
+    regex = r"[a-z]{2,6}-\d{1,3}"
+    constrained = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=regex))
+    got = with_lora.generate(prompts, constrained, use_tqdm=False, lora_request=lora)
+    assert tokens(got) == tokens(merged.generate(prompts, constrained, use_tqdm=False))
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in got), [o.outputs[0].text for o in got]
+    base = LLM(base_dir, dtype="float32", kv_cache_memory="8MiB")
+    assert tokens(got) != tokens(base.generate(prompts, constrained, use_tqdm=False))  # the adapter was applied
     embedded = with_lora.embed(prompts, use_tqdm=False, lora_request=lora)
     for a, b in zip(embedded, merged.embed(prompts, use_tqdm=False), strict=True):
         torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
@@ -391,7 +399,7 @@ def test_every_batch_call_runs_the_adapter_like_its_merged_model(tiny_model_dirs
     scored = with_lora.score_completions(prompts, [[7, 8, 9], [10, 11]], use_tqdm=False, lora_request=lora)
     for a, b in zip(scored, merged.score_completions(prompts, [[7, 8, 9], [10, 11]], use_tqdm=False), strict=True):
         assert a.logprob == pytest.approx(b.logprob, rel=1e-4, abs=1e-4)
-    base_scored = LLM(base_dir, dtype="float32", kv_cache_memory="8MiB").score_completions(
+    base_scored = base.score_completions(
         prompts, [[7, 8, 9], [10, 11]], use_tqdm=False)
     assert all(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(scored, base_scored, strict=True))
 
