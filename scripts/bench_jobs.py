@@ -4,6 +4,8 @@
   run       `batchgen run` with the real engine on a tiny random model,
   generate  `LLM.generate` on the same model and prompts (no job layer),
   instant   `batchgen run` on an engine that costs nothing (scripts/instant_engine.py): the job layer alone,
+  vllm      (only with --vllm-python, and only asked for by name) vLLM's offline `LLM.generate` on the same model
+            and prompts, in vLLM's own environment (scripts/bench_vllm.py's docstring has its set-up)
 
 at each size (default 100k and 1M rows for all three, 10M for `instant` only). Every case is a fresh
 process, so its peak RSS is its own (the kernel's ru_maxrss of that child). For the two `batchgen run`
@@ -14,6 +16,7 @@ increment (a new input file of 1,000 rows).
     python scripts/bench_jobs.py                          # 100k and 1M (run, generate, instant), 10M (instant)
     python scripts/bench_jobs.py --sizes 100k --cases instant
     python scripts/bench_jobs.py --quick                  # 2,000 rows of each case: the suite's smoke test
+    python scripts/bench_jobs.py --sizes 20k --cases generate,vllm --steps "" --vllm-python /tmp/vllm/bin/python
 
 Rows/s count every input row (error rows included) over the process's wall time, start-up included;
 `first part` is the time from the process's start until its first part file exists. The output is
@@ -33,17 +36,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 INSTANT = f"{REPO / 'scripts' / 'instant_engine.py'}:InstantLLM"
 ERROR_EVERY = 1000  # every this many rows, one without a prompt: an error row
 INCREMENT_ROWS = 1000
 MAX_TOKENS = 4
 ENGINE_OPTIONS = {"dtype": "float32", "kv_cache_memory": "256MiB", "swap_space": "64MiB", "max_num_seqs": 256}
-CASES = ("run", "generate", "instant")
+CASES = ("run", "generate", "instant")  # the default; "vllm" only by name
 STEPS = ("rerun", "status", "merge", "retry_errors", "increment")
 # Linux carries a process's RSS high-water mark across fork and exec, so a child of this (large)
 # process would report at least this one's peak: each command runs under a small launcher instead,
@@ -80,6 +79,7 @@ class CaseResult:
     peak_rss_mb: float
     first_part_s: float | None = None
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # rerun, status, ...: seconds and RSS
+    generate_rows_s: float | None = None  # generate, vllm: rows/s of the generate call alone (no start-up)
 
 
 def parse_size(text: str) -> int:
@@ -94,6 +94,9 @@ def prompt(i: int) -> str:
 
 def write_input(path: Path, rows: int, start: int = 0) -> None:
     """Rows ``r<start>``.. with short prompts; every ERROR_EVERY-th has none (an error row)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     schema = pa.schema([("id", pa.string()), ("prompt", pa.string())])
     chunk = 200_000
     with pq.ParquetWriter(path, schema) as w:
@@ -105,6 +108,8 @@ def write_input(path: Path, rows: int, start: int = 0) -> None:
 
 
 def write_job(root: Path, model: Path, rows_per_part: int) -> Path:
+    import yaml
+
     job = {
         "model": {"path": str(model), **ENGINE_OPTIONS},
         "input": {"paths": ["in/*.parquet"], "id_column": "id", "prompt_column": "prompt"},
@@ -118,9 +123,9 @@ def write_job(root: Path, model: Path, rows_per_part: int) -> Path:
     return path
 
 
-def run_child(args: list[str], watch: Path | None = None) -> Process:
+def run_child(args: list[str], watch: Path | None = None, env: dict[str, str] | None = None) -> Process:
     """Run ``args``: its wall time, its peak RSS, and when ``watch`` is given, when its first part appeared."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -175,7 +180,61 @@ def step_done(result: CaseResult, step: str, p: Process) -> None:
 def bench_generate(root: Path, model: Path, size: int) -> CaseResult:
     p = run_child([sys.executable, __file__, "--child-generate", str(model), str(root / "in" / "data.parquet")])
     rows = size - size // ERROR_EVERY
-    return CaseResult("generate", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb)
+    return CaseResult("generate", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb,
+                      generate_rows_s=rows / generate_seconds(p))
+
+
+def input_prompts(data: str) -> list[str]:
+    """The input's prompts (the rows with one)."""
+    import pyarrow.parquet as pq
+
+    return [p for p in pq.read_table(data, columns=["prompt"]).column("prompt").to_pylist() if p is not None]
+
+
+def bench_vllm(root: Path, model: Path, size: int, python: str) -> CaseResult:
+    """vLLM's `LLM.generate` on the rows with a prompt (handed over as JSON: vLLM's environment has no
+    pyarrow), in a child on vLLM's own Python; start-up counts, as in `generate`."""
+    prompts = root / "prompts.json"
+    prompts.write_text(json.dumps(input_prompts(str(root / "in" / "data.parquet"))))
+    p = run_child([python, __file__, "--child-vllm", str(model), str(prompts)], env=vllm_env(python))
+    rows = size - size // ERROR_EVERY
+    return CaseResult("vllm", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb,
+                      generate_rows_s=rows / generate_seconds(p))
+
+
+GENERATE_TAG = "generate-seconds"
+
+
+def generate_seconds(p: Process) -> float:
+    """The seconds a generate child reported for its generate call alone."""
+    return next(float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith(GENERATE_TAG))
+
+
+def timed_generate(llm, prompts: list[str], params) -> list:
+    """`llm.generate(prompts, params)`, its seconds printed for the parent (GENERATE_TAG)."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print(f"\n{GENERATE_TAG} {time.perf_counter() - start:.3f}", flush=True)
+    return outs
+
+
+def vllm_env(python: str) -> dict[str, str]:
+    """What vLLM's CPU documentation advises: its environment's libiomp preloaded, and every core computing (by
+    default it keeps one for its front end)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    return {**env, "LD_PRELOAD": str(iomp)} if iomp.exists() else env
+
+
+def child_vllm(model: str, prompts_json: str) -> None:
+    """vLLM's offline generate with ENGINE_OPTIONS' dtype and batch size, greedy, MAX_TOKENS each."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny model needs little
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(prompts_json).read_text())
+    llm = LLM(model=model, dtype=ENGINE_OPTIONS["dtype"], max_num_seqs=ENGINE_OPTIONS["max_num_seqs"])
+    outs = timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert len(outs) == len(prompts) and all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
 
 
 def child_generate(model: str, data: str) -> None:
@@ -183,9 +242,9 @@ def child_generate(model: str, data: str) -> None:
     from batchgen import LLM
     from batchgen.sampling_params import SamplingParams
 
-    prompts = [p for p in pq.read_table(data, columns=["prompt"]).column("prompt").to_pylist() if p is not None]
+    prompts = input_prompts(data)
     llm = LLM(model, **ENGINE_OPTIONS)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert len(outs) == len(prompts) and all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
 
 
@@ -219,10 +278,15 @@ def render(results: list[CaseResult]) -> str:
 
 
 def ratios(results: list[CaseResult]) -> dict[str, float]:
-    """run / generate rows/s at each size: what the job layer costs over the bare engine."""
+    """run / generate rows/s at each size (what the job layer costs over the bare engine), and generate / vllm
+    (batchgen's engine against vLLM's: whole processes, and the generate calls alone)."""
     by = {(r.case, r.size): r for r in results}
-    return {f"run/generate@{n}": by[("run", n)].rows_s / by[("generate", n)].rows_s
-            for (case, n) in by if case == "run" and ("generate", n) in by}
+    found = {f"{a}/{b}@{n}": by[(a, n)].rows_s / by[(b, n)].rows_s
+             for a, b in (("run", "generate"), ("generate", "vllm")) for (case, n) in by
+             if case == a and (b, n) in by}
+    found.update({f"generate/vllm@{n} (generate calls)": by["generate", n].generate_rows_s / r.generate_rows_s
+                  for (case, n), r in by.items() if case == "vllm" and ("generate", n) in by})
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,19 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="a model dir (default: a tiny random Llama in the temp dir)")
     ap.add_argument("--rows-per-part", type=int, default=10_000)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--vllm-python", help="vLLM's environment's python, for the vllm case")
     ap.add_argument("--child-generate", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-vllm", nargs=2, metavar=("MODEL", "PROMPTS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_generate:
         child_generate(*args.child_generate)
         return 0
+    if args.child_vllm:
+        child_vllm(*args.child_vllm)
+        return 0
     sizes = [2000] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
     rows_per_part = 500 if args.quick else args.rows_per_part
     cases = [c.strip() for c in args.cases.split(",")]
-    unknown = set(cases) - set(CASES)
+    unknown = set(cases) - {*CASES, "vllm"}
     if unknown:
-        ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+        ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}, vllm")
+    if "vllm" in cases and not args.vllm_python:
+        ap.error("the vllm case needs --vllm-python (vLLM's environment's python)")
     real_max = parse_size(args.real_max)
-    steps = tuple(s.strip() for s in args.steps.split(","))
+    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip())
     if set(steps) - set(STEPS):
         ap.error(f"unknown steps {sorted(set(steps) - set(STEPS))}; choose from {', '.join(STEPS)}")
     results: list[CaseResult] = []
@@ -263,10 +334,13 @@ def main(argv: list[str] | None = None) -> int:
                 write_input(root / "in" / "data.parquet", rows)
                 if case == "generate":
                     res = bench_generate(root, model, rows)
+                elif case == "vllm":
+                    res = bench_vllm(root, model, rows, args.vllm_python)
                 else:
                     res = bench_job(case, root, model, rows, rows_per_part, steps)
                 results.append(res)
-                print(f"{case} {rows:,}: {res.rows_s:,.0f} rows/s, peak {res.peak_rss_mb:.0f} MB "
+                alone = "" if res.generate_rows_s is None else f" (the generate call {res.generate_rows_s:,.0f} rows/s)"
+                print(f"{case} {rows:,}: {res.rows_s:,.0f} rows/s{alone}, peak {res.peak_rss_mb:.0f} MB "
                       + " ".join(f"{k} {v['seconds']:.1f}s" for k, v in res.steps.items()), flush=True)
                 subprocess.run(["rm", "-rf", str(root)], check=True)
     report = {"processor": processor(), "results": [asdict(r) for r in results], "ratios": ratios(results)}

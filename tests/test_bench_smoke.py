@@ -125,7 +125,16 @@ def test_job_bench_quick_pass(tmp_path, tiny_model_dirs):
         assert set(r["steps"]) == {"rerun", "status", "merge", "retry_errors", "increment"}
         assert all(s["seconds"] > 0 and 20 < s["peak_rss_mb"] < 4000 for s in r["steps"].values())
     assert runs["generate"]["rows"] == 1998  # every 1000th row has no prompt
+    assert runs["generate"]["rows_s"] < runs["generate"]["generate_rows_s"]  # the call alone: no start-up
     assert report["ratios"]["run/generate@2000"] > 0 and "run/generate@2000" in proc.stdout
+
+
+def test_job_bench_vllm_case_needs_its_python():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "bench_jobs.py"), "--cases", "vllm"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "the vllm case needs --vllm-python" in proc.stderr
 
 
 def test_vocab_engine_pass_runs_every_sampling_kind(tmp_path):
