@@ -63,6 +63,18 @@ def test_activations_quantize_like_the_reference(dtype):
     assert int(q.min()) == 1 and int(q.max()) == 255  # every row's largest |x| maps to +-127
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_ties_round_half_to_even(dtype):
+    """Scale 1 (the row's largest |x| is 127), so every x.5 is a tie: the vector loop (8 at a time) and the tail
+    round them as the reference does."""
+    ties = [127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -126.5]
+    x = torch.tensor([ties * 2 + ties[:3]], dtype=dtype)  # 19 values: two vectors and a tail of 3
+    q, scale = ops.quantize_int8_rows(x)
+    expected_q, expected_scale = reference.quantize_int8_rows(x)
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale) and float(scale[0]) == 1.0
+    assert q[0, :8].tolist() == [255, 130, 126, 132, 128, 128, 130, 2]
+
+
 def test_weights_quantize_per_output_feature():
     w = torch.randn(50, 70) * torch.logspace(-3, 1, 50)[:, None]
     packed = ops.pack_int8_weight(w)
