@@ -177,11 +177,16 @@ def step_done(result: CaseResult, step: str, p: Process) -> None:
     print(f"  {result.case} {result.rows:,}: {step} {p.seconds:.1f}s, peak {p.peak_rss_mb:.0f} MB", flush=True)
 
 
+def engine_case(case: str, size: int, p: Process) -> CaseResult:
+    """A generate child's (generate, vllm) result: the rows with a prompt, over its process and its call alone."""
+    rows = size - size // ERROR_EVERY
+    return CaseResult(case, size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb,
+                      generate_rows_s=rows / generate_seconds(p))
+
+
 def bench_generate(root: Path, model: Path, size: int) -> CaseResult:
     p = run_child([sys.executable, __file__, "--child-generate", str(model), str(root / "in" / "data.parquet")])
-    rows = size - size // ERROR_EVERY
-    return CaseResult("generate", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb,
-                      generate_rows_s=rows / generate_seconds(p))
+    return engine_case("generate", size, p)
 
 
 def input_prompts(data: str) -> list[str]:
@@ -197,9 +202,7 @@ def bench_vllm(root: Path, model: Path, size: int, python: str) -> CaseResult:
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps(input_prompts(str(root / "in" / "data.parquet"))))
     p = run_child([python, __file__, "--child-vllm", str(model), str(prompts)], env=vllm_env(python))
-    rows = size - size // ERROR_EVERY
-    return CaseResult("vllm", size, rows, p.seconds, rows / p.seconds, p.peak_rss_mb,
-                      generate_rows_s=rows / generate_seconds(p))
+    return engine_case("vllm", size, p)
 
 
 GENERATE_TAG = "generate-seconds"
