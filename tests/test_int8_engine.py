@@ -1,7 +1,8 @@
 """The int8 engine path (`LLM(model, quantization="int8")`, docs/int8.md) on a tiny Llama: greedy outputs
 token for token those of an int8 pure-torch reference model (transformers' model with each projection
 replaced by the same quantization simulated in torch, `batchgen.ops.reference.linear_int8`), rows alone the
-same as in a batch, and the option refused where it cannot run.
+same as in a batch, the layers in one call (`ops.DecoderStack` on int8 projections) the same as the Python layers
+bit for bit, and the option refused where it cannot run.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import torch
 import transformers as tf
 from conftest import ARCHITECTURES
 from jobkit import REPO, cli, job_dict, setup_job, write_job
+from test_decoder_stack import CountingStack, run
 from test_llm import GREEDY, MAX_NEW, make_prompts, tokens
 from torch import nn
 
-from batchgen import LLM, SamplingParams
+from batchgen import _C, LLM, SamplingParams, ops
 from batchgen.config import ConfigError
 from batchgen.job.spec import _drop_later_defaults, load_job
 from batchgen.ops import pack_int8_weight, reference
@@ -96,6 +98,46 @@ def test_a_row_alone_equals_the_row_in_a_batch(tiny_model_dirs, dtype):
         alone = llm.generate([prompt], [p], use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == together.outputs[0].token_ids
         assert alone.outputs[0].logprobs == together.outputs[0].logprobs
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "bfloat16"), ("qwen2", "float32"), ("qwen3", "bfloat16")])
+def test_the_int8_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch, dtype):
+    """A bias on qkv (Qwen2), q/k norms (Qwen3)."""
+    llm = LLM(tiny_model_dirs[arch], dtype=dtype, quantization="int8", kv_cache_memory="32MiB",
+              max_num_batched_tokens=64, max_num_seqs=16, enable_prefix_caching=False)
+    stack = llm.engine.runner.model.decoder_stack
+    assert stack is not None and stack.num_layers == 2
+    counting = CountingStack(stack)
+    ours, theirs = run(llm, counting), run(llm, None)
+    assert counting.calls > 0
+    seconds = stack.op_seconds()
+    assert seconds["qkv"] > 0 and seconds["gate_up"] > 0 and seconds["down"] > 0
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+
+
+def test_the_int8_stack_runs_on_every_kernel_table(tiny_model_dirs, cpu_isas):
+    """The int8 loops need no bf16 GEMM: the stack runs where the bf16 stack falls back to the Python layers."""
+    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", quantization="int8", kv_cache_memory="32MiB")
+    model = llm.engine.runner.model
+    stack = model.decoder_stack
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        model.decoder_stack = counting = CountingStack(stack)
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+        assert counting.calls > 0, isa
+
+
+def test_the_int8_stack_refuses_lora():
+    stack = ops.DecoderStack([[torch.empty(0)] * 7], [None], 4, 2, 64, 128, 256, 1e-6, 0.125,
+                             int8=[[(torch.empty(0), torch.empty(0))] * 4])
+    with pytest.raises(ValueError, match="LoRA needs bf16 projections, not int8"):
+        stack.set_lora([[[], [], [], []]])
+    with pytest.raises(ValueError, match="needs the int8 .* of qkv, o, gate_up and down, got 3"):
+        ops.DecoderStack([[torch.empty(0)] * 7], [None], 4, 2, 64, 128, 256, 1e-6, 0.125,
+                         int8=[[(torch.empty(0), torch.empty(0))] * 3])
 
 
 def test_unknown_or_impossible_quantization_is_refused(tiny_model_dirs):

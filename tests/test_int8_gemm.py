@@ -2,7 +2,8 @@
 reference (`batchgen.ops.reference`): the same quantized operands must give the same int32 sums and the same
 float32 / bf16 outputs bit for bit, on every loop this processor runs (scalar, AVX2, AVX-VNNI, AVX512-VNNI,
 AMX-INT8) and under every kernel table (which picks the loop by default); a row's output must not depend on
-the other rows or the thread count.
+the other rows or the thread count. The MLP's gate and up in one call (`ops.linear_silu_mul_int8`) gives the
+reference's product within the SiLU's rounding.
 """
 
 from __future__ import annotations
@@ -112,6 +113,62 @@ def test_every_kernel_table_runs_the_int8_gemm_like_the_reference(cpu_isas):
         assert loops["amx_bf16"] == "amx_int8"
 
 
+def _silu_mul_operands(rows: int, depth: int, cols: int, seed: int, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, depth, generator=gen) * 3).to(dtype)
+    w = torch.randn(2 * cols, depth, generator=gen) / depth**0.5
+    return x, w, ops.pack_int8_gate_up(w)
+
+
+def test_gate_up_panels_alternate_the_two_halves():
+    _, w, packed = _silu_mul_operands(1, 130, 100, seed=2)  # 100 outputs: three panels each, the last padded
+    assert packed.gate_up and packed.out_features == 100 and packed.panels.shape[0] == 6
+    for half, want in zip(reference.gate_up_halves(packed), (w[:100], w[100:]), strict=True):
+        alone = ops.pack_int8_weight(want)
+        for name in ("panels", "scale", "compensation"):
+            assert torch.equal(getattr(half, name), getattr(alone, name)), name
+
+
+def _assert_silu_mul_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 within the SiLU's rounding (its exp is not torch's); bf16 the same value but where that rounding
+    crosses a bf16 boundary (one unit in the last place)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        return
+    ulp = want.float().abs() * 2.0**-7 + 1e-30
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert float((got == want).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize(("rows", "depth", "cols"), [(1, 64, 48), (5, 130, 100), (16, 576, 96), (67, 200, 37),
+                                                     (130, 64, 150)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("int8_kernel")
+def test_silu_mul_equals_the_reference(rows, depth, cols, dtype):
+    x, _, packed = _silu_mul_operands(rows, depth, cols, seed=rows + cols, dtype=dtype)
+    got = ops.linear_silu_mul_int8(x, packed)
+    assert got.dtype == dtype and got.shape == (rows, cols)
+    _assert_silu_mul_close(got, reference.linear_silu_mul_int8(x, packed))
+
+
+def test_every_kernel_table_runs_silu_mul_like_the_reference(cpu_isas):
+    x, _, packed = _silu_mul_operands(40, 300, 120, seed=6)
+    want = reference.linear_silu_mul_int8(x, packed)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        _assert_silu_mul_close(ops.linear_silu_mul_int8(x, packed), want)
+
+
+@pytest.mark.usefixtures("int8_kernel")
+def test_a_silu_mul_row_does_not_depend_on_the_batch_or_the_threads():
+    x, _, packed = _silu_mul_operands(200, 576, 200, seed=12)
+    with torch_threads(1):
+        alone = torch.cat([ops.linear_silu_mul_int8(x[i : i + 1], packed) for i in range(0, 200, 13)])
+    with torch_threads(2):
+        batched = ops.linear_silu_mul_int8(x, packed)[::13]
+    assert torch.equal(alone, batched)
+
+
 def test_bad_operands_are_refused_in_one_line():
     x, packed, _, _ = _operands(4, 64, 48, seed=1)
     q, scale = ops.quantize_int8_rows(x)
@@ -119,5 +176,12 @@ def test_bad_operands_are_refused_in_one_line():
         _C.gemm_int8(torch.empty(4, 48), q.to(torch.int8), scale, packed.panels, packed.compensation, packed.scale)
     with pytest.raises(ValueError, match="gemm_int8: weight must be"):
         _C.gemm_int8(torch.empty(4, 97), q, scale, packed.panels, packed.compensation, packed.scale)
+    with pytest.raises(ValueError, match="the weight must come from pack_int8_gate_up"):
+        ops.linear_silu_mul_int8(x, packed)
+    with pytest.raises(ValueError, match="linear_silu_mul_int8: weight must be .* 24 outputs of gate and up"):
+        _C.linear_silu_mul_int8(torch.empty(4, 24), x, packed.panels, packed.compensation, packed.scale)
+    with pytest.raises(ValueError, match="linear_silu_mul_int8: out must be float32 or bfloat16"):
+        _C.linear_silu_mul_int8(torch.empty(4, 24, dtype=torch.int32), x, packed.panels.repeat(2, 1, 1, 1),
+                                packed.compensation.repeat(2), packed.scale.repeat(2))
     with pytest.raises(ValueError, match="int8 GEMM kernel 'nope' is not supported"):
         _C.set_int8_kernel("nope")

@@ -182,6 +182,23 @@ class Int8Linear(nn.Module):
         return _with_leading_shape(ops.linear_int8(_as_rows(x), self.weight, self.bias), x)
 
 
+class Int8SiluAndMul(nn.Module):
+    """silu(x W_gate^T) * (x W_up^T) on int8 compute from a fused [gate; up] weight (`ops.linear_silu_mul_int8`):
+    x quantized once, both products' float32 results multiplied in the GEMM's tasks and rounded once, as
+    `PackedSiluAndMul` does in bf16. Inference only."""
+
+    def __init__(self, gate_up_weight: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
+        self.weight = ops.pack_int8_gate_up(gate_up_weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _with_leading_shape(ops.linear_silu_mul_int8(_as_rows(x), self.weight), x)
+
+
 def quantize_linears(module: nn.Module) -> None:
     """Replaces every `Linear` below module by an `Int8Linear` (dropping the plain weight)."""
     for name, child in list(module.named_children()):

@@ -34,8 +34,8 @@ class GeluMLP(MLP):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
-    def pack(self) -> None:
-        """The fused SiLU GEMM does not apply: gate_up_proj packs as a plain projection."""
+    def pack(self, quantization: str | None = None) -> None:
+        """The fused SiLU GEMMs do not apply: gate_up_proj packs (or quantizes) as a plain projection."""
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -18,6 +18,8 @@ from torch import nn
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
 from batchgen.layers.linear import (
+    Int8Linear,
+    Int8SiluAndMul,
     Linear,
     PackedLinear,
     PackedModule,
@@ -111,7 +113,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.packed_gate_up: PackedSiluAndMul | None = None  # replaces gate_up_proj once packed
+        self.packed_gate_up: PackedSiluAndMul | Int8SiluAndMul | None = None  # replaces gate_up_proj once packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_gate_up is not None:
@@ -119,10 +121,15 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def pack(self) -> None:
-        if can_pack(self.gate_up_proj.weight):
-            self.packed_gate_up = PackedSiluAndMul(self.gate_up_proj.weight)
-            del self.gate_up_proj
+    def pack(self, quantization: str | None = None) -> None:
+        weight = self.gate_up_proj.weight
+        if quantization == "int8":
+            self.packed_gate_up = Int8SiluAndMul(weight)
+        elif can_pack(weight):
+            self.packed_gate_up = PackedSiluAndMul(weight)
+        else:
+            return
+        del self.gate_up_proj
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._tied_head: PackedLinear | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
+        self._int8_stack = False  # the stack's projections are int8 (run on every kernel table), not bf16 panels
         self.lora_batch: LoRABatch | None = None  # the step's adapter segments, once attach_lora gave the stack slots
 
     @property
@@ -186,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.angles(positions)
         lora = {"lora_segments": self.lora_batch.table()} if self.lora_batch and self.lora_batch.segments else {}
-        if self.decoder_stack is not None and ops.has_gemm_bf16():
+        if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()):
             attn = self.attention_layers()
             x, residual = self.decoder_stack.forward(
                 x, positions, rope.cos_sin, [a.key_cache for a in attn], [a.value_cache for a in attn],
@@ -218,9 +226,11 @@ class LlamaForCausalLM(nn.Module):
         side by side onto huge pages (`gather_panels`). `for_lora`: LoRA adds to gate and up before the
         activation; the decoder stack adds them inside its fused GEMM, but without the stack gate and up stay one
         plain projection for `LoRALinear` and the layers run in Python. `quantization="int8"`: the layers'
-        projections run on int8 compute (`Int8Linear`), in the Python layers; the head, the embeddings and the
-        norms stay in the model's dtype."""
+        projections run on int8 compute (`Int8Linear`, gate and up as one `Int8SiluAndMul`); the head, the embeddings
+        and the norms stay in the model's dtype."""
         if quantization == "int8":
+            for layer in self.layers:
+                layer.mlp.pack(quantization)
             quantize_linears(self.layers)
         elif not for_lora or self._stack_applies():
             for layer in self.layers:
@@ -255,26 +265,34 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_decoder_stack(self) -> None:
         """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
-        AVX512-BF16), `forward` runs the layers (Qwen3's q/k norms included) as one `ops.DecoderStack`
-        call: the same checked ops in the same order as `DecoderLayer.forward`, so the same results bit
-        for bit, without the Python around them (~60 us a layer: ~1.6 ms of a 7.6 ms SmolLM2 decode step
-        of 8 sequences). The stack holds the packed weights: packing again means building it again."""
+        AVX512-BF16) or all run on int8 compute, `forward` runs the layers (Qwen3's q/k norms included) as one
+        `ops.DecoderStack` call: the same checked ops in the same order as `DecoderLayer.forward`, so the same
+        results bit for bit, without the Python around them (~60 us a layer: ~1.6 ms of a 7.6 ms SmolLM2 decode
+        step of 8 sequences). The stack holds the packed weights: packing again means building it again."""
         cfg = self.cfg
         projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.packed_gate_up,
                         layer.mlp.down_proj) for layer in self.layers]
-        if not all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps):
+        int8 = all(isinstance(p, Int8Linear | Int8SiluAndMul) for ps in projections for p in ps)
+        if not (int8 or all(isinstance(p, PackedModule) and p.uses_panels for ps in projections for p in ps)):
             return
         if not self._llama_attention():
             return
         windows = set(cfg.sliding_windows or (0,))
-        weights = [[layer.input_layernorm.weight, qkv.packed, o.packed, layer.post_attention_layernorm.weight,
-                    gate_up.gate, gate_up.up, down.packed]
-                   + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else [])
-                   for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True)]
+        weights = []
+        for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True):
+            if int8:  # gate_up's panels alternate gate's and up's; the stack's up is unused
+                panels = [p.weight.panels for p in (qkv, o, gate_up)] + [torch.empty(0), down.weight.panels]
+            else:
+                panels = [qkv.packed, o.packed, gate_up.gate, gate_up.up, down.packed]
+            weights.append([layer.input_layernorm.weight, *panels[:2], layer.post_attention_layernorm.weight,
+                            *panels[2:]]
+                           + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else []))
+        int8_scales = [[(p.weight.compensation, p.weight.scale) for p in ps] for ps in projections] if int8 else []
         self.decoder_stack = ops.DecoderStack(
             weights, [qkv.bias for qkv, *_ in projections], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-            **({"sliding_window": window} if (window := windows.pop()) else {}))
+            **({"sliding_window": window} if (window := windows.pop()) else {}), int8=int8_scales)
+        self._int8_stack = int8
 
     def _fused_pieces(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint projection -> (the fused projection holding it, first output row, rows)."""

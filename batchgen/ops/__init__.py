@@ -248,13 +248,15 @@ class Int8Weight:
     (engine_src/csrc/cpu/gemm_int8.h): `panels` int8 [ceil(out / P), depth / 4, P, 4], P = `_C.GEMM_PANEL_COLS`,
     the depth in_features rounded up to `_C.INT8_DEPTH_STEP` with zeros; `scale` float32 and `compensation`
     (128 * the sum of a feature's int8 weights, for the loops that multiply activations offset by 128) int32,
-    [ceil(out / P) * P] each, the padding features' scale 1 and weights 0."""
+    [ceil(out / P) * P] each, the padding features' scale 1 and weights 0. `gate_up` (`pack_int8_gate_up`): the
+    panels, scales and compensations alternate those of a gate and an up projection of `out_features` each."""
 
     panels: torch.Tensor
     scale: torch.Tensor
     compensation: torch.Tensor
     out_features: int
     in_features: int
+    gate_up: bool = False
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +280,22 @@ def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
     compensation = padded.sum(dim=1, dtype=torch.int32) * 128
     scale = torch.nn.functional.pad(scale, (0, count * cols - out_features), value=1.0)
     return Int8Weight(panels, scale.contiguous(), compensation.contiguous(), out_features, in_features)
+
+
+def pack_int8_gate_up(weight: torch.Tensor) -> Int8Weight:
+    """A fused [gate; up] weight [2 * out_features, in_features] packed for `linear_silu_mul_int8`: each half
+    quantized as `pack_int8_weight` does, their panels alternating (gate's first), so that one task of the GEMM
+    has a panel of both at hand."""
+    half = weight.shape[0] // 2
+    gate, up = pack_int8_weight(weight[:half]), pack_int8_weight(weight[half:])
+
+    count = gate.panels.shape[0]
+
+    def alternate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per panel: a's part, then b's
+        return torch.stack((a.view(count, -1), b.view(count, -1)), dim=1).reshape(-1, *a.shape[1:])
+
+    return Int8Weight(alternate(gate.panels, up.panels), alternate(gate.scale, up.scale),
+                      alternate(gate.compensation, up.compensation), half, weight.shape[1], gate_up=True)
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,6 +330,18 @@ def linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
         return reference.linear_int8(x, weight, bias, out_dtype)
     out = torch.empty(x.shape[0], weight.out_features, dtype=out_dtype)
     _C.linear_int8(out, x, weight.panels, weight.compensation, weight.scale, bias)
+    return out
+
+
+def linear_silu_mul_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """silu(x G^T) * (x U^T) in x's dtype for G and U packed by `pack_int8_gate_up`: x quantized once, both
+    products' float32 results multiplied in the GEMM's tasks and rounded once (int8's MLP)."""
+    if not weight.gate_up:
+        raise ValueError("linear_silu_mul_int8: the weight must come from pack_int8_gate_up")
+    if not x.is_cpu:
+        return reference.linear_silu_mul_int8(x, weight)
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    _C.linear_silu_mul_int8(out, x, weight.panels, weight.compensation, weight.scale)
     return out
 
 

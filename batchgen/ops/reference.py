@@ -296,3 +296,22 @@ def gemm_int8(q: torch.Tensor, x_scale: torch.Tensor, weight, bias: torch.Tensor
 def linear_int8(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return gemm_int8(*quantize_int8_rows(x), weight, bias, out_dtype or x.dtype)
+
+
+def gate_up_halves(weight):
+    """The gate's and the up projection's int8 weights that `batchgen.ops.pack_int8_gate_up` interleaved."""
+    from batchgen.ops import Int8Weight
+
+    count = weight.panels.shape[0] // 2
+
+    def half(t: torch.Tensor, which: int) -> torch.Tensor:
+        return t.view(count, 2, -1)[:, which].reshape(-1, *t.shape[1:])
+
+    return [Int8Weight(half(weight.panels, i), half(weight.scale, i), half(weight.compensation, i),
+                       weight.out_features, weight.in_features) for i in (0, 1)]
+
+
+def linear_silu_mul_int8(x: torch.Tensor, weight) -> torch.Tensor:
+    q, x_scale = quantize_int8_rows(x)
+    gate, up = (gemm_int8(q, x_scale, w) for w in gate_up_halves(weight))
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)

@@ -594,16 +594,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](const std::vector<std::vector<Tensor>>& layers,
                        const std::vector<c10::optional<Tensor>>& qkv_biases, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t hidden, int64_t intermediate, double eps, double scale,
-                       int64_t sliding_window) {
+                       int64_t sliding_window, const std::vector<std::vector<std::tuple<Tensor, Tensor>>>& int8) {
              TORCH_CHECK_VALUE(qkv_biases.size() == layers.size(), "DecoderStack: ", layers.size(), " layers but ",
                                qkv_biases.size(), " qkv biases");
+             TORCH_CHECK_VALUE(int8.empty() || int8.size() == layers.size(), "DecoderStack: ", layers.size(),
+                               " layers but ", int8.size(), " entries of int8 scales");
              std::vector<batchgen::DecoderLayerWeights> weights;
              for (size_t i = 0; i < layers.size(); ++i) {
                const std::vector<Tensor>& l = layers[i];
                TORCH_CHECK_VALUE(l.size() == 7 || l.size() == 9, "DecoderStack: layer ", i,
                                  " needs 7 tensors (input_norm, qkv, o, post_norm, gate, up, down) and optionally "
                                  "q_norm and k_norm, got ", l.size());
-               weights.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], qkv_biases[i]});
+               TORCH_CHECK_VALUE(int8.empty() || int8[i].size() == 4, "DecoderStack: layer ", i,
+                                 " needs the int8 (compensation, w_scale) of qkv, o, gate_up and down, got ",
+                                 int8[i].size());
+               // The projection in slot `at` of l, the `which`-th int8 one.
+               auto weight = [&](size_t at, size_t which) {
+                 if (int8.empty()) return batchgen::PackedWeight{l[at]};
+                 const auto& [compensation, w_scale] = int8[i][which];
+                 return batchgen::PackedWeight{l[at], compensation, w_scale};
+               };
+               weights.push_back({l[0], weight(1, 0), weight(2, 1), l[3], weight(4, 2),
+                                  batchgen::PackedWeight{l[5]}, weight(6, 3), qkv_biases[i]});
                if (l.size() == 9) {
                  weights.back().q_norm = l[7];
                  weights.back().k_norm = l[8];
@@ -617,7 +629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("layers"), py::arg("qkv_biases"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-           py::arg("sliding_window") = 0)
+           py::arg("sliding_window") = 0, py::arg("int8") = std::vector<std::vector<std::tuple<Tensor, Tensor>>>{})
       .def("forward", &batchgen::DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
            py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),
@@ -660,6 +672,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &batchgen::cpu::linear_int8, "quantize_int8_rows then gemm_int8 in one call", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("compensation"), py::arg("w_scale"), py::arg("bias") = py::none(),
         no_gil);
+  m.def("linear_silu_mul_int8", &batchgen::cpu::linear_silu_mul_int8,
+        "out = silu(x gate^T) * (x up^T) on int8 panels alternating gate and up", py::arg("out"), py::arg("x"),
+        py::arg("weight"), py::arg("compensation"), py::arg("w_scale"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

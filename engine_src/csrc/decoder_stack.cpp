@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "checked_ops.h"
+#include "ops.h"
 
 namespace batchgen {
 
@@ -14,8 +15,12 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, DecoderShape
   const DecoderShape& s = shape_;
   TORCH_CHECK_VALUE(!layers_.empty(), "DecoderStack: no layers");
   for (size_t i = 0; i < layers_.size(); ++i) {
-    TORCH_CHECK_VALUE(layers_[i].q_norm.has_value() == layers_[i].k_norm.has_value(), "DecoderStack: layer ", i,
+    const DecoderLayerWeights& w = layers_[i];
+    TORCH_CHECK_VALUE(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: layer ", i,
                       " has a q norm or a k norm without the other");
+    const bool int8 = layers_[0].qkv.int8();
+    TORCH_CHECK_VALUE(w.qkv.int8() == int8 && w.o.int8() == int8 && w.gate.int8() == int8 && w.down.int8() == int8,
+                      "DecoderStack: layer ", i, " mixes int8 and bf16 projections");
   }
   TORCH_CHECK_VALUE(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0 && s.head_dim > 0 &&
                         s.hidden > 0 && s.intermediate > 0,
@@ -64,6 +69,16 @@ void check_lora(const LoRAProjection& p, size_t layer, const char* name, int64_t
                     "'s pieces cover ", next, " of its ", out, " columns");
 }
 
+// out = in W^T (+ bias) (+ addend, bf16 only: set_lora refuses int8 stacks).
+void project(Tensor& out, const Tensor& in, const PackedWeight& w, const c10::optional<Tensor>& bias,
+             const c10::optional<Tensor>& addend) {
+  if (w.int8()) {
+    cpu::linear_int8(out, in, w.panels, *w.compensation, *w.w_scale, bias);
+  } else {
+    checked::gemm_bf16(out, in, w.panels, bias, addend);
+  }
+}
+
 const Tensor& required(const c10::optional<Tensor>& t, const char* name, const char* when) {
   TORCH_CHECK_VALUE(t.has_value(), "DecoderStack.forward: ", name, " is needed ", when);
   return *t;
@@ -73,6 +88,7 @@ const Tensor& required(const c10::optional<Tensor>& t, const char* name, const c
 
 void DecoderStack::set_lora(std::vector<DecoderLayerLoRA> lora) {
   const DecoderShape& s = shape_;
+  TORCH_CHECK_VALUE(!layers_[0].qkv.int8(), "DecoderStack.set_lora: LoRA needs bf16 projections, not int8");
   TORCH_CHECK_VALUE(lora.size() == layers_.size(), "DecoderStack.set_lora: ", layers_.size(), " layers but ",
                     lora.size(), " entries");
   const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
@@ -126,7 +142,7 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
     const DecoderLayerLoRA* lora = with_lora ? &lora_[i] : nullptr;
     Tensor qkv = torch::empty({tokens, q_size + 2 * kv_size}, options);
     const auto qkv_terms = lora ? addend(lora->qkv, x, q_size + 2 * kv_size) : c10::nullopt;
-    timed(seconds[kQkv], [&] { checked::gemm_bf16(qkv, x, w.qkv, w.qkv_bias, qkv_terms); });
+    timed(seconds[kQkv], [&] { project(qkv, x, w.qkv, w.qkv_bias, qkv_terms); });
     Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
     Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
@@ -165,14 +181,20 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
     Tensor o = torch::empty({tokens, s.hidden}, options);
     const Tensor attn_rows = attn.view({tokens, q_size});
     const auto o_terms = lora ? addend(lora->o, attn_rows, s.hidden) : c10::nullopt;
-    timed(seconds[kO], [&] { checked::gemm_bf16(o, attn_rows, w.o, c10::nullopt, o_terms); });
+    timed(seconds[kO], [&] { project(o, attn_rows, w.o, c10::nullopt, o_terms); });
     timed(seconds[kNorms], [&] { checked::fused_add_rms_norm(o, residual, w.post_norm, s.eps); });
     Tensor h = torch::empty({tokens, s.intermediate}, options);
     const auto gate_up_terms = lora ? addend(lora->gate_up, o, 2 * s.intermediate) : c10::nullopt;
-    timed(seconds[kGateUp], [&] { checked::gemm_silu_mul_bf16(h, o, w.gate, w.up, gate_up_terms); });
+    timed(seconds[kGateUp], [&] {
+      if (w.gate.int8()) {
+        cpu::linear_silu_mul_int8(h, o, w.gate.panels, *w.gate.compensation, *w.gate.w_scale);
+      } else {
+        checked::gemm_silu_mul_bf16(h, o, w.gate.panels, w.up.panels, gate_up_terms);
+      }
+    });
     x = torch::empty({tokens, s.hidden}, options);
     const auto down_terms = lora ? addend(lora->down, h, s.hidden) : c10::nullopt;
-    timed(seconds[kDown], [&] { checked::gemm_bf16(x, h, w.down, c10::nullopt, down_terms); });
+    timed(seconds[kDown], [&] { project(x, h, w.down, c10::nullopt, down_terms); });
   }
   return {x, residual};
 }

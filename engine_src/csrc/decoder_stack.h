@@ -12,11 +12,23 @@
 
 namespace batchgen {
 
-// One layer's weights: the norms' weights ([hidden], the activation dtype) and the projections as
-// bf16 GEMM panels (ops.h); qkv_bias float32 [q + 2 * kv] or none; q_norm and k_norm ([head_dim],
-// Qwen3's norms of each head's q and k before the rotary embedding) both or neither.
+// A projection's packed weight: bf16 GEMM panels (ops.h), or int8 panels with their compensation sums and
+// scales (ops.h's linear_int8: the input quantized per row on the fly).
+struct PackedWeight {
+  torch::Tensor panels;
+  c10::optional<torch::Tensor> compensation, w_scale;
+  bool int8() const { return compensation.has_value(); }
+};
+
+// One layer's weights: the norms' weights ([hidden], the activation dtype) and the projections, all bf16 or all
+// int8 (quantization="int8"); in int8, gate's panels alternate with up's (linear_silu_mul_int8) and up is unused.
+// qkv_bias float32 [q + 2 * kv] or none; q_norm and k_norm ([head_dim], Qwen3's norms of each head's q and k
+// before the rotary embedding) both or neither.
 struct DecoderLayerWeights {
-  torch::Tensor input_norm, qkv, o, post_norm, gate, up, down;
+  torch::Tensor input_norm;
+  PackedWeight qkv, o;
+  torch::Tensor post_norm;
+  PackedWeight gate, up, down;
   c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;
 };
 
@@ -59,7 +71,7 @@ class DecoderStack {
       const c10::optional<torch::Tensor>& prefill_query_start_loc,
       const c10::optional<torch::Tensor>& lora_segments = c10::nullopt) const;
 
-  // The adapters' weights, one entry a layer (checked against the shape).
+  // The adapters' weights, one entry a layer (checked against the shape); bf16 projections only.
   void set_lora(std::vector<DecoderLayerLoRA> lora);
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

@@ -3,8 +3,10 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/gemm_int8.h"
@@ -79,14 +81,52 @@ void run_int8_gemm(const Int8GemmArgs& args) {
   });
 }
 
+// run_int8_gemm for a gate_up weight (check_int8_weight): each pair of panels multiplies kSiluMulRows rows at a
+// time into float32 sums on the stack, which the kernel table's silu_mul_row turns into the pair's columns of
+// out while they are in cache.
+void run_int8_silu_mul(const Int8GemmArgs& args) {
+  constexpr int64_t kSiluMulRows = 4 * kInt8BlockRows;
+  const Int8GemmFn gemm = kernel_in_use().gemm;
+  const SiluMulRowFn finish = active_kernels().silu_mul_row[args.out_kind == Int8Out::bf16 ? 1 : 0];
+  const int64_t pairs = (args.cols + kInt8PanelCols - 1) / kInt8PanelCols, panel_bytes = args.depth * kInt8PanelCols;
+  const int64_t element_bytes = args.out_kind == Int8Out::bf16 ? 2 : 4;
+  parallel_panels(args.rows, pairs, kInt8BlockRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
+    alignas(64) float sums[kSiluMulRows][2 * kInt8PanelCols];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      Int8GemmArgs part = args;
+      part.weight = args.weight + 2 * pair * panel_bytes;
+      part.compensation = args.compensation + 2 * pair * kInt8PanelCols;
+      part.w_scale = args.w_scale + 2 * pair * kInt8PanelCols;
+      part.out = sums;
+      part.out_stride = 2 * kInt8PanelCols;
+      part.out_kind = Int8Out::f32;
+      part.cols = 2 * kInt8PanelCols;
+      const int64_t col = pair * kInt8PanelCols, width = std::min<int64_t>(kInt8PanelCols, args.cols - col);
+      for (int64_t row = first_row; row < first_row + rows; row += kSiluMulRows) {
+        const int64_t count = std::min(kSiluMulRows, first_row + rows - row);
+        part.x = args.x + row * args.x_stride;
+        part.x_scale = args.x_scale + row;
+        part.rows = count;
+        gemm(part, 0, 2);
+        for (int64_t r = 0; r < count; ++r) {
+          char* out = static_cast<char*>(args.out) + ((row + r) * args.out_stride + col) * element_bytes;
+          finish(sums[r], sums[r] + kInt8PanelCols, out, width);
+        }
+      }
+    }
+  });
+}
+
+// `gate_up`: the panels alternate a gate's and an up projection's, each of `cols` outputs.
 void check_int8_weight(const char* op, const torch::Tensor& weight, const torch::Tensor& compensation,
-                       const torch::Tensor& w_scale, int64_t depth, int64_t cols) {
-  const int64_t panels = (cols + kInt8PanelCols - 1) / kInt8PanelCols;
+                       const torch::Tensor& w_scale, int64_t depth, int64_t cols, bool gate_up) {
+  const int64_t panels = (cols + kInt8PanelCols - 1) / kInt8PanelCols * (gate_up ? 2 : 1);
   TORCH_CHECK_VALUE(weight.is_cpu() && weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
                         weight.dim() == 4 && weight.size(0) == panels && weight.size(1) * kInt8GroupBytes == depth &&
                         weight.size(2) == kInt8PanelCols && weight.size(3) == kInt8GroupBytes,
                     op, ": weight must be contiguous int8 CPU panels [", panels, ", ", depth / kInt8GroupBytes, ", ",
-                    kInt8PanelCols, ", ", kInt8GroupBytes, "] for ", cols, " outputs, got ", weight.scalar_type(), " ",
+                    kInt8PanelCols, ", ", kInt8GroupBytes, "] for ", cols, gate_up ? " outputs of gate and up" : " outputs",
+                    ", got ", weight.scalar_type(), " ",
                     weight.sizes());
   for (const auto& [name, t, dtype] : {std::tuple{"compensation", &compensation, torch::kInt32},
                                        std::tuple{"w_scale", &w_scale, torch::kFloat32}}) {
@@ -99,7 +139,7 @@ void check_int8_weight(const char* op, const torch::Tensor& weight, const torch:
 
 Int8GemmArgs int8_args(const char* op, torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& x_scale,
                        const torch::Tensor& weight, const torch::Tensor& compensation, const torch::Tensor& w_scale,
-                       const c10::optional<torch::Tensor>& bias) {
+                       const c10::optional<torch::Tensor>& bias, bool gate_up = false) {
   TORCH_CHECK_VALUE(q.is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.stride(1) == 1 &&
                         q.size(1) % kInt8DepthStep == 0,
                     op, ": q must be a uint8 CPU tensor [rows, depth], depth a multiple of ", kInt8DepthStep,
@@ -114,7 +154,7 @@ Int8GemmArgs int8_args(const char* op, torch::Tensor& out, const torch::Tensor& 
                     op, ": out must be a float32, bfloat16 or int32 CPU tensor [", rows,
                     ", cols] contiguous in its last dimension, got ", kind, " ", out.sizes());
   const int64_t cols = out.size(1);
-  check_int8_weight(op, weight, compensation, w_scale, depth, cols);
+  check_int8_weight(op, weight, compensation, w_scale, depth, cols, gate_up);
   Int8GemmArgs args{};
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
@@ -200,17 +240,37 @@ void gemm_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
   run_int8_gemm(int8_args("gemm_int8", out, q, x_scale, weight, compensation, w_scale, bias));
 }
 
-void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
-                 const torch::Tensor& compensation, const torch::Tensor& w_scale,
-                 const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK_VALUE(weight.dim() == 4, "linear_int8: weight must be int8 panels, got ", weight.sizes());
+namespace {
+
+// x quantized per row for weight's panels: (q, x_scale).
+std::pair<torch::Tensor, torch::Tensor> quantized_input(const char* op, const torch::Tensor& x,
+                                                        const torch::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 4, op, ": weight must be int8 panels, got ", weight.sizes());
   const int64_t padded = weight.size(1) * kInt8GroupBytes;
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) <= padded && x.size(1) > padded - kInt8DepthStep,
-                    "linear_int8: x has ", x.size(1), " features, the weight's panels ", padded, " (padded)");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) <= padded && x.size(1) > padded - kInt8DepthStep, op, ": x has ",
+                    x.size(1), " features, the weight's panels ", padded, " (padded)");
   torch::Tensor q = torch::empty({x.size(0), padded}, x.options().dtype(torch::kUInt8));
   torch::Tensor x_scale = torch::empty({x.size(0)}, x.options().dtype(torch::kFloat32));
   quantize_int8_rows(x, q, x_scale);
+  return {q, x_scale};
+}
+
+}  // namespace
+
+void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                 const torch::Tensor& compensation, const torch::Tensor& w_scale,
+                 const c10::optional<torch::Tensor>& bias) {
+  const auto [q, x_scale] = quantized_input("linear_int8", x, weight);
   gemm_int8(out, q, x_scale, weight, compensation, w_scale, bias);
+}
+
+void linear_silu_mul_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                          const torch::Tensor& compensation, const torch::Tensor& w_scale) {
+  const char* op = "linear_silu_mul_int8";
+  const auto [q, x_scale] = quantized_input(op, x, weight);
+  const Int8GemmArgs args = int8_args(op, out, q, x_scale, weight, compensation, w_scale, c10::nullopt, true);
+  TORCH_CHECK_VALUE(args.out_kind != Int8Out::i32, op, ": out must be float32 or bfloat16, got int32");
+  run_int8_silu_mul(args);
 }
 
 }  // namespace batchgen::cpu

@@ -175,6 +175,28 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
   return reduce_add(sum + p);
 }
 
+// out = round(silu(gate) * up) in float32, silu(g) = g * sigmoid(g) with exp only ever of -|g| (no overflow):
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
+template <typename T>
+void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
+  T* out = static_cast<T*>(out_);
+  const Vec one = Vec::set1(1.0f);
+  for (int64_t i = 0; i < n; i += Vec::N) {
+    const int count = n - i < Vec::N ? static_cast<int>(n - i) : Vec::N;
+    float g_tail[Vec::N] = {}, u_tail[Vec::N] = {}, y[Vec::N];
+    for (int j = 0; count < Vec::N && j < count; ++j) {
+      g_tail[j] = gate[i + j];
+      u_tail[j] = up[i + j];
+    }
+    const Vec g = Vec::load(count == Vec::N ? gate + i : g_tail);
+    const Vec u = Vec::load(count == Vec::N ? up + i : u_tail);
+    const Vec e = exp_nonpositive(Vec::zero() - max(g, Vec::zero() - g));
+    const Vec inv = one / (one + e);
+    (g * blend_below(g, 0.0f, e * inv, inv) * u).store(y);
+    for (int j = 0; j < count; ++j) out[i + j] = from_float<T>(y[j]);
+  }
+}
+
 // The sampler's candidates of a row of weights (from weights_row): the ids of the weights >= threshold
 // and > 0, in id order, into ids; their sum into *mass (summed in id order); returns their count.
 // The comparison is vectorised and only the hits are visited, so a low threshold (thousands of
