@@ -3,7 +3,7 @@ reference (`batchgen.ops.reference`): the same quantized operands must give the 
 float32 / bf16 outputs bit for bit, on every loop this processor runs (scalar, AVX2, AVX-VNNI, AVX512-VNNI,
 AMX-INT8) and under every kernel table (which picks the loop by default); a row's output must not depend on
 the other rows or the thread count. The MLP's gate and up in one call (`ops.linear_silu_mul_int8`) gives the
-reference's product within the SiLU's rounding.
+reference's product within the rounding of the SiLU's exp.
 """
 
 from __future__ import annotations

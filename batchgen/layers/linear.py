@@ -184,8 +184,7 @@ class Int8Linear(nn.Module):
 
 class Int8SiluAndMul(nn.Module):
     """silu(x W_gate^T) * (x W_up^T) on int8 compute from a fused [gate; up] weight (`ops.linear_silu_mul_int8`):
-    x quantized once, both products' float32 results multiplied in the GEMM's tasks and rounded once, as
-    `PackedSiluAndMul` does in bf16. Inference only."""
+    x quantized once, the product taken while the GEMM's results are in cache. Inference only."""
 
     def __init__(self, gate_up_weight: torch.Tensor):
         super().__init__()

@@ -334,8 +334,9 @@ def linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
 
 
 def linear_silu_mul_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    """silu(x G^T) * (x U^T) in x's dtype for G and U packed by `pack_int8_gate_up`: x quantized once, both
-    products' float32 results multiplied in the GEMM's tasks and rounded once (int8's MLP)."""
+    """silu(x G^T) * (x U^T) in x's dtype for G and U packed by `pack_int8_gate_up` (int8's MLP): x quantized
+    once, the product taken in the GEMM's tasks, gate, up and the silu rounded to x's dtype as transformers'
+    MLP rounds them."""
     if not weight.gate_up:
         raise ValueError("linear_silu_mul_int8: the weight must come from pack_int8_gate_up")
     if not x.is_cpu:

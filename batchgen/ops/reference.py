@@ -305,7 +305,7 @@ def gate_up_halves(weight):
     count = weight.panels.shape[0] // 2
 
     def half(t: torch.Tensor, which: int) -> torch.Tensor:
-        return t.view(count, 2, -1)[:, which].reshape(-1, *t.shape[1:])
+        return t.view(count, 2, -1)[:, which].reshape(-1, *t.shape[1:]).contiguous()
 
     return [Int8Weight(half(weight.panels, i), half(weight.scale, i), half(weight.compensation, i),
                        weight.out_features, weight.in_features) for i in (0, 1)]
@@ -313,5 +313,5 @@ def gate_up_halves(weight):
 
 def linear_silu_mul_int8(x: torch.Tensor, weight) -> torch.Tensor:
     q, x_scale = quantize_int8_rows(x)
-    gate, up = (gemm_int8(q, x_scale, w) for w in gate_up_halves(weight))
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    gate, up = (gemm_int8(q, x_scale, w, out_dtype=x.dtype) for w in gate_up_halves(weight))
+    return torch.nn.functional.silu(gate) * up

@@ -94,8 +94,9 @@ void gemm_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& 
 void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                  const torch::Tensor& compensation, const torch::Tensor& w_scale,
                  const c10::optional<torch::Tensor>& bias);
-// The int8 MLP's gate and up in one call: out = silu(x gate^T) * (x up^T), rounded to out's dtype once, for a
-// weight whose panels alternate the gate's and the up projection's (x quantized once; silu as silu_mul_row's).
+// The int8 MLP's gate and up in one call: out = silu(x gate^T) * (x up^T) in out's dtype (each factor rounded
+// to it first, as transformers' MLP does: kernels.h's silu_mul_row), for a weight whose panels alternate the
+// gate's and the up projection's; x quantized once.
 void linear_silu_mul_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& compensation, const torch::Tensor& w_scale);
 

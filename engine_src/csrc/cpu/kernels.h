@@ -104,8 +104,8 @@ inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
 using NormRowFn = void (*)(const void* x, const void* weight, void* out, int64_t n, float eps);
 using AddNormRowFn = void (*)(void* x, void* residual, const void* weight, int64_t n, float eps);
 using RotaryRowFn = void (*)(void* x, const float* cos, const float* sin, int64_t half);
-// out[i] = silu(gate[i]) * up[i] for i < n, rounded to the activation dtype once: the int8 MLP's epilogue
-// (gemm_int8_ops.cpp's linear_silu_mul_int8).
+// out[i] = silu(gate[i]) * up[i] for i < n with gate, up and the silu rounded to the activation dtype first, as
+// transformers' MLP rounds them: the int8 MLP's epilogue (gemm_int8_ops.cpp's linear_silu_mul_int8).
 using SiluMulRowFn = void (*)(const float* gate, const float* up, void* out, int64_t n);
 // The sampler's summary of one block of a row of logits, [begin, end): its maximum, the index of its first
 // maximum (of its first NaN where it holds one) and sum(exp(x - max)) over it (0 when max is -inf).

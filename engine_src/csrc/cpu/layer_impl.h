@@ -175,25 +175,25 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
   return reduce_add(sum + p);
 }
 
-// out = round(silu(gate) * up) in float32, silu(g) = g * sigmoid(g) with exp only ever of -|g| (no overflow):
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
+// out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
+// projected to it, silu rounded, then the product), from float32 gate and up. silu(g) = g * sigmoid(g) with exp
+// only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
   T* out = static_cast<T*>(out_);
   const Vec one = Vec::set1(1.0f);
   for (int64_t i = 0; i < n; i += Vec::N) {
     const int count = n - i < Vec::N ? static_cast<int>(n - i) : Vec::N;
-    float g_tail[Vec::N] = {}, u_tail[Vec::N] = {}, y[Vec::N];
-    for (int j = 0; count < Vec::N && j < count; ++j) {
-      g_tail[j] = gate[i + j];
-      u_tail[j] = up[i + j];
+    float g[Vec::N] = {}, u[Vec::N] = {}, silu[Vec::N];
+    for (int j = 0; j < count; ++j) {
+      g[j] = round_to<T>(gate[i + j]);
+      u[j] = round_to<T>(up[i + j]);
     }
-    const Vec g = Vec::load(count == Vec::N ? gate + i : g_tail);
-    const Vec u = Vec::load(count == Vec::N ? up + i : u_tail);
-    const Vec e = exp_nonpositive(Vec::zero() - max(g, Vec::zero() - g));
+    const Vec vg = Vec::load(g);
+    const Vec e = exp_nonpositive(Vec::zero() - max(vg, Vec::zero() - vg));
     const Vec inv = one / (one + e);
-    (g * blend_below(g, 0.0f, e * inv, inv) * u).store(y);
-    for (int j = 0; j < count; ++j) out[i + j] = from_float<T>(y[j]);
+    (vg * blend_below(vg, 0.0f, e * inv, inv)).store(silu);
+    for (int j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(silu[j]) * u[j]);
   }
 }
 
