@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from batchgen import __version__
 from batchgen.job.errors import JobError
 from batchgen.job.inputs import Row
+from batchgen.job.outputs.formats import ParquetParts
 from batchgen.job.outputs.writer import PartWriter, error_rows, list_parts, output_schema, recover, result_rows
 from batchgen.job.shard import Shard
 from batchgen.outputs import CompletionOutput, RequestOutput
@@ -26,9 +29,9 @@ def finished(row_id: str, n: int = 2) -> tuple[Row, RequestOutput]:
 ONE = Shard(0, 1)
 
 
-def writer(out, shard=ONE, rows_per_part=2, next_seq=0, fields=("text", "token_counts")) -> PartWriter:
+def writer(out, shard=ONE, rows_per_part=2, next_seq=0, fields=("text", "token_counts"), **kwargs) -> PartWriter:
     schema = output_schema(fields, [pa.field("topic", pa.int64())])
-    return PartWriter(out, shard, schema, rows_per_part, next_seq, META)
+    return PartWriter(out, shard, schema, rows_per_part, next_seq, META, **kwargs)
 
 
 def test_parts_are_written_whole_with_metadata(tmp_path):
@@ -86,3 +89,53 @@ def test_recover_reads_own_shard_and_other_shard_counts(tmp_path):
     w.add(result_rows(*finished("late")))
     w.flush()
     assert [p.seq for p in list_parts(tmp_path) if p.shard == Shard(1, 2)] == [0, 1]
+
+
+def test_background_parts_equal_the_foreground_ones(tmp_path):
+    """The runner's writer (background=True): the same parts, names and rows as written in the caller's thread,
+    each whole once `wait` returns."""
+    dirs = {mode: tmp_path / mode for mode in ("foreground", "background")}
+    threads: dict[str, set[str]] = {mode: set() for mode in dirs}
+
+    class Recording(ParquetParts):
+        def write(self, *args):
+            threads[mode].add(threading.current_thread().name.split("_")[0])
+            super().write(*args)
+
+    for mode, out in dirs.items():
+        out.mkdir()
+        w = writer(out, background=mode == "background", part_format=Recording())
+        for i in range(7):
+            w.add(result_rows(*finished(f"id{i}")))
+        w.flush()
+        w.wait()
+        w.shutdown()
+        assert w.parts_written == 4
+    assert threads == {"foreground": {"MainThread"}, "background": {"batchgen-parts"}}
+    parts = {mode: sorted(p.name for p in out.iterdir()) for mode, out in dirs.items()}
+    assert parts["background"] == parts["foreground"] == [f"part-00000-of-00001-{i:06d}.parquet" for i in range(4)]
+    for name in parts["background"]:
+        rows = [pq.read_table(out / name).to_pylist() for out in dirs.values()]
+        assert rows[0] == rows[1]
+
+
+def test_a_failed_background_part_stops_the_writer(tmp_path):
+    """What writing a part raised comes back from the next flush and from every wait after it, and nothing is
+    written after it: its rows are in no part, so the next run does them (exactly once)."""
+    calls = []
+
+    def guard():
+        calls.append(1)
+        if len(calls) == 2:
+            raise JobError("lost the shard lock")
+
+    w = writer(tmp_path, rows_per_part=1, guard=guard, background=True)
+    w.add(result_rows(*finished("a")))  # part 0, written
+    w.add(result_rows(*finished("b")))  # part 1: the guard refuses
+    with pytest.raises(JobError, match="lost the shard lock"):
+        w.add(result_rows(*finished("c")))  # would be part 2: waits for part 1 first
+    with pytest.raises(JobError, match="lost the shard lock"):
+        w.wait()
+    w.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-00000-of-00001-000000.parquet"]
+    assert recover(tmp_path, ONE, "abc").done == {"a"}

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -249,12 +250,28 @@ def drop_error_rows(path: Location | Path) -> int:
 # -------------------------------------------------------------------------------------- writing
 
 
+@dataclass
+class _Part:
+    """A part taken from the writer's buffer, to be written."""
+
+    records: list[dict[str, Any]]
+    path: Location
+    meta: dict[str, str]
+
+
 class PartWriter:
-    """Buffers finished requests and writes a part every ``rows_per_part`` of them."""
+    """Buffers finished requests and writes a part every ``rows_per_part`` of them.
+
+    ``background``: parts are written on a thread of their own (building the table, compressing, the local
+    write or the bucket's PUT) while the caller goes on, the engine's next steps among them; one part at a time,
+    so at most two parts' rows are held. ``wait`` returns once the part is written and raises what writing it
+    raised; ``flush`` waits for the part before it. Exactly-once is unchanged: a part's rows leave the buffer
+    before it is written, so they can only be written once, and a run stopped before the part exists redoes
+    them."""
 
     def __init__(self, out_dir: Location | Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
                  next_seq: int, metadata: dict[str, str], part_format: PartFormat | None = None,
-                 guard: Callable[[], None] | None = None):
+                 guard: Callable[[], None] | None = None, background: bool = False):
         """``guard`` is called before each part is written and raises if this run may no longer
         write (its shard lock was lost)."""
         self.out_dir = location(out_dir)
@@ -270,6 +287,8 @@ class PartWriter:
         self._ids: list[str] = []  # of the buffered requests with all their samples: the part's index
         self._errors = 0
         self.parts_written = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-parts") if background else None
+        self._writing: Future[None] | None = None
 
     @property
     def pending(self) -> int:
@@ -286,27 +305,48 @@ class PartWriter:
         return self.flush() if self._requests >= self.rows_per_part else None
 
     def flush(self) -> Location | None:
-        """Write the buffered rows as the next part. Signals are held off meanwhile, so an abort
-        (third Ctrl-C) cannot land between the rename and the bookkeeping and write rows twice."""
+        """Write the buffered rows as the next part (in the background: start writing it, once the part
+        before is written). Signals are held off while a part is written here, so that an abort (third
+        Ctrl-C) cannot leave a part half-counted."""
         if not self._buffer:
             return None
-        with _signals_deferred():
-            return self._write_part()
+        self.wait()
+        part = self._take()
+        if self._pool is None:
+            with _signals_deferred():
+                self._write(part)
+        else:
+            self._writing = self._pool.submit(self._write, part)
+        return part.path
 
-    def _write_part(self) -> Location:
-        if self.guard is not None:
-            self.guard()
+    def wait(self) -> None:
+        """Returns once the part being written in the background is written; raises its error (again on
+        every call: a run whose part failed writes no more)."""
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def shutdown(self) -> None:
+        """Ends the background thread once its part is written (what writing it raised is for `wait`)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _take(self) -> _Part:
         meta = {**self.metadata, "batchgen.created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **index_meta(self._ids, self._errors, len(self._buffer))}
-        final = self.out_dir / part_name(self.shard, self.seq, self.format.suffix)
-        self.format.write(self._buffer, final, self.schema, meta)
+        part = _Part(self._buffer, self.out_dir / part_name(self.shard, self.seq, self.format.suffix), meta)
         self.seq += 1
-        self.parts_written += 1
-        self._buffer.clear()
+        self._buffer = []
         self._requests = 0
-        self._ids.clear()
+        self._ids = []
         self._errors = 0
-        return final
+        return part
+
+    def _write(self, part: _Part) -> None:
+        if self.guard is not None:
+            self.guard()
+        self.format.write(part.records, part.path, self.schema, part.meta)
+        self.parts_written += 1
 
 
 @contextmanager

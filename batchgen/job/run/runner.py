@@ -178,7 +178,7 @@ class Runner:
             job.spec.output.rows_per_part, rec.next_seq,
             {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
              "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
-             "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check)
+             "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check, background=True)
         status = "failed"
         snap = Snapshot()
         self.reporter.start(plan)
@@ -187,6 +187,7 @@ class Runner:
                 interrupted = self._loop(llm, itertools.chain([first], rows), writer, snap)
             status = "interrupted" if interrupted else "complete"
         finally:
+            writer.shutdown()
             self.reporter.finish(snap, status)
         ignored = ignored_summary(reader.ignored_fields)
         warnings = reader.warnings + ([ignored] if ignored else [])
@@ -315,7 +316,9 @@ class Runner:
 
     @staticmethod
     def _save(writer: PartWriter, snap: Snapshot) -> None:
+        """Every finished row into a part, written before this returns."""
         writer.flush()
+        writer.wait()
         snap.parts = writer.parts_written
 
     def _admit(self, llm: Any, row: Row, n: int, builder: RequestBuilder,
