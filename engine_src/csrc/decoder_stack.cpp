@@ -14,11 +14,11 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers, DecoderShape
     : layers_(std::move(layers)), shape_(shape) {
   const DecoderShape& s = shape_;
   TORCH_CHECK_VALUE(!layers_.empty(), "DecoderStack: no layers");
+  const bool int8 = layers_[0].qkv.int8();
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& w = layers_[i];
     TORCH_CHECK_VALUE(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: layer ", i,
                       " has a q norm or a k norm without the other");
-    const bool int8 = layers_[0].qkv.int8();
     TORCH_CHECK_VALUE(w.qkv.int8() == int8 && w.o.int8() == int8 && w.gate.int8() == int8 && w.down.int8() == int8,
                       "DecoderStack: layer ", i, " mixes int8 and bf16 projections");
   }
