@@ -281,12 +281,14 @@ class LlamaForCausalLM(nn.Module):
         weights = []
         for layer, (qkv, o, gate_up, down) in zip(self.layers, projections, strict=True):
             if int8:  # gate_up's panels alternate gate's and up's; the stack's up is unused
-                panels = [p.weight.panels for p in (qkv, o, gate_up)] + [torch.empty(0), down.weight.panels]
+                gate, up = gate_up.weight.panels, torch.empty(0)
+                qkv, o, down = qkv.weight.panels, o.weight.panels, down.weight.panels
             else:
-                panels = [qkv.packed, o.packed, gate_up.gate, gate_up.up, down.packed]
-            weights.append([layer.input_layernorm.weight, *panels[:2], layer.post_attention_layernorm.weight,
-                            *panels[2:]]
-                           + ([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else []))
+                gate, up = gate_up.gate, gate_up.up
+                qkv, o, down = qkv.packed, o.packed, down.packed
+            norms = [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight] if cfg.qk_norm else []
+            weights.append([layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate, up,
+                            down, *norms])
         int8_scales = [[(p.weight.compensation, p.weight.scale) for p in ps] for ps in projections] if int8 else []
         self.decoder_stack = ops.DecoderStack(
             weights, [qkv.bias for qkv, *_ in projections], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -288,7 +288,6 @@ def pack_int8_gate_up(weight: torch.Tensor) -> Int8Weight:
     has a panel of both at hand."""
     half = weight.shape[0] // 2
     gate, up = pack_int8_weight(weight[:half]), pack_int8_weight(weight[half:])
-
     count = gate.panels.shape[0]
 
     def alternate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per panel: a's part, then b's
