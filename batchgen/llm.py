@@ -7,11 +7,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.gc_pacing import fewer_collections
-from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine, Prompt
+from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine
 from batchgen.engine.pooling import PoolingConfig
 from batchgen.engine.preflight import plan_model
+from batchgen.engine.prompts import EncodedPrompt, Prompt
 from batchgen.lora.request import LoRARequest
 from batchgen.models.resolve import ModelNotFound, fetch_note, locate_model, model_source, resolve_model
 from batchgen.outputs import BeamSearchOutput, CompletionScore, PoolingRequestOutput, RequestOutput
@@ -20,6 +23,7 @@ from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.storage import StorageOptions
 
 AnyLoRA = LoRARequest | Sequence[LoRARequest | None] | None
+ENCODE_CHUNK = 1024  # prompts encoded in one tokenizer call by the batch API
 
 
 class LLM:
@@ -89,16 +93,29 @@ class LLM:
         return self.engine.class_labels
 
     @property
+    def spare_core(self) -> bool:
+        """Whether a CPU core is left free of the engine's compute (its model runs on a GPU, or on fewer CPU
+        threads than this process may use): where host work on another thread runs beside the steps instead
+        of taking turns with the engine's threads."""
+        return self.engine.device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+    @property
     def pooling_config(self) -> PoolingConfig:
         """How the model's sentence-transformers config says to pool (what `embed` follows by default)."""
         return self.engine.pooling_config
 
     # --- incremental API (what the job runner streams through) ---
-    def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
+    def add_request(self, request_id: str, prompt: Prompt | EncodedPrompt, params: AnyParams, *,
                     completion: str | list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Generation (SamplingParams, BeamSearchParams), embedding or classification (PoolingParams) or
         the scoring of `completion` after `prompt` (ScoringParams); all of them share the engine's steps."""
         self.engine.add_request(request_id, prompt, params, completion=completion, lora_request=lora_request)
+
+    def encode_batch(self, prompts: Sequence[Prompt]) -> list[Prompt | EncodedPrompt | Exception]:
+        """Text and chat prompts encoded together, ready for `add_request` (which then does not encode
+        them again); token ids as they are; a prompt that cannot be encoded as the error `add_request`
+        would raise. One call for many prompts costs far less than one per prompt."""
+        return self.engine.prompts.encode_batch(prompts)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Loads and checks `lora_request`'s adapter now rather than when a request first names it (a
@@ -234,9 +251,13 @@ class LLM:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         done: dict[str, AnyOutput] = {}
         with fewer_collections():
-            for i, (request_id, prompt, params) in enumerate(zip(ids, prompts, sampling_params, strict=True)):
-                self.add_request(request_id, prompt, params,
-                                 completion=None if completions is None else completions[i], lora_request=loras[i])
+            for lo in range(0, len(prompts), ENCODE_CHUNK):
+                for i, prompt in enumerate(self.encode_batch(prompts[lo:lo + ENCODE_CHUNK]), lo):
+                    if isinstance(prompt, Exception):
+                        raise prompt
+                    self.add_request(ids[i], prompt, sampling_params[i],
+                                     completion=None if completions is None else completions[i],
+                                     lora_request=loras[i])
             bar = None
             if use_tqdm:
                 from tqdm.auto import tqdm

@@ -28,6 +28,7 @@ from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
 from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
 from batchgen.engine.preflight import plan_model, too_few_blocks
 from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs
+from batchgen.engine.prompts import EncodedPrompt, Prompt, PromptEncoder
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stopping import StopChecker, StopDecision
@@ -48,7 +49,6 @@ from batchgen.pooling_params import PoolingParams, ScoringParams
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured.backend import GrammarBackend, RequestGrammar
 
-Prompt = str | list[int] | list[dict]
 AnyParams = SamplingParams | BeamSearchParams | PoolingParams | ScoringParams
 AnyOutput = RequestOutput | PoolingRequestOutput | CompletionScore
 logger = logging.getLogger(__name__)  # start-up steps at INFO; `batchgen run` shows them
@@ -96,6 +96,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             release_freed_memory()
         self.vocab_size = model.vocab_size
+        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size)
         self.has_lm_head = getattr(model, "has_lm_head", True)
         self.class_labels: list[str] | None = getattr(model, "class_labels", None)  # a classifier's, else None
         self.pooling_config = read_pooling_config(plan.model_dir)
@@ -161,36 +162,7 @@ class LLMEngine:
         return ids
 
     # --- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt; token ids given as a prompt are checked, not trusted."""
-        if isinstance(prompt, str):
-            return prompt, self._needs_tokenizer("a text prompt").encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            tokenizer = self._needs_tokenizer("a chat prompt")
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            return text, tokenizer.encode(text, add_special_tokens=False)
-        return None, self._checked_token_ids("prompt", prompt)
-
-    def _needs_tokenizer(self, what: str):
-        if self.tokenizer is None:
-            raise ValueError(f"prompt: {what} needs a tokenizer, and this engine has none "
-                             "(skip_tokenizer_init=True); give token ids")
-        return self.tokenizer
-
-    def _checked_token_ids(self, field: str, ids: object, allow_empty: bool = False) -> list[int]:
-        """Token ids the embedding can look up: a ValueError naming the field and the bad id
-        here, instead of an IndexError in a step that holds other requests."""
-        if not isinstance(ids, (list, tuple)) or (not ids and not allow_empty):
-            raise ValueError(f"{field}: expected a non-empty list of token ids, got {type(ids).__name__}")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"{field}: [{i}] is {t!r}, not an integer token id")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{field}: token id {t} at [{i}] is outside the model's vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
-        return list(ids)
-
-    def add_request(self, request_id: str, prompt: Prompt, params: AnyParams, *,
+    def add_request(self, request_id: str, prompt: Prompt | EncodedPrompt, params: AnyParams, *,
                     completion: str | list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request: generation (SamplingParams, BeamSearchParams), embedding or classification
         (PoolingParams), or the scoring of `completion` after `prompt` (ScoringParams); under the LoRA
@@ -236,8 +208,8 @@ class LLMEngine:
         beams = BeamSearch(params, self.stopper) if isinstance(params, BeamSearchParams) else None
         if beams is not None:
             params = beams.params.sampling_params
-        text, token_ids = self.encode(prompt)
-        self._checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
+        text, token_ids = self.prompts.encode(prompt)
+        self.prompts.checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
         grammar = self._grammar_for(params)
@@ -261,13 +233,14 @@ class LLMEngine:
     def _scoring_request(self, request_id: str, prompt: Prompt, completion: str | list[int],
                          params: ScoringParams) -> _Request:
         self._needs_lm_head("scoring")
-        text, prompt_ids = self.encode(prompt)
+        text, prompt_ids = self.prompts.encode(prompt)
         if isinstance(completion, str):
-            completion_ids = self._needs_tokenizer("a text completion").encode(completion, add_special_tokens=False)
+            tokenizer = self.prompts.needs_tokenizer("a text completion")
+            completion_ids = tokenizer.encode(completion, add_special_tokens=False)
             if not completion_ids:
                 raise ValueError("completion: the text has no tokens")
         else:
-            completion_ids = self._checked_token_ids("completion", completion)
+            completion_ids = self.prompts.checked_token_ids("completion", completion)
         if not prompt_ids:
             raise ValueError("prompt: scoring needs at least one prompt token before the completion")
         token_ids = prompt_ids + completion_ids
@@ -289,7 +262,7 @@ class LLMEngine:
             hidden = self.runner.model.hidden_size
             if params.dimensions is not None and params.dimensions > hidden:
                 raise ValueError(f"dimensions: {params.dimensions} is more than the model's hidden size ({hidden})")
-        text, token_ids = self.encode(prompt)
+        text, token_ids = self.prompts.encode(prompt)
         if not token_ids:
             raise ValueError("prompt: the text has no tokens")
         req = self._prefill_only_request(request_id, text, token_ids, params, Pooler(method, len(token_ids)))
@@ -313,7 +286,7 @@ class LLMEngine:
     def _grammar_for(self, params: SamplingParams) -> RequestGrammar | None:
         if params.structured_outputs is None:
             return None
-        self._needs_tokenizer("structured_outputs")
+        self.prompts.needs_tokenizer("structured_outputs")
         return self.grammars.start(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:

@@ -15,7 +15,7 @@ import itertools
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from ..requests import RequestBuilder
 from ..shard import Shard
 from ..spec import Job
 from ..validate import max_tokens_warning
+from .feeder import PreparedRow, RowFeeder
 from .lock import ShardLock
 from .progress import Plan, Reporter, Snapshot, engine_steps, make_reporter
 
@@ -252,6 +253,10 @@ class Runner:
         in_flight: dict[str, tuple[PendingRow, int]] = {}
         counter = itertools.count()
         builder = RequestBuilder(self.job.spec, self.job.adapters)
+        # Reading ahead on a thread pays only where a core is free of the engine's compute: on a CPU engine
+        # using every core it took turns with the engine's threads and was ~2% slower (scripts/PERF.md).
+        feeder = RowFeeder(rows, lambda chunk: self._prepare(chunk, builder, getattr(llm, "encode_batch", None)),
+                           background=bool(getattr(llm, "spare_core", False)))
         max_in_flight = self.job.max_in_flight
         exhausted = False
         deadline: float | None = None
@@ -277,12 +282,10 @@ class Runner:
                         self._save(writer, snap)
                         last_flush = now
                 else:
-                    while not exhausted and len(in_flight) < max_in_flight and not self.stop.requested:
-                        row = next(rows, None)
-                        if row is None:
-                            exhausted = True
-                        else:
-                            self._admit(llm, row, next(counter), builder, in_flight, writer, snap)
+                    if not exhausted and len(in_flight) < max_in_flight and not self.stop.requested:
+                        for prepared in feeder.take(max_in_flight - len(in_flight), wait=not in_flight):
+                            self._admit(llm, prepared, next(counter), in_flight, writer, snap)
+                        exhausted = feeder.done
                     if not in_flight:
                         if exhausted:
                             break
@@ -309,6 +312,7 @@ class Runner:
         else:
             self._save(writer, snap)
         finally:
+            feeder.close()
             self._engine_stats(llm, snap)
             snap.in_flight = len(in_flight)
             snap.elapsed = time.monotonic() - start
@@ -321,22 +325,45 @@ class Runner:
         writer.wait()
         snap.parts = writer.parts_written
 
-    def _admit(self, llm: Any, row: Row, n: int, builder: RequestBuilder,
-               in_flight: dict[str, tuple[PendingRow, int]], writer: PartWriter, snap: Snapshot) -> None:
+    def _prepare(self, rows: list[Row], builder: RequestBuilder,
+                 encode_batch: Callable[[list[Any]], list[Any]] | None) -> list[PreparedRow]:
+        """The engine requests of each row (or the error it gets instead), their prompts encoded in one
+        call when the engine can (``encode_batch``). Runs on the feeder's thread: it only reads the job."""
+        prepared = [self._requests_of(row, builder) for row in rows]
+        if encode_batch is None:
+            return prepared
+        requests = [(p, i, request) for p in prepared for i, request in enumerate(p.requests)]
+        for (p, i, request), prompt in zip(requests, encode_batch([r.prompt for _, _, r in requests]), strict=True):
+            if isinstance(prompt, (ValueError, TypeError)):
+                if p.error is None:
+                    p.error = self._request_error(p.row, i, len(p.requests), prompt)
+            else:
+                request.prompt = prompt
+        for p in prepared:
+            if p.error is not None:
+                p.requests = []
+        return prepared
+
+    def _requests_of(self, row: Row, builder: RequestBuilder) -> PreparedRow:
         if row.error:
-            self._record_error(row, row.error, writer, snap)
-            return
+            return PreparedRow(row, error=row.error)
         if row.endpoint == EMBEDDING and not isinstance(self._records, ResponseLines):
-            self._record_error(row, f"{row.where}: field 'url': /v1/embeddings needs output.format "
-                                    "openai_batch (this job's columns are a completion's)", writer, snap)
-            return
+            return PreparedRow(row, error=f"{row.where}: field 'url': /v1/embeddings needs output.format "
+                                          "openai_batch (this job's columns are a completion's)")
         try:
             requests = builder.for_row(row)
         except RowParamsError as e:
-            self._record_error(row, f"{row.where}: {e}", writer, snap)
-            return
+            return PreparedRow(row, error=f"{row.where}: {e}")
         row.top_logprobs = getattr(requests[0].params, "logprobs", None)  # a beam search has none
         row.lora = requests[0].lora.lora_name if requests[0].lora is not None else None
+        return PreparedRow(row, requests)
+
+    def _admit(self, llm: Any, prepared: PreparedRow, n: int, in_flight: dict[str, tuple[PendingRow, int]],
+               writer: PartWriter, snap: Snapshot) -> None:
+        row, requests = prepared.row, prepared.requests
+        if prepared.error is not None:
+            self._record_error(row, prepared.error, writer, snap)
+            return
         pending = PendingRow(row, [None] * len(requests))
         added: list[str] = []
         for i, request in enumerate(requests):
@@ -350,11 +377,15 @@ class Runner:
                 for earlier in added:
                     llm.abort_request(earlier)
                     del in_flight[earlier]
-                where = "" if len(requests) == 1 else f"input [{i}]: "
-                self._record_error(row, f"{row.where}: {where}{self._rejection(row, e)}", writer, snap)
+                self._record_error(row, self._request_error(row, i, len(requests), e), writer, snap)
                 return
             added.append(request_id)
             in_flight[request_id] = (pending, i)
+
+    def _request_error(self, row: Row, i: int, num_requests: int, error: Exception) -> str:
+        """A row's error for its request ``i`` that the engine refused."""
+        where = "" if num_requests == 1 else f"input [{i}]: "
+        return f"{row.where}: {where}{self._rejection(row, error)}"
 
     def _rejection(self, row: Row, error: Exception) -> str:
         """Why the engine refused a row, naming the input field when it is about the prompt (or the
