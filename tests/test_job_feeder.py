@@ -94,6 +94,21 @@ def test_encode_batch_equals_encoding_each_prompt(tiny_model_dirs):
     assert encoded[1].text.startswith("<|im_start|>") and encoded[1].token_ids
 
 
+def test_the_encoder_settles_the_tokenizers_truncation_before_any_thread_encodes(tiny_model_dirs):
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.prompts import PromptEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dirs["llama"])
+    tokenizer.backend_tokenizer.enable_truncation(8)
+    tokenizer.backend_tokenizer.enable_padding(length=32)
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    encoder = PromptEncoder(tokenizer, 400)
+    assert tokenizer.backend_tokenizer.truncation is None and tokenizer.backend_tokenizer.padding is None
+    assert encoder.encode_batch([text])[0].token_ids == tokenizer.encode(text)
+    assert len(tokenizer.encode(text)) > 8
+
+
 def test_encode_batch_returns_each_prompts_error(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory="16MiB", skip_tokenizer_init=True)
     text, chat, ids = llm.encode_batch(["a text", [{"role": "user", "content": "hi"}], [1, 2]])

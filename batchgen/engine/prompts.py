@@ -28,6 +28,15 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer = tokenizer  # None: token ids only (skip_tokenizer_init)
         self.vocab_size = vocab_size
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # What transformers' first encode would do anyway (it encodes without truncation or padding),
+            # done now so that no later encode changes the Rust tokenizer while another thread is using it
+            # (a "borrowed" error there); the job's row reader encodes on a thread of its own.
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
 
     def encode(self, prompt: Prompt | EncodedPrompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt."""
