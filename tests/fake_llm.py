@@ -71,6 +71,10 @@ class _Request:
 
 
 class FakeLLM:
+    # As an engine on a GPU says: the job tests read and prepare rows on the runner's feeder thread, the
+    # path a GPU node takes (the real-engine tests, on every core of the CPU, take the other).
+    spare_core = True
+
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  kv_cache_memory: Any = "4GiB", swap_space: Any = "4GiB", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
