@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from ...storage import Location
@@ -204,6 +205,9 @@ class JsonlParts:
     name = "jsonl"
     suffix = ".jsonl"
     key = staticmethod(sample_key)
+    # The fields ``key`` reads, for Arrow's JSON reader (None: lines are parsed one by one).
+    key_schema: pa.Schema | None = pa.schema([("id", pa.string()), ("num_samples", pa.int32()),
+                                              ("error", pa.string())])
 
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         data = b"".join(self.line(r, schema.names) for r in records)
@@ -221,8 +225,38 @@ class JsonlParts:
 
     def keys(self, path: Location) -> pa.Table:
         """Also where each line is: its byte offset and length (``merge`` copies lines by them)."""
+        data = self._read(path)
+        return self._columnar_keys(data) or self._parsed_keys(path, data)
+
+    def _columnar_keys(self, data: bytes) -> pa.Table | None:
+        """``keys`` by Arrow's JSON reader (C++; ~10x the line-by-line parse). None where it cannot say the
+        same as the line-by-line path (a blank line, an id that is not a string, an error that is not a
+        string), which then decides."""
+        if self.key_schema is None:
+            return None
+        ends = np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n")) + 1
+        if data and not data.endswith(b"\n"):
+            ends = np.append(ends, len(data))
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        if not len(ends) or (ends - starts <= 1).any():
+            return None
+        try:
+            table = pa_json.read_json(pa.BufferReader(data), pa_json.ReadOptions(block_size=len(data) + 1),
+                                      pa_json.ParseOptions(explicit_schema=self.key_schema,
+                                                           unexpected_field_behavior="ignore"))
+        except pa.ArrowException:
+            return None
+        if table.num_rows != len(ends) or table.column("id").null_count:
+            return None
+        counts = pc.fill_null(table.column("num_samples"), 1).to_numpy()
+        return pa.table({"id": table.column("id").combine_chunks(),
+                         "num_samples": pa.array(np.where(counts == 0, 1, counts).astype(np.int32)),
+                         "error": table.column("error").combine_chunks(), "offset": pa.array(starts),
+                         "length": pa.array(ends - starts)})
+
+    def _parsed_keys(self, path: Location, data: bytes) -> pa.Table:
         ids, counts, errors, offsets, lengths = [], [], [], [], []
-        for offset, line, obj in self._objects(path):
+        for offset, line, obj in self._objects(path, data):
             row_id, count, error = self.key(obj)
             ids.append(str(row_id))
             counts.append(int(count or 1))
@@ -234,20 +268,23 @@ class JsonlParts:
                          "length": pa.array(lengths, pa.int64())})
 
     def drop_errors(self, path: Location) -> int:
-        lines = list(self._objects(path))
-        kept = [line for _, line, obj in lines if self.key(obj)[2] is None]
-        total = len(lines)
-        if len(kept) == total:
+        data = self._read(path)
+        keys = self._columnar_keys(data) or self._parsed_keys(path, data)
+        ok = pc.is_null(keys.column("error"))
+        kept = keys.filter(ok)
+        if kept.num_rows == keys.num_rows:
             return 0
-        if kept:
-            data = b"".join(kept)
-            write_whole(path, lambda tmp: tmp.write_bytes(data))
-            ids = list(dict.fromkeys(str(self.key(obj)[0]) for _, _, obj in lines if self.key(obj)[2] is None))
-            self._write_meta(path, {**read_meta(path), **index_meta(ids, 0, len(kept)), META_BYTES: str(len(data))})
+        if kept.num_rows:
+            view = memoryview(data)
+            out = b"".join(view[o:o + n] for o, n in zip(kept.column("offset").to_pylist(),
+                                                         kept.column("length").to_pylist(), strict=True))
+            write_whole(path, lambda tmp: tmp.write_bytes(out))
+            ids = list(dict.fromkeys(kept.column("id").to_pylist()))
+            self._write_meta(path, {**read_meta(path), **index_meta(ids, 0, kept.num_rows), META_BYTES: str(len(out))})
         else:
             remove_file(path)
             remove_file(meta_path(path))
-        return total - len(kept)
+        return keys.num_rows - kept.num_rows
 
     def metadata(self, path: Location) -> dict[str, str]:
         return read_meta(path)
@@ -257,31 +294,37 @@ class JsonlParts:
         return meta, _index(meta, META_BYTES, size)
 
     @staticmethod
-    def _objects(path: Location) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
-        """(byte offset, line, parsed object) of every non-blank line."""
+    def _read(path: Location) -> bytes:
         try:
-            with path.open_read() as f:
-                offset = 0
-                for n, line in enumerate(f, 1):
-                    at, offset = offset, offset + len(line)
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        raise JobError(f"cannot read part {path}: line {n} is not JSON; move the part away "
-                                       "if it is not a batchgen part") from None
-                    if not isinstance(obj, dict):
-                        raise JobError(f"cannot read part {path}: line {n} is not a JSON object")
-                    yield at, line, obj
+            return path.read_bytes()
         except OSError as e:
             raise JobError(f"cannot read part {path}: {e}") from None
+
+    @staticmethod
+    def _objects(path: Location, data: bytes) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
+        """(byte offset, line, parsed object) of every non-blank line of the part's ``data``."""
+        offset = 0
+        pieces = data.split(b"\n")
+        for n, piece in enumerate(pieces, 1):
+            line = piece + b"\n" if n < len(pieces) else piece
+            at, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise JobError(f"cannot read part {path}: line {n} is not JSON; move the part away "
+                               "if it is not a batchgen part") from None
+            if not isinstance(obj, dict):
+                raise JobError(f"cannot read part {path}: line {n} is not a JSON object")
+            yield at, line, obj
 
 
 class OpenAIBatchParts(JsonlParts):
     """Lines already in the OpenAI batch output shape, one per input row (all samples in it)."""
 
     name = "openai_batch"
+    key_schema = None  # its error is an object, and its "id" is not the row's
 
     @staticmethod
     def line(record: dict[str, Any], names: list[str]) -> bytes:

@@ -13,7 +13,6 @@ one PUT on a bucket), so it is whole or absent, and merging again gives the same
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,9 +55,11 @@ class PartLines:
         self.lengths = keys.column("length").to_numpy()[order]
         self.starts = np.searchsorted(at[order], np.arange(len(index_ids) + 1))
 
-    def of(self, place: int) -> Iterator[tuple[int, int]]:
-        lo, hi = self.starts[place], self.starts[place + 1]
-        return zip(self.offsets[lo:hi].tolist(), self.lengths[lo:hi].tolist(), strict=True)
+    def of(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, lengths) of the lines of the ids at ``places``, in that order (an id's in the part's)."""
+        first, counts = self.starts[places], self.starts[places + 1] - self.starts[places]
+        rows = np.arange(int(counts.sum())) + np.repeat(first - np.cumsum(counts) + counts, counts)
+        return self.offsets[rows], self.lengths[rows]
 
 
 class Parts:
@@ -87,16 +88,27 @@ class Parts:
         self._lines.move_to_end(part)
         return got
 
-    def copy(self, part: int, place: int, out: IO[bytes]) -> int:
-        """Copy the lines of the id at ``place`` in ``part``'s index; how many."""
-        f = self._handles.get(part) or self._handles.setdefault(part, self.parts[part].path.open_read())
-        n = 0
-        for offset, length in self.lines(part).of(place):
-            f.seek(offset)
-            out.write(f.read(length))
-            n += 1
-        self.written[part][place] = True
-        return n
+    def copy(self, parts: np.ndarray, places: np.ndarray, out: IO[bytes]) -> int:
+        """Copy the lines of the id at each ``places[i]`` in ``parts[i]``'s index, in that order, each run of
+        adjacent lines read at once; how many lines."""
+        copied = 0
+        if not len(parts):
+            return 0
+        cuts = np.flatnonzero(parts[1:] != parts[:-1]) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(parts)], strict=True):
+            part, asked = int(parts[lo]), places[lo:hi]
+            offsets, lengths = self.lines(part).of(asked)
+            if len(offsets):
+                ends = offsets + lengths
+                breaks = np.flatnonzero(offsets[1:] != ends[:-1]) + 1
+                starts, stops = offsets[np.r_[0, breaks]], ends[np.r_[breaks - 1, len(ends) - 1]]
+                f = self._handles.get(part) or self._handles.setdefault(part, self.parts[part].path.open_read())
+                for start, end in zip(starts.tolist(), stops.tolist(), strict=True):
+                    f.seek(start)
+                    out.write(f.read(end - start))
+            self.written[part][asked] = True
+            copied += len(offsets)
+        return copied
 
     def close(self) -> None:
         for f in self._handles.values():
@@ -141,8 +153,7 @@ def _write_input_order(job: Job, parts: Parts, result: Merged, out: IO[bytes]) -
             mine = by_part == part
             asked = as_bytes(batch.ids.take(pa.array(found[mine])))
             places[mine] = pc.index_in(asked, value_set=parts.done.part_ids(part)).to_numpy(zero_copy_only=False)
-        for part, place in zip(by_part.tolist(), places.tolist(), strict=True):
-            result.lines += parts.copy(part, place, out)
+        result.lines += parts.copy(by_part, places, out)
         result.rows += len(found)
 
 
@@ -153,6 +164,6 @@ def _write_extra(parts: Parts, result: Merged, out: IO[bytes]) -> None:
         if not len(unwritten):
             continue
         ids = parts.done.part_ids(part).take(pa.array(unwritten))
-        for place in unwritten[parts.done.locate(ids) == part].tolist():
-            result.lines += parts.copy(part, place, out)
-            result.extra += 1
+        extra = unwritten[parts.done.locate(ids) == part]
+        result.lines += parts.copy(np.full(len(extra), part), extra, out)
+        result.extra += len(extra)
