@@ -97,7 +97,8 @@ class LLM:
         """Whether a CPU core is left free of the engine's compute (its model runs on a GPU, or on fewer CPU
         threads than this process may use): where host work on another thread runs beside the steps instead
         of taking turns with the engine's threads."""
-        return self.engine.device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+        return self.engine.device.type != "cpu" or torch.get_num_threads() < len(usable)
 
     @property
     def pooling_config(self) -> PoolingConfig:

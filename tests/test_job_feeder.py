@@ -3,9 +3,11 @@ foreground or on a thread of their own, and prompts encoded a chunk at a time (`
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+import torch
 from jobkit import cli, outputs_by_key, write_job, write_jsonl
 
 from batchgen import LLM
@@ -138,7 +140,24 @@ def _job(root, model_dir):
     return write_job(root / "job.yaml", job)
 
 
-def test_rows_prepared_in_the_background_give_the_same_outputs(tmp_path, tiny_model_dirs, monkeypatch):
+@pytest.fixture
+def torch_threads_restored():
+    """The job's num_threads sets torch's threads for the process: as they were after the test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_cpu_engine_on_fewer_threads_than_cores_has_a_spare_core(tiny_model_dirs, torch_threads_restored):
+    cores = len(os.sched_getaffinity(0))
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory="16MiB", num_threads=cores)
+    assert not llm.spare_core
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory="16MiB", num_threads=1)
+    assert llm.spare_core == (cores > 1)
+
+
+def test_rows_prepared_in_the_background_give_the_same_outputs(tmp_path, tiny_model_dirs, monkeypatch,
+                                                               torch_threads_restored):
     """With a core free of the engine, rows are read and encoded on the feeder's thread; the outputs,
     errors included, equal a run that does it all between steps."""
     monkeypatch.delenv("BATCHGEN_ENGINE", raising=False)
