@@ -225,7 +225,9 @@ class JsonlParts:
 
     def keys(self, path: Location) -> pa.Table:
         """Also where each line is: its byte offset and length (``merge`` copies lines by them)."""
-        data = self._read(path)
+        return self._keys(path, self._read(path))
+
+    def _keys(self, path: Location, data: bytes) -> pa.Table:
         return self._columnar_keys(data) or self._parsed_keys(path, data)
 
     def _columnar_keys(self, data: bytes) -> pa.Table | None:
@@ -269,7 +271,7 @@ class JsonlParts:
 
     def drop_errors(self, path: Location) -> int:
         data = self._read(path)
-        keys = self._columnar_keys(data) or self._parsed_keys(path, data)
+        keys = self._keys(path, data)
         ok = pc.is_null(keys.column("error"))
         kept = keys.filter(ok)
         if kept.num_rows == keys.num_rows:

@@ -91,9 +91,9 @@ class Parts:
     def copy(self, parts: np.ndarray, places: np.ndarray, out: IO[bytes]) -> int:
         """Copy the lines of the id at each ``places[i]`` in ``parts[i]``'s index, in that order, each run of
         adjacent lines read at once; how many lines."""
-        copied = 0
         if not len(parts):
             return 0
+        copied = 0
         cuts = np.flatnonzero(parts[1:] != parts[:-1]) + 1
         for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(parts)], strict=True):
             part, asked = int(parts[lo]), places[lo:hi]
