@@ -180,20 +180,24 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
 // only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
+  constexpr int64_t kChunk = 64;  // a panel's row (48 columns) in one pass
+  static_assert(kChunk % Vec::N == 0);
   T* out = static_cast<T*>(out_);
   const Vec one = Vec::set1(1.0f);
-  for (int64_t i = 0; i < n; i += Vec::N) {
-    const int count = n - i < Vec::N ? static_cast<int>(n - i) : Vec::N;
-    float g[Vec::N] = {}, u[Vec::N] = {}, silu[Vec::N];
-    for (int j = 0; j < count; ++j) {
-      g[j] = round_to<T>(gate[i + j]);
-      u[j] = round_to<T>(up[i + j]);
+  alignas(64) float g[kChunk], silu[kChunk];
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t count = n - i < kChunk ? n - i : kChunk, vectors = (count + Vec::N - 1) / Vec::N * Vec::N;
+#pragma omp simd
+    for (int64_t j = 0; j < count; ++j) g[j] = round_to<T>(gate[i + j]);
+    for (int64_t j = count; j < vectors; ++j) g[j] = 0.0f;
+    for (int64_t j = 0; j < vectors; j += Vec::N) {
+      const Vec vg = Vec::load(g + j);
+      const Vec e = exp_nonpositive(Vec::zero() - max(vg, Vec::zero() - vg));
+      const Vec inv = one / (one + e);
+      (vg * blend_below(vg, 0.0f, e * inv, inv)).store(silu + j);
     }
-    const Vec vg = Vec::load(g);
-    const Vec e = exp_nonpositive(Vec::zero() - max(vg, Vec::zero() - vg));
-    const Vec inv = one / (one + e);
-    (vg * blend_below(vg, 0.0f, e * inv, inv)).store(silu);
-    for (int j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(silu[j]) * u[j]);
+#pragma omp simd
+    for (int64_t j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(silu[j]) * round_to<T>(up[i + j]));
   }
 }
 
