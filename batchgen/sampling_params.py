@@ -28,6 +28,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top k (vLLM's meaning)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True  # False: outputs carry token ids and an empty text (vLLM's meaning)
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class SamplingParams:
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("detokenize", f"stop strings ({self.stop!r}) are found in the text: leave detokenize on")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -48,7 +48,7 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))
 
     @staticmethod
-    def decode(ids: list[int]) -> str:
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
         return " ".join(WORDS[(i - 256) % len(WORDS)] if i >= 256 else chr(i) for i in ids)
 
 
@@ -183,8 +183,9 @@ class FakeLLM:
         comps = []
         for i, s in enumerate(req.samples):
             logprobs = ([{t: -0.5, 256: -1.5} for t in s.tokens] if req.params.logprobs is not None else None)
+            text = self.tokenizer.decode(s.tokens) if getattr(req.params, "detokenize", True) else ""
             comps.append(CompletionOutput(
-                index=i, text=self.tokenizer.decode(s.tokens), token_ids=list(s.tokens),
+                index=i, text=text, token_ids=list(s.tokens),
                 finish_reason=s.finish_reason, cumulative_logprob=-0.5 * len(s.tokens), logprobs=logprobs))
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt if isinstance(req.prompt, str) else None,

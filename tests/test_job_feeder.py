@@ -158,27 +158,38 @@ def test_a_cpu_engine_on_fewer_threads_than_cores_has_a_spare_core(tiny_model_di
 
 def test_rows_prepared_in_the_background_give_the_same_outputs(tmp_path, tiny_model_dirs, monkeypatch,
                                                                torch_threads_restored):
-    """With a core free of the engine, rows are read and encoded on the feeder's thread; the outputs,
-    errors included, equal a run that does it all between steps."""
+    """With a core free of the engine, rows are read and encoded on the feeder's thread and the samples'
+    text is decoded on the part writer's; the outputs, errors included, equal a run that does it all between
+    steps."""
     monkeypatch.delenv("BATCHGEN_ENGINE", raising=False)
     threads: list[str] = []
-    prepare = runner_module.Runner._prepare
+    decoded: list[tuple[str, int]] = []  # (thread, texts filled)
+    prepare, decode = runner_module.Runner._prepare, runner_module.decode_texts
 
     def recording(self, rows, builder, encode_batch):
         assert encode_batch is not None
         threads.append(threading.current_thread().name)
         return prepare(self, rows, builder, encode_batch)
 
+    def recording_decode(tokenizer, skip_special_tokens, rows):
+        todo = sum(r.get("text") is None and r.get("error") is None for r in rows)
+        decode(tokenizer, skip_special_tokens, rows)
+        decoded.append((threading.current_thread().name, todo))
+
     monkeypatch.setattr(runner_module.Runner, "_prepare", recording)
+    monkeypatch.setattr(runner_module, "decode_texts", recording_decode)
     outputs = {}
     for spare in (False, True):
         monkeypatch.setattr(LLM, "spare_core", property(lambda self, spare=spare: spare))
         threads.clear()
+        decoded.clear()
         root = tmp_path / str(spare)
         root.mkdir()
         r = cli("run", _job(root, tiny_model_dirs["llama"]))
         assert r.exit_code == 0, r.output
         assert set(threads) == {"batchgen-rows" if spare else threading.current_thread().name}
+        assert {name for name, _ in decoded} == ({"batchgen-parts_0"} if spare else set())
+        assert sum(n for _, n in decoded) == (2 * 38 if spare else 0)
         outputs[spare] = outputs_by_key(root / "out")
     assert outputs[True] == outputs[False]
     assert len(outputs[True]) == 2 * 38 + 2

@@ -554,7 +554,9 @@ class LLMEngine:
         return out
 
     def _text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
-        return self.stopper.final_text(params, output, stop_reason) if output and self.tokenizer else ""
+        if not (output and self.tokenizer and getattr(params, "detokenize", True)):  # beams always detokenize
+            return ""
+        return self.stopper.final_text(params, output, stop_reason)
 
     def _sample_completions(self, req: _Request) -> list[CompletionOutput]:
         completions = []

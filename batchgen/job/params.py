@@ -25,16 +25,19 @@ class ParamsBuilder:
     (resume, other shard). A ``seed`` override column wins over the derived seed.
     """
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: Any, detokenize: bool = True):
+        """``detokenize``: False where the engine's text is not needed (texts.TextPlan; no row overrides what
+        would need it)."""
         self.spec = spec
-        self.base = spec.params()
+        self._changes = {} if detokenize else {"detokenize": False}
+        self.base = spec.params(**self._changes)
         self.job_seed: int | None = spec.seed
         self._defaults = spec.model_dump()
 
     def for_row(self, row_id: str, overrides: dict[str, Any], sources: dict[str, str] | None = None
                 ) -> SamplingParams:
         """``sources``: where an override came from when it is not a column (``body.max_tokens``)."""
-        changes: dict[str, Any] = {}
+        changes: dict[str, Any] = dict(self._changes)
         if self.job_seed is not None and "seed" not in overrides:
             changes["seed"] = row_seed(self.job_seed, row_id)
         if not overrides:

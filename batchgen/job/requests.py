@@ -28,11 +28,12 @@ class RequestBuilder:
     """The engine requests of a row, from the job's task and options (``RowParamsError`` for a row
     whose own values cannot be served, or that names an adapter the job does not have)."""
 
-    def __init__(self, spec: JobSpec, adapters: dict[str, JobAdapter] | None = None):
+    def __init__(self, spec: JobSpec, adapters: dict[str, JobAdapter] | None = None, detokenize: bool = True):
+        """``detokenize``: the generation requests' SamplingParams.detokenize (texts.TextPlan)."""
         self.task = spec.task
         self.adapters = adapters or {}
         self.job_lora = spec.sampling.lora
-        self.sampling = ParamsBuilder(spec.sampling)
+        self.sampling = ParamsBuilder(spec.sampling, detokenize)
         self.scoring = ScoringParams(token_logprobs=(spec.score or ScoreSpec()).token_logprobs)
         embed = spec.embed or EmbedSpec()
         self.embed = PoolingParams("embed", pooling=embed.pooling, normalize=embed.normalize,

@@ -476,7 +476,8 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("sampling", "structured_outputs"): None, ("sampling", "beam_width"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
                    ("sampling", "prompt_logprobs"): None, ("input", "completion_column"): None,
-                   ("task", "name"): "generate", ("sampling", "lora"): None, ("input", "lora_column"): None}
+                   ("task", "name"): "generate", ("sampling", "lora"): None, ("input", "lora_column"): None,
+                   ("sampling", "detokenize"): True}
 _LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are at their defaults
 
 

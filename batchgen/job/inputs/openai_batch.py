@@ -23,8 +23,9 @@ from .rows import CHAT, COMPLETION, EMBEDDING
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING}
 ENCODING_FORMATS = ("float", "base64")
 # Body fields named as SamplingParams fields (max_tokens, temperature, top_p, n, stop, seed, the
-# penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are.
-_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs"}  # below; prompt ones: echo
+# penalties; and vLLM's extras such as top_k, min_tokens): the row's overrides as they are. Not logprobs (below),
+# prompt_logprobs (echo) or detokenize (a response's content is its text).
+_NATIVE = frozenset(SamplingParams.field_names()) - {"logprobs", "prompt_logprobs", "detokenize"}
 
 
 class RequestError(ValueError):

@@ -102,13 +102,14 @@ def output_schema(fields: Iterable[str], carry: list[pa.Field], shape: TaskShape
     return pa.schema(cols)
 
 
-def result_rows(row: Row, out: RequestOutput) -> list[dict[str, Any]]:
-    """One dict per sample; columns the schema does not have are dropped when the part is built."""
+def result_rows(row: Row, out: RequestOutput, text_later: bool = False) -> list[dict[str, Any]]:
+    """One dict per sample; columns the schema does not have are dropped when the part is built. ``text_later``:
+    the engine did not decode the samples; their text is None until the part writer decodes it (texts.py)."""
     base = {"id": row.id, "num_samples": len(out.outputs), **row.carry}
     rows = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         rows.append({
-            **base, "sample_index": c.index, "text": c.text, "token_ids": c.token_ids,
+            **base, "sample_index": c.index, "text": None if text_later else c.text, "token_ids": c.token_ids,
             "cumulative_logprob": c.cumulative_logprob, "score": c.score, "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": None if c.stop_reason is None else str(c.stop_reason),
@@ -130,10 +131,12 @@ class SampleRows:
     OpenAI batch counterpart): the samples of a generation, or a task's one row (``shape``)."""
 
     shape: TaskShape | None = None
+    text_later: bool = False  # the part writer decodes the samples' text (texts.TextPlan)
 
     def result(self, row: Row, outputs: list[Any]) -> list[dict[str, Any]]:
         """``outputs``: the engine's outputs of the row's requests (one here)."""
-        rows = result_rows(row, outputs[0]) if self.shape is None else task_rows(row, outputs[0], self.shape)
+        rows = (result_rows(row, outputs[0], self.text_later) if self.shape is None
+                else task_rows(row, outputs[0], self.shape))
         return _with_adapter(row, rows)
 
     @staticmethod
@@ -271,11 +274,14 @@ class PartWriter:
 
     def __init__(self, out_dir: Location | Path, shard: Shard, schema: pa.Schema, rows_per_part: int,
                  next_seq: int, metadata: dict[str, str], part_format: PartFormat | None = None,
-                 guard: Callable[[], None] | None = None, background: bool = False):
+                 guard: Callable[[], None] | None = None, background: bool = False,
+                 finish_rows: Callable[[list[dict[str, Any]]], None] | None = None):
         """``guard`` is called before each part is written and raises if this run may no longer
-        write (its shard lock was lost)."""
+        write (its shard lock was lost). ``finish_rows`` completes a part's rows before they are written, on
+        the writer's thread (texts.decode_texts)."""
         self.out_dir = location(out_dir)
         self.guard = guard
+        self.finish_rows = finish_rows
         self.shard = shard
         self.schema = schema
         self.rows_per_part = rows_per_part
@@ -345,6 +351,8 @@ class PartWriter:
     def _write(self, part: _Part) -> None:
         if self.guard is not None:
             self.guard()
+        if self.finish_rows is not None:
+            self.finish_rows(part.records)
         self.format.write(part.records, part.path, self.schema, part.meta)
         self.parts_written += 1
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ... import __version__
@@ -32,6 +33,7 @@ from ..outputs.formats import part_format
 from ..outputs.merge import merge
 from ..outputs.openai_batch import ResponseLines
 from ..outputs.task_rows import TaskShape, task_shape
+from ..outputs.texts import TextPlan, decode_texts
 from ..outputs.writer import PartWriter, SampleRows, list_parts, output_schema, recover
 from ..params import RowParamsError
 from ..requests import RequestBuilder
@@ -116,6 +118,7 @@ class Runner:
         self.stop = stop or StopFlag()
         self.lock_wait = lock_wait
         self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
+        self._text = TextPlan()  # who decodes the outputs' text
 
     def run(self) -> RunResult:
         with self.stop.installed():
@@ -168,18 +171,23 @@ class Runner:
         self._check_engine(llm)
         self._warn_context(llm)
         shape = self._task_shape(llm)
-        if job.spec.output.format == "openai_batch":
+        openai = job.spec.output.format == "openai_batch"
+        self._text = TextPlan.of(job.spec, not openai and shape is None, bool(getattr(llm, "spare_core", False)))
+        if openai:
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
                                           job.spec.sampling.logprobs)
         else:
-            self._records = SampleRows(shape)
+            self._records = SampleRows(shape, self._text.writer_decodes)
+        decode = (partial(decode_texts, llm.tokenizer, job.spec.sampling.skip_special_tokens)
+                  if self._text.writer_decodes else None)
         writer = PartWriter(
             out_dir, shard, output_schema(job.spec.output.fields, reader.carry_fields, shape,
                                           lora=bool(job.spec.model.lora_modules)),
             job.spec.output.rows_per_part, rec.next_seq,
             {"batchgen.config_hash": job.config_hash, "batchgen.version": __version__,
              "batchgen.model": str(getattr(llm, "model_name", job.spec.model.path)),
-             "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check, background=True)
+             "batchgen.shard": str(shard)}, part_format(job.spec.output.format), guard=lock.check, background=True,
+            finish_rows=decode)
         status = "failed"
         snap = Snapshot()
         self.reporter.start(plan)
@@ -252,7 +260,7 @@ class Runner:
         start = last_stats = time.monotonic()
         in_flight: dict[str, tuple[PendingRow, int]] = {}
         counter = itertools.count()
-        builder = RequestBuilder(self.job.spec, self.job.adapters)
+        builder = RequestBuilder(self.job.spec, self.job.adapters, detokenize=self._text.engine_decodes)
         # Reading ahead on a thread pays only where a core is free of the engine's compute: on a CPU engine
         # using every core it took turns with the engine's threads and was ~2% slower (scripts/PERF.md).
         feeder = RowFeeder(rows, lambda chunk: self._prepare(chunk, builder, getattr(llm, "encode_batch", None)),
