@@ -172,7 +172,8 @@ class Runner:
         self._warn_context(llm)
         shape = self._task_shape(llm)
         openai = job.spec.output.format == "openai_batch"
-        self._text = TextPlan.of(job.spec, not openai and shape is None, bool(getattr(llm, "spare_core", False)))
+        writer_may_decode = bool(getattr(llm, "spare_core", False)) and getattr(llm, "tokenizer", None) is not None
+        self._text = TextPlan.of(job.spec, not openai and shape is None, writer_may_decode)
         if openai:
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
                                           job.spec.sampling.logprobs)
