@@ -52,11 +52,23 @@ def _spec(tmp_path, sampling: dict | None = None, fields: list[str] | None = Non
     ({"overrides": {"max_tokens": "budget"}}, ["text"], True, TextPlan(engine_decodes=False, writer_decodes=True)),
 ])
 def test_who_decodes_the_text(tmp_path, sampling, fields, spare, want):
-    assert TextPlan.of(_spec(tmp_path, sampling, fields), True, spare) == want
+    assert TextPlan.of(_spec(tmp_path, sampling, fields), True, _Engine(spare)) == want
 
 
 def test_task_rows_and_openai_responses_keep_the_engines_text(tmp_path):
-    assert TextPlan.of(_spec(tmp_path, fields=["text"]), False, True) == TextPlan()
+    assert TextPlan.of(_spec(tmp_path, fields=["text"]), False, _Engine(True)) == TextPlan()
+
+
+def test_an_engine_without_a_tokenizer_decodes_its_own_text(tmp_path):
+    """A job's own engine (BATCHGEN_ENGINE) may report a spare core and have no tokenizer for the writer."""
+    spec = _spec(tmp_path, fields=["text"])
+    assert TextPlan.of(spec, True, _Engine(True, tokenizer=None)) == TextPlan()
+    assert TextPlan.of(spec, True, object()) == TextPlan()  # neither spare_core nor tokenizer
+
+
+class _Engine:
+    def __init__(self, spare_core: bool, tokenizer: object = "a tokenizer"):
+        self.spare_core, self.tokenizer = spare_core, tokenizer
 
 
 def test_the_writer_fills_only_texts_still_to_come():

@@ -21,9 +21,11 @@ class TextPlan:
     writer_decodes: bool = False  # the part writer fills the text column from the token ids
 
     @classmethod
-    def of(cls, spec: Any, plain_samples: bool, spare_core: bool) -> TextPlan:
+    def of(cls, spec: Any, plain_samples: bool, llm: Any) -> TextPlan:
         """``spec``: the JobSpec; ``plain_samples``: the parts hold a generation's samples (not a task's rows, not
-        OpenAI batch responses); ``spare_core``: the writer's thread has a core of its own (``LLM.spare_core``)."""
+        OpenAI batch responses); ``llm``: the engine. Its ``spare_core`` says whether the writer's thread has a core
+        of its own, and the writer decodes with its ``tokenizer`` (an engine of a job's own may have neither)."""
+        spare_core = bool(getattr(llm, "spare_core", False)) and getattr(llm, "tokenizer", None) is not None
         s = spec.sampling
         overridden = any(key.split(".", 1)[0] in _TEXT_FIELDS for key in s.overrides)
         if (not plain_samples or s.beam_width or s.stop or s.structured_outputs or not s.detokenize or overridden

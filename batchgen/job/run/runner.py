@@ -172,8 +172,7 @@ class Runner:
         self._warn_context(llm)
         shape = self._task_shape(llm)
         openai = job.spec.output.format == "openai_batch"
-        writer_may_decode = bool(getattr(llm, "spare_core", False)) and getattr(llm, "tokenizer", None) is not None
-        self._text = TextPlan.of(job.spec, not openai and shape is None, writer_may_decode)
+        self._text = TextPlan.of(job.spec, not openai and shape is None, llm)
         if openai:
             self._records = ResponseLines(job.model_name, getattr(llm, "tokenizer", None),
                                           job.spec.sampling.logprobs)
