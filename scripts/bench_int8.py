@@ -9,6 +9,8 @@
               prompts whose 64 tokens are all the same; float32 against bf16 alike, for scale
   perplexity  of tests/data/pride_and_prejudice_ch1.txt (the prompt's logprobs), bf16 and int8; the budget is
               int8 within 2% of bf16
+  --w8a8      all of the above also for the model written as a compressed-tensors int8 W8A8 checkpoint
+              (scripts/w8a8.py: the library's round to nearest) and run as a checkpoint quantized ahead
 
     .venv/bin/python scripts/bench_int8.py --quick          # smoke test
     .venv/bin/python scripts/bench_int8.py --json /tmp/int8.json
@@ -22,6 +24,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -33,13 +36,6 @@ from bench import BLOCK, SETTINGS, isolated, kv_bytes_per_token, make_workload, 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
 AGREE_TOKENS = 64
 PERPLEXITY_BUDGET = 0.02
-QUANTIZATIONS = (None, "int8")
-
-
-def label(quantization: str | None) -> str:
-    return quantization or "bf16"
-
-
 def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
             dtype: str = "bfloat16") -> dict:
     """Greedy continuations of `prompts` and the perplexity of TEXT under one configuration."""
@@ -73,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, help="the first this many of mixed's requests only (a loaded machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--w8a8", action="store_true", help="also a W8A8 checkpoint of the model (see above)")
     parser.add_argument("--json", help="write every result here")
     return parser.parse_args(argv)
 
@@ -92,15 +89,20 @@ def main(argv=None) -> dict:
         mixed = replace(mixed, prompts=mixed.prompts[: args.prompts], max_tokens=mixed.max_tokens[: args.prompts])
     bytes_per_block = BLOCK * kv_bytes_per_token(cfg, "bfloat16")
     kv_blocks = int(sum(mixed.kv_blocks()) * 1.1) + 16
-    rates: dict[str, list[float]] = {label(q): [] for q in QUANTIZATIONS}
+    configs = {"bf16": (args.model, None), "int8": (args.model, "int8")}  # label: (model, quantization)
+    if args.w8a8:
+        from w8a8 import write_w8a8
+
+        configs["w8a8"] = (str(write_w8a8(Path(args.model), Path(tempfile.mkdtemp()) / "w8a8")), None)
+    rates: dict[str, list[float]] = {name: [] for name in configs}
     for round_ in range(args.rounds):
-        for q in QUANTIZATIONS:
-            print(f"round {round_ + 1}/{args.rounds}: mixed, {label(q)}", flush=True)
-            run = isolated(True, run_batchgen, args.model, mixed, "bfloat16", args.threads, kv_blocks, 64,
+        for name, (model, q) in configs.items():
+            print(f"round {round_ + 1}/{args.rounds}: mixed, {name}", flush=True)
+            run = isolated(True, run_batchgen, model, mixed, "bfloat16", args.threads, kv_blocks, 64,
                            bytes_per_block, "native", q)
-            rates[label(q)].append(run.rates()["total_tok_s"])
+            rates[name].append(run.rates()["total_tok_s"])
     prompts = mixed.prompts[: args.agree_prompts]
-    results = {label(q): isolated(True, quality, args.model, q, args.threads, prompts) for q in QUANTIZATIONS}
+    results = {name: isolated(True, quality, model, q, args.threads, prompts) for name, (model, q) in configs.items()}
     results["fp32"] = isolated(True, quality, args.model, None, args.threads, prompts, "float32")
     ppl = {name: r["perplexity"] for name, r in results.items()}
     report = dict(
@@ -111,6 +113,10 @@ def main(argv=None) -> dict:
         agreement_prompts=len(prompts), perplexity=ppl, perplexity_change=ppl["int8"] / ppl["bf16"] - 1,
         text_tokens=results["bf16"]["text_tokens"], workload=dict(asdict(mixed), prompts=len(mixed.prompts)))
     report["perplexity_budget_met"] = abs(report["perplexity_change"]) <= PERPLEXITY_BUDGET
+    if args.w8a8:
+        report |= dict(w8a8_over_bf16=statistics.median(rates["w8a8"]) / statistics.median(rates["bf16"]),
+                       w8a8_agreement=agreement(results["bf16"]["continuations"], results["w8a8"]["continuations"]),
+                       w8a8_perplexity_change=ppl["w8a8"] / ppl["bf16"] - 1)
     print("mixed total tok/s: " + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)}" for k, vs in rates.items()))
     print(f"int8 / bf16 throughput (medians): x{report['int8_over_bf16']:.2f}")
     a = report["agreement"]
@@ -122,6 +128,10 @@ def main(argv=None) -> dict:
     print(f"perplexity of {TEXT.name} ({report['text_tokens']} tokens): bf16 {ppl['bf16']:.3f}, int8 "
           f"{ppl['int8']:.3f} ({report['perplexity_change']:+.2%}; budget {PERPLEXITY_BUDGET:.0%} "
           f"{'met' if report['perplexity_budget_met'] else 'missed'}); float32 {ppl['fp32']:.3f}")
+    if args.w8a8:
+        w = report["w8a8_agreement"]
+        print(f"W8A8 checkpoint: x{report['w8a8_over_bf16']:.2f} bf16's throughput, perplexity {ppl['w8a8']:.3f} "
+              f"({report['w8a8_perplexity_change']:+.2%}), greedy agreement {w['token_share']:.1%} of tokens")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return report

@@ -8,6 +8,7 @@ bit for bit, and the option refused where it cannot run.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,15 +22,15 @@ from torch import nn
 from batchgen import _C, LLM, SamplingParams, ops
 from batchgen.config import ConfigError
 from batchgen.job.spec import _drop_later_defaults, load_job
-from batchgen.ops import pack_int8_weight, reference
+from batchgen.ops import Int8Weight, pack_int8_weight, reference
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ReferenceInt8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight: Int8Weight):
         super().__init__()
-        self.weight = pack_int8_weight(linear.weight)
+        self.weight = weight
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,13 +38,16 @@ class ReferenceInt8Linear(nn.Module):
         return reference.linear_int8(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
 
 
-def int8_reference_model(model_dir) -> nn.Module:
+def int8_reference_model(model_dir, int8_weight: Callable[[str, nn.Linear], Int8Weight] | None = None) -> nn.Module:
+    """transformers' float32 model with each projection on `reference.linear_int8`, its int8 weight
+    `int8_weight(qualified name, linear)` (default: the linear's weight quantized as batchgen does at load)."""
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    int8_weight = int8_weight or (lambda _, linear: pack_int8_weight(linear.weight))
     replaced = 0
-    for module in list(hf.modules()):
+    for owner, module in list(hf.named_modules()):
         for name in PROJECTIONS:
-            if isinstance(getattr(module, name, None), nn.Linear):
-                setattr(module, name, ReferenceInt8Linear(getattr(module, name)))
+            if isinstance(linear := getattr(module, name, None), nn.Linear):
+                setattr(module, name, ReferenceInt8Linear(linear, int8_weight(f"{owner}.{name}", linear)))
                 replaced += 1
     assert replaced == len(PROJECTIONS) * hf.config.num_hidden_layers
     return hf
@@ -78,12 +82,18 @@ def test_greedy_matches_the_int8_reference_model(tiny_model_dirs, arch):
     hf = int8_reference_model(model_dir)
     prompts = make_prompts(hf.config.vocab_size)
     llm = LLM(model_dir, dtype="float32", quantization="int8", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    got = assert_greedy_matches(hf, llm, prompts)
+    plain = LLM(model_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    assert got != tokens(plain.generate(prompts, GREEDY, use_tqdm=False))  # int8 really ran
+
+
+def assert_greedy_matches(hf: nn.Module, llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """`llm`'s greedy tokens are `hf`'s but for at most 3 prompts parting at a near-tie (see above); returns them."""
     got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     differences = [first_difference(hf, p, g, greedy(hf, p)) for p, g in zip(prompts, got, strict=True)]
     assert sum(d is None for d in differences) >= len(prompts) - 3, differences
     assert all(d is None or d[1] < NEAR_TIE for d in differences), differences
-    plain = LLM(model_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
-    assert got != tokens(plain.generate(prompts, GREEDY, use_tqdm=False))  # int8 really ran
+    return got
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -169,10 +179,15 @@ def test_job_files_take_model_quantization(tmp_path):
 
 def test_guide_example_runs(tiny_model_dirs, capsys):
     """docs/int8.md's example as written, on the tiny Llama in place of the path it names."""
+    run_guide_example("int8", "~/.cache/batchgen/models/SmolLM2-135M-Instruct", tiny_model_dirs["llama"], capsys)
+
+
+def run_guide_example(marker: str, path: str, model_dir, capsys) -> None:
+    """Runs docs/int8.md's python block marked `marker` with `model_dir` for the model `path` it names; it prints
+    a text's repr."""
     guide = (REPO / "docs" / "int8.md").read_text(encoding="utf-8")
-    (code,) = re.findall(r"<!-- readme-test: python int8 -->\n```python\n(.*?)```", guide, re.S)
-    path = "~/.cache/batchgen/models/SmolLM2-135M-Instruct"
+    (code,) = re.findall(rf"<!-- readme-test: python {marker} -->\n```python\n(.*?)```", guide, re.S)
     assert path in code
-    exec(code.replace(path, str(tiny_model_dirs["llama"])), {})
+    exec(code.replace(path, str(model_dir)), {})
     printed = capsys.readouterr().out
     assert printed.startswith("'") and len(printed) > 3

@@ -87,6 +87,38 @@ def test_weights_quantize_per_output_feature():
     assert torch.equal(packed.compensation[:50], q.sum(dim=1, dtype=torch.int32) * 128)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 45])
+@pytest.mark.usefixtures("int8_kernel")
+def test_a_checkpoints_full_int8_range_sums_exactly(rows):
+    """Weights quantized ahead (compressed-tensors' rule, max |w| / 127.5) reach -128, which the AVX2 loop's
+    sign trick cannot negate; against activations at +-127 every product is at its largest."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-128, 128, (70, 200), generator=gen)
+    q[::3, ::2], q[1::3, 1::2] = -128, 127
+    packed = ops.pack_int8_weight(q.float(), torch.rand(70, 1, generator=gen) / 100)
+    assert torch.equal(reference.unpack_int8_weight(packed), q.to(torch.int8))
+    x = torch.randn(rows, 200, generator=gen)
+    x[:, ::5] = x.abs().amax() * torch.sign(torch.randn(rows, 40, generator=gen))  # q = +-127 there
+    xq, scale = ops.quantize_int8_rows(x)
+    assert int(xq.min()) == 1 and int(xq.max()) == 255
+    assert torch.equal(ops.gemm_int8(xq, scale, packed, out_dtype=torch.int32),
+                       reference.gemm_int8(xq, scale, packed, out_dtype=torch.int32))
+    assert torch.equal(ops.linear_int8(x, packed), reference.linear_int8(x, packed))
+
+
+def test_a_checkpoints_weights_are_checked():
+    with pytest.raises(ValueError, match=r"int8 weights must be integers in \[-128, 127\]"):
+        ops.pack_int8_weight(torch.full((4, 64), 0.5), torch.ones(4))
+    with pytest.raises(ValueError, match=r"int8 weights must be integers in \[-128, 127\]"):
+        ops.pack_int8_weight(torch.full((4, 64), 128.0), torch.ones(4))
+    with pytest.raises(ValueError, match=r"one per output feature \(4\) or one in all"):
+        ops.pack_int8_weight(torch.ones(4, 64), torch.ones(3))
+    with pytest.raises(ValueError, match="scales must be finite"):
+        ops.pack_int8_weight(torch.ones(4, 64), torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    one_scale = ops.pack_int8_weight(torch.ones(4, 64, dtype=torch.bfloat16), torch.tensor([0.5]))
+    assert torch.equal(one_scale.scale[:4], torch.full((4,), 0.5))
+
+
 @pytest.mark.usefixtures("int8_kernel")
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     x, packed, _, bias = _operands(200, 576, 200, seed=11)

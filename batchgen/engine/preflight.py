@@ -17,6 +17,7 @@ from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
 from batchgen.models.architectures import architecture, attention_geometry, pick_impl, text_config
 from batchgen.models.loader import first_line, missing_tokenizer, missing_weights, resolve_model_dir
+from batchgen.models.quantized import checkpoint_quantization
 from batchgen.ops import SUPPORTED_HEAD_DIMS
 
 
@@ -53,7 +54,7 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         problems.append(ConfigProblem("model", f"architecture {architecture(hf_config)} has head_dim "
                                                f"{geometry.head_dim}; batchgen's attention kernels take "
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
-    problems += _quantization_problems(config, impl, device, dtype)
+    problems += _quantization_problems(config, hf_config, impl, device, dtype)
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
@@ -63,17 +64,25 @@ def plan_model(config: EngineConfig) -> ModelPlan:
 
 
 
-def _quantization_problems(config: EngineConfig, impl: str, device: torch.device,
+def _quantization_problems(config: EngineConfig, hf_config: Any, impl: str, device: torch.device,
                            dtype: torch.dtype) -> list[ConfigProblem]:
     """int8 compute runs batchgen's own CPU kernels on float32 or bf16 activations, in the native models'
-    plain linear layers (which LoRA replaces)."""
-    if config.quantization != "int8":
+    plain linear layers (which LoRA replaces); a checkpoint quantized ahead asks for it itself in the native
+    models (transformers loads a quantized checkpoint its own way)."""
+    try:
+        prequantized = checkpoint_quantization(hf_config) if impl == "native" else None
+    except ValueError as e:
+        return [ConfigProblem("model", str(e))]
+    if (config.quantization or prequantized) != "int8":
         return []
+    option = "quantization" if config.quantization else "model"
+    mode = "int8" if config.quantization else "the checkpoint's int8 quantization (quantization_config)"
     why = ("needs batchgen's native model implementation" if impl != "native"
            else "runs on CPU only" if device.type != "cpu"
            else "takes float32 or bfloat16 (the activations' dtype)" if dtype not in (torch.float32, torch.bfloat16)
            else "cannot be combined with enable_lora" if config.enable_lora else None)
-    return [ConfigProblem("quantization", f"int8 {why}")] if why else []
+    return [ConfigProblem(option, f"{mode} {why}")] if why else []
+
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
     if num_blocks >= 2:

@@ -167,12 +167,13 @@ def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear
 class Int8Linear(nn.Module):
     """y = x W^T + b on int8 compute (`ops.linear_int8`, opt-in: quantization="int8", docs/int8.md): W quantized
     per output feature at load, x per row on every call, exact int32 sums scaled back in float32; y in x's
-    dtype. A row's result depends on that row alone. Inference only."""
+    dtype. A row's result depends on that row alone. `scale`: W was quantized ahead (a checkpoint's int8 values
+    and their scales, `ops.checkpoint_int8_weight`). Inference only."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = ops.pack_int8_weight(weight)
+        self.weight = ops.pack_int8_weight(weight, scale)
         self.bias = None if bias is None else bias.detach().float()
 
     def extra_repr(self) -> str:
@@ -184,12 +185,13 @@ class Int8Linear(nn.Module):
 
 class Int8SiluAndMul(nn.Module):
     """silu(x W_gate^T) * (x W_up^T) on int8 compute from a fused [gate; up] weight (`ops.linear_silu_mul_int8`):
-    x quantized once, the product taken while the GEMM's results are in cache. Inference only."""
+    x quantized once, the product taken while the GEMM's results are in cache. `scale` as Int8Linear's. Inference
+    only."""
 
-    def __init__(self, gate_up_weight: torch.Tensor):
+    def __init__(self, gate_up_weight: torch.Tensor, scale: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
-        self.weight = ops.pack_int8_gate_up(gate_up_weight)
+        self.weight = ops.pack_int8_gate_up(gate_up_weight, scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -199,10 +201,11 @@ class Int8SiluAndMul(nn.Module):
 
 
 def quantize_linears(module: nn.Module) -> None:
-    """Replaces every `Linear` below module by an `Int8Linear` (dropping the plain weight)."""
+    """Replaces every `Linear` below module by an `Int8Linear` (dropping the plain weight); one with a
+    `weight_scale` holds a checkpoint's int8 weight, packed as it is."""
     for name, child in list(module.named_children()):
         if isinstance(child, Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            setattr(module, name, Int8Linear(child.weight, child.bias, getattr(child, "weight_scale", None)))
         else:
             quantize_linears(child)
 

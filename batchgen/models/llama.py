@@ -124,7 +124,7 @@ class MLP(nn.Module):
     def pack(self, quantization: str | None = None) -> None:
         weight = self.gate_up_proj.weight
         if quantization == "int8":
-            self.packed_gate_up = Int8SiluAndMul(weight)
+            self.packed_gate_up = Int8SiluAndMul(weight, getattr(self.gate_up_proj, "weight_scale", None))
         elif can_pack(weight):
             self.packed_gate_up = PackedSiluAndMul(weight)
         else:
@@ -320,6 +320,15 @@ class LlamaForCausalLM(nn.Module):
             yield attn, "o_proj", LoRATarget(i, q, {"o_proj": (0, cfg.hidden_size)})
             yield mlp, "down_proj", LoRATarget(i, ffn, {"down_proj": (0, cfg.hidden_size)})
 
+    def native_name(self, name: str) -> tuple[str, slice | None]:
+        """A checkpoint tensor's (or module's) name, less "model.", as the model's, and the rows it fills of a
+        fused projection (None: all of it)."""
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) >= 2 and parts[-2] in (pieces := self._fused_pieces()):
+            target, first, rows = pieces[parts[-2]]
+            return ".".join([*parts[:-2], target, parts[-1]]), slice(first, first + rows)
+        return ".".join(parts), None
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes Hugging Face checkpoint names; fuses q/k/v and gate/up on the way in."""
@@ -338,11 +347,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} is a classification head, but its config names "
                                  "a causal LM architecture")
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in pieces:
-                target, first, rows = pieces[parts[-2]]
-                name = ".".join([*parts[:-2], target, parts[-1]])
-                params[name][first : first + rows].copy_(tensor)
-                loaded.add(f"{name}@{first}")
+            name, rows = self.native_name(name)
+            if rows is not None:
+                params[name][rows].copy_(tensor)
+                loaded.add(f"{name}@{rows.start}")
             elif name in params:
                 params[name].copy_(tensor)
                 loaded.add(name)

@@ -20,6 +20,13 @@ from batchgen.models.architectures import (
 from batchgen.models.gemma import GemmaConfig, GemmaForCausalLM
 from batchgen.models.gguf import convert_gguf
 from batchgen.models.llama import LlamaConfig, LlamaForCausalLM
+from batchgen.models.quantized import (
+    add_weight_scales,
+    checkpoint_quantization,
+    dequantize_heads,
+    quantized_projections,
+    without_zero_points,
+)
 
 # Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "*spiece*.model",
@@ -139,7 +146,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     `has_lm_head`), `compute_scores` (a classifier's head, where `class_labels` is set), `attention_layers()`,
     `vocab_size` and `hidden_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl);
     `for_lora`: packed for LoRA layers, `quantization`: "int8" or None (native models only, see
-    LlamaForCausalLM.pack_weights)."""
+    LlamaForCausalLM.pack_weights); a checkpoint quantized ahead (models/quantized.py) runs in its mode whatever
+    `quantization` says (preflight refuses a contradiction)."""
     if model_impl == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 
@@ -153,11 +161,17 @@ def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
     model_class = GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
     with torch.device("meta"):  # no random init of parameters the checkpoint overwrites (~1.7 s for 135M)
         model = model_class(cfg).to(dtype)
+    prequantized = checkpoint_quantization(hf_config)
+    if prequantized:  # the int8 values go into the weights; their scales need a place of their own
+        add_weight_scales(model, quantized_projections(model_dir))
     model.to_empty(device=device)
     for rotary in model.modules():
         if isinstance(rotary, RotaryEmbedding):
             rotary.reset_table()
-    model.load_weights(_checkpoint_tensors(model_dir))
+    model.load_weights(without_zero_points(_checkpoint_tensors(model_dir)) if prequantized
+                       else _checkpoint_tensors(model_dir))
     model.eval().requires_grad_(False)
-    model.pack_weights(for_lora, quantization)
+    if prequantized:
+        dequantize_heads(model)
+    model.pack_weights(for_lora, quantization or prequantized)
     return model

@@ -48,6 +48,7 @@ __all__ = [
     "Int8Weight",
     "gemm_int8",
     "linear_int8",
+    "checkpoint_int8_weight",
     "pack_int8_weight",
     "quantize_int8_rows",
     "quantize_int8_weight",
@@ -269,10 +270,24 @@ def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
-    """`weight` [out_features, in_features] quantized (quantize_int8_weight) and packed for `linear_int8`."""
+def checkpoint_int8_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight quantized ahead, as a checkpoint holds it (int8 values in [-128, 127], in any dtype that holds
+    them exactly, and their scales, one per output feature or one for all), as (q int8, scale float32 [out]);
+    a ValueError where the values are not such integers."""
+    w = weight.detach()
+    if not (w.dtype == torch.int8 or bool(((w == w.round()) & (w >= -128) & (w <= 127)).all())):
+        raise ValueError("int8 weights must be integers in [-128, 127]")
+    scale = scale.detach().float().reshape(-1)
+    if scale.numel() not in (1, w.shape[0]) or not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"int8 weight scales must be finite, one per output feature ({w.shape[0]}) or one in all")
+    return w.to(torch.int8), scale.expand(w.shape[0]).contiguous()
+
+
+def pack_int8_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Int8Weight:
+    """`weight` [out_features, in_features] quantized (quantize_int8_weight) and packed for `linear_int8`;
+    with `scale`, `weight` is quantized already (`checkpoint_int8_weight`) and packed as it is."""
     out_features, in_features = weight.shape
-    q, scale = quantize_int8_weight(weight)
+    q, scale = quantize_int8_weight(weight) if scale is None else checkpoint_int8_weight(weight, scale)
     cols, step = _C.GEMM_PANEL_COLS, _C.INT8_DEPTH_STEP
     count, depth = -(-out_features // cols), -(-in_features // step) * step
     padded = torch.nn.functional.pad(q, (0, depth - in_features, 0, count * cols - out_features))
@@ -282,12 +297,13 @@ def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(panels, scale.contiguous(), compensation.contiguous(), out_features, in_features)
 
 
-def pack_int8_gate_up(weight: torch.Tensor) -> Int8Weight:
+def pack_int8_gate_up(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Int8Weight:
     """A fused [gate; up] weight [2 * out_features, in_features] packed for `linear_silu_mul_int8`: each half
-    quantized as `pack_int8_weight` does, their panels alternating (gate's first), so that one task of the GEMM
-    has a panel of both at hand."""
+    quantized (or, with `scale` [2 * out_features], taken as quantized) as `pack_int8_weight` does, their panels
+    alternating (gate's first), so that one task of the GEMM has a panel of both at hand."""
     half = weight.shape[0] // 2
-    gate, up = pack_int8_weight(weight[:half]), pack_int8_weight(weight[half:])
+    scales = (None, None) if scale is None else (scale.reshape(-1)[:half], scale.reshape(-1)[half:])
+    gate, up = pack_int8_weight(weight[:half], scales[0]), pack_int8_weight(weight[half:], scales[1])
     count = gate.panels.shape[0]
 
     def alternate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per panel: a's part, then b's

@@ -2,7 +2,7 @@
 // gemm_int8_<isa>.cpp): out[m, n] = sx[m] * sw[n] * sum_k q[m, k] w[n, k] (+ bias[n]).
 //
 // Weights are quantized symmetrically per output feature at load (int8 in [-127, 127] and a float32
-// scale); activations per row on the fly (int8 in [-127, 127] and a float32 scale), stored offset by
+// scale) or come so quantized from a checkpoint (int8 in [-128, 127]); activations per row on the fly (int8 in [-127, 127] and a float32 scale), stored offset by
 // kInt8ZeroPoint as unsigned bytes: the operand order of vpdpbusd and tdpbusd (u8 x s8). The loops that
 // multiply the offset bytes subtract the zero point's share afterwards, 128 * sum_k w[n, k] per output
 // feature (`compensation`, computed at packing). Sums are int32 and exact, so every loop gives the same
@@ -62,7 +62,7 @@ namespace int8_scalar {
 void gemm_int8(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end);
 }
 #ifdef BATCHGEN_HAVE_AVX2
-namespace int8_avx2 {  // vpmaddubsw on |w| and sign(q, w), then vpmaddwd: exact for q, w in [-127, 127]
+namespace int8_avx2 {  // vpmaddubsw on |w| and sign(q, w), then vpmaddwd: exact for q in [-127, 127], any w
 void gemm_int8(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end);
 }
 namespace int8_avx_vnni {  // vpdpbusd on 256-bit vectors (VEX-encoded AVX-VNNI)
