@@ -11,6 +11,9 @@
               int8 within 2% of bf16
   --w8a8      all of the above also for the model written as a compressed-tensors int8 W8A8 checkpoint
               (scripts/w8a8.py: the library's round to nearest) and run as a checkpoint quantized ahead
+  --shape 1b  instead of the model itself, random weights in Llama-3.2-1B's layers (hidden 2,048, ffn 8,192, 16
+              layers, 32/8 heads of 64) with the model's tokenizer and vocabulary, head tied: throughput where
+              the projections are a larger share of a step (the quality figures mean nothing for random weights)
 
     .venv/bin/python scripts/bench_int8.py --quick          # smoke test
     .venv/bin/python scripts/bench_int8.py --json /tmp/int8.json
@@ -22,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,6 +64,27 @@ def agreement(want: list[list[int]], got: list[list[int]]) -> dict:
                 mean_common_prefix=statistics.mean(prefixes))
 
 
+def random_1b(src: Path, dst: Path) -> Path:
+    """--shape 1b's model: `src`'s config and tokenizer files with Llama-3.2-1B's layer shape, random bf16 weights."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(src)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 2048, 8192, 16
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 32, 8, 64
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, 0.02)
+    model.save_pretrained(dst)
+    for file in src.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(file, dst / file.name)
+    return dst
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
@@ -70,18 +95,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--w8a8", action="store_true", help="also a W8A8 checkpoint of the model (see above)")
+    parser.add_argument("--shape", choices=["1b"], help="random weights of a larger shape (see above)")
     parser.add_argument("--json", help="write every result here")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_int8-"))  # --shape's and --w8a8's models
+    try:
+        return measure(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     if args.model is None:
         from batchgen.models.smollm2 import ensure_smollm2
 
         args.model = str(ensure_smollm2())
+    if args.shape:
+        args.model = str(random_1b(Path(args.model), scratch / "random-1b"))
     torch.set_num_threads(args.threads)
     cfg, tokenizer = AutoConfig.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
     mixed = make_workload("mixed", tokenizer, args.seed, **SETTINGS[args.quick]["mixed"])
@@ -93,7 +129,7 @@ def main(argv=None) -> dict:
     if args.w8a8:
         from w8a8 import write_w8a8
 
-        configs["w8a8"] = (str(write_w8a8(Path(args.model), Path(tempfile.mkdtemp()) / "w8a8")), None)
+        configs["w8a8"] = (str(write_w8a8(Path(args.model), scratch / "w8a8")), None)
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for round_ in range(args.rounds):
         for name, (model, q) in configs.items():
