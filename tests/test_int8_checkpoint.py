@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES
 from jobkit import REPO, cli, job_dict, setup_job, write_job
+from model_zoo import build_zoo_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_int8_engine import assert_greedy_matches, int8_reference_model, run_guide_example
@@ -128,13 +129,29 @@ def test_a_checkpoint_of_batchgens_rounding_runs_exactly_as_the_int8_mode(tiny_m
         shutil.copy(src / "config.json", tmp_path / "float")
         w8a8.copy_tokenizer(src, tmp_path / "float")
         src = tmp_path / "float"
+    assert_runs_as_the_int8_mode(checkpoint, src)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma3"])
+def test_other_families_run_a_checkpoint_exactly_as_the_int8_mode(w8a8_dirs, tmp_path, arch):
+    """Phi-3 holds q/k/v and gate/up fused in its checkpoint, so their scales come fused too; Gemma 3 runs gate
+    and up as one plain projection, in the Python layers."""
+    src = build_zoo_model(tmp_path / arch, arch)
+    checkpoint = own_rounding_checkpoint(src, tmp_path / "w8a8", w8a8_dirs["llama"], quantize_head=False)
+    assert_runs_as_the_int8_mode(checkpoint, src)
+
+
+def assert_runs_as_the_int8_mode(checkpoint: Path, float_model: Path) -> None:
+    """Sampled tokens and their logprobs of `checkpoint` equal, bit for bit, those of `float_model` with
+    quantization="int8"."""
     prompts = make_prompts(400, lens=[3, 17, 40, 90], seed=2)
     params = [SamplingParams(temperature=0.9, seed=i, max_tokens=12, ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]
     options = dict(dtype="bfloat16", kv_cache_memory="32MiB")
-    ours = LLM(checkpoint, **options).generate(prompts, params, use_tqdm=False)
-    mode = LLM(src, quantization="int8", **options).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ours, mode, strict=True):
+    ours = LLM(checkpoint, **options)
+    assert any(isinstance(m, Int8Linear) for m in ours.engine.runner.model.modules())
+    mode = LLM(float_model, quantization="int8", **options).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours.generate(prompts, params, use_tqdm=False), mode, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
