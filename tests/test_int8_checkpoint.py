@@ -94,13 +94,14 @@ def test_a_projection_the_checkpoint_left_in_float_is_quantized_at_load(tiny_mod
 def own_rounding_checkpoint(src: Path, dst: Path, library_checkpoint: Path, quantize_head: bool) -> Path:
     """The float model at `src` rounded to bf16 and quantized by batchgen's own rule (`quantize_int8_weight`), as
     `quantization="int8"` does when it loads the model in bf16, and written in the compressed-tensors format by
-    hand (the library's config), with the all-zero weight zero points older writers kept."""
+    hand (the library's config), with the all-zero weight zero points older writers kept and the scales as a
+    vector, not the library's column."""
     tensors = checkpoint_tensors(src)
     targets = [name.removesuffix(".weight") for name in tensors
                if re.search(r"_proj\.weight$", name) or (quantize_head and name == "lm_head.weight")]
     for name in targets:
         q, scale = quantize_int8_weight(tensors[f"{name}.weight"].bfloat16())
-        tensors |= {f"{name}.weight": q, f"{name}.weight_scale": scale[:, None],
+        tensors |= {f"{name}.weight": q, f"{name}.weight_scale": scale,
                     f"{name}.weight_zero_point": torch.zeros(q.shape[0], 1, dtype=torch.int8)}
     dst.mkdir()
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})

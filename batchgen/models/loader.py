@@ -24,8 +24,8 @@ from batchgen.models.quantized import (
     add_weight_scales,
     checkpoint_quantization,
     dequantize_heads,
+    int8_checkpoint_tensors,
     quantized_projections,
-    without_zero_points,
 )
 
 # Files that hold a tokenizer's vocabulary, in the formats transformers loads for these models.
@@ -168,7 +168,7 @@ def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
     for rotary in model.modules():
         if isinstance(rotary, RotaryEmbedding):
             rotary.reset_table()
-    model.load_weights(without_zero_points(_checkpoint_tensors(model_dir)) if prequantized
+    model.load_weights(int8_checkpoint_tensors(_checkpoint_tensors(model_dir)) if prequantized
                        else _checkpoint_tensors(model_dir))
     model.eval().requires_grad_(False)
     if prequantized:

@@ -107,15 +107,17 @@ def add_weight_scales(model: nn.Module, projections: Iterable[str]) -> None:
                                                        device=weight.device), requires_grad=False)
 
 
-def without_zero_points(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less the zero points some writers keep for symmetric schemes (all zero: a
-    symmetric scheme has none); a nonzero one is refused."""
+def int8_checkpoint_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as load_weights takes them: weight scales as columns ([out_features, 1], however
+    the writer shaped them), less the zero points some writers keep for symmetric schemes (all zero: a
+    symmetric scheme has none; a nonzero one is refused)."""
     for name, tensor in tensors:
-        if name.rsplit(".", 1)[-1] in ZERO_POINTS:
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ZERO_POINTS:
             if bool(tensor.any()):
                 raise ValueError(f"checkpoint tensor {name!r} is not zero: asymmetric quantization is not supported")
             continue
-        yield name, tensor
+        yield name, tensor.reshape(-1, 1) if kind == "weight_scale" else tensor
 
 
 @torch.no_grad()
