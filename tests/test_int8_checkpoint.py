@@ -57,16 +57,19 @@ def test_the_library_writes_what_batchgen_reads(w8a8_dirs):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_matches_the_checkpoints_int8_reference(tiny_model_dirs, w8a8_dirs, arch):
-    """No `quantization` option: the checkpoint asks for int8 itself. The reference is transformers' model with
-    each projection on `reference.linear_int8` over the checkpoint's own values and scales."""
+def test_greedy_matches_the_checkpoints_int8_reference(tiny_model_dirs, w8a8_dirs, arch, caplog):
+    """No `quantization` option: the checkpoint asks for int8 itself (and the log says so). The reference is
+    transformers' model with each projection on `reference.linear_int8` over the checkpoint's own values and
+    scales."""
     tensors = checkpoint_tensors(w8a8_dirs[arch])
 
     def checkpoint_weight(name: str, linear: torch.nn.Linear):
         return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
 
     hf = int8_reference_model(tiny_model_dirs[arch], checkpoint_weight)
-    llm = LLM(w8a8_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    with caplog.at_level("INFO", logger="batchgen"):
+        llm = LLM(w8a8_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    assert any("(float32, cpu, int8 compute)" in r.getMessage() for r in caplog.records), caplog.text
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].self_attn.o_proj, Int8Linear) and model.decoder_stack is not None
     assert_greedy_matches(hf, llm, make_prompts(hf.config.vocab_size))

@@ -87,10 +87,10 @@ class LLMEngine:
         self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
         if self.device.type == "cpu":
             retain_freed_memory()
-        logger.info("loading weights from %s (%s, %s)", plan.model_dir, str(self.dtype).removeprefix("torch."),
-                    self.device)
+        logger.info("loading weights from %s (%s, %s%s)", plan.model_dir, str(self.dtype).removeprefix("torch."),
+                    self.device, f", {plan.quantization} compute" if plan.quantization else "")
         model = load_model(plan.model_dir, plan.hf_config, self.dtype, self.device, self.max_model_len,
-                           plan.model_impl, for_lora=config.enable_lora, quantization=config.quantization)
+                           plan.model_impl, for_lora=config.enable_lora, quantization=plan.quantization)
         self.lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, self.dtype, self.device,
                                  config.max_cpu_loras) if config.enable_lora else None)
         if self.device.type == "cpu":

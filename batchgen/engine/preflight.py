@@ -32,6 +32,7 @@ class ModelPlan:
     max_model_len: int
     cache_shape: CacheShape
     model_impl: str  # "native" or "transformers"
+    quantization: str | None  # "int8" where asked for or where the checkpoint was quantized ahead
 
 
 def plan_model(config: EngineConfig) -> ModelPlan:
@@ -54,34 +55,37 @@ def plan_model(config: EngineConfig) -> ModelPlan:
         problems.append(ConfigProblem("model", f"architecture {architecture(hf_config)} has head_dim "
                                                f"{geometry.head_dim}; batchgen's attention kernels take "
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
-    problems += _quantization_problems(config, hf_config, impl, device, dtype)
+    quantization, refused = _quantization(config, hf_config, impl, device, dtype)
+    problems += refused
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
     if problems:
         raise ConfigError(problems)
-    return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape, impl)
+    return ModelPlan(model_dir, hf_config, device, dtype, max_model_len, shape, impl, quantization)
 
 
 
-def _quantization_problems(config: EngineConfig, hf_config: Any, impl: str, device: torch.device,
-                           dtype: torch.dtype) -> list[ConfigProblem]:
-    """int8 compute runs batchgen's own CPU kernels on float32 or bf16 activations, in the native models'
-    plain linear layers (which LoRA replaces); a checkpoint quantized ahead asks for it itself in the native
-    models (transformers loads a quantized checkpoint its own way)."""
+def _quantization(config: EngineConfig, hf_config: Any, impl: str, device: torch.device,
+                  dtype: torch.dtype) -> tuple[str | None, list[ConfigProblem]]:
+    """The quantization the model will run in, and why it cannot. int8 compute runs batchgen's own CPU kernels
+    on float32 or bf16 activations, in the native models' plain linear layers (which LoRA replaces); a
+    checkpoint quantized ahead asks for it itself in the native models (transformers loads a quantized
+    checkpoint its own way)."""
     try:
         prequantized = checkpoint_quantization(hf_config) if impl == "native" else None
     except ValueError as e:
-        return [ConfigProblem("model", str(e))]
-    if (config.quantization or prequantized) != "int8":
-        return []
+        return None, [ConfigProblem("model", str(e))]
+    quantization = config.quantization or prequantized
+    if quantization != "int8":
+        return quantization, []
     option = "quantization" if config.quantization else "model"
     mode = "int8" if config.quantization else "the checkpoint's int8 quantization (quantization_config)"
     why = ("needs batchgen's native model implementation" if impl != "native"
            else "runs on CPU only" if device.type != "cpu"
            else "takes float32 or bfloat16 (the activations' dtype)" if dtype not in (torch.float32, torch.bfloat16)
            else "cannot be combined with enable_lora" if config.enable_lora else None)
-    return [ConfigProblem(option, f"{mode} {why}")] if why else []
+    return quantization, [ConfigProblem(option, f"{mode} {why}")] if why else []
 
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:
