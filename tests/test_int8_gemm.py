@@ -107,10 +107,9 @@ def test_a_checkpoints_full_int8_range_sums_exactly(rows):
 
 
 def test_a_checkpoints_weights_are_checked():
-    with pytest.raises(ValueError, match=r"int8 weights must be integers in \[-128, 127\]"):
-        ops.pack_int8_weight(torch.full((4, 64), 0.5), torch.ones(4))
-    with pytest.raises(ValueError, match=r"int8 weights must be integers in \[-128, 127\]"):
-        ops.pack_int8_weight(torch.full((4, 64), 128.0), torch.ones(4))
+    for bad in (0.5, 128.0, -129.0, float("nan")):
+        with pytest.raises(ValueError, match=r"int8 weights must be integers in \[-128, 127\]"):
+            ops.pack_int8_weight(torch.full((4, 64), bad), torch.ones(4))
     with pytest.raises(ValueError, match=r"one per output feature \(4\) or one in all"):
         ops.pack_int8_weight(torch.ones(4, 64), torch.ones(3))
     with pytest.raises(ValueError, match="scales must be finite"):

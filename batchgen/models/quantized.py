@@ -24,8 +24,8 @@ ZERO_POINTS = ("weight_zero_point", "input_zero_point")
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
-    """"int8" for a compressed-tensors int8 W8A8 checkpoint, None for one that is not quantized; a one-line
-    ValueError for a quantization batchgen cannot run."""
+    """The quantization a checkpoint was saved in, as batchgen runs it: "int8" for compressed-tensors int8 W8A8,
+    None for a checkpoint that is not quantized; a one-line ValueError for one batchgen cannot run."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
         return None

