@@ -66,10 +66,10 @@ def test_activations_quantize_like_the_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_ties_round_half_to_even(dtype):
-    """Scale 1 (the row's largest |x| is 127), so every x.5 is a tie: the vector loop (8 at a time) and the tail
-    round them as the reference does."""
+    """Scale 1 (the row's largest |x| is 127), so every x.5 is a tie: the vector loops (32 and 8 at a time) and
+    the tail round them as the reference does."""
     ties = [127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -126.5]
-    x = torch.tensor([ties * 2 + ties[:3]], dtype=dtype)  # 19 values: two vectors and a tail of 3
+    x = torch.tensor([ties * 6 + ties[:3]], dtype=dtype)  # 51 values: 32 at once, two vectors and a tail of 3
     q, scale = ops.quantize_int8_rows(x)
     expected_q, expected_scale = reference.quantize_int8_rows(x)
     assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale) and float(scale[0]) == 1.0

@@ -85,15 +85,25 @@ float quantize_int8_row(const T* x, int64_t depth, int64_t padded_depth, uint8_t
   int64_t k = 0;
 #ifdef __AVX2__
   // The loop below, 8 at a time: the same IEEE quotient, the same rounding (half to even), the same clamp
-  // (minps/maxps return their second operand for NaN: 127 first, so NaN passes, then -127 takes it).
+  // (minps/maxps return their second operand for NaN: 127 first, so NaN passes, then -127 takes it), the zero
+  // point added exactly in float32. 32 at a time, four vectors narrow to bytes in three packs and a permute
+  // (the packs work within 128-bit lanes), where one vector took an extract and two packs for 8 bytes.
   const __m256 divisor = _mm256_set1_ps(scale), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
-  const __m256i zero_point = _mm256_set1_epi32(kInt8ZeroPoint);
+  const __m256 zero_point = _mm256_set1_ps(static_cast<float>(kInt8ZeroPoint));
+  const auto offset = [&](int64_t at) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + at), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_add_ps(_mm256_max_ps(_mm256_min_ps(top, v), bottom), zero_point));
+  };
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; k + 32 <= depth; k += 32) {
+    const __m256i words = _mm256_packus_epi32(offset(k), offset(k + 8));
+    const __m256i bytes = _mm256_packus_epi16(words, _mm256_packus_epi32(offset(k + 16), offset(k + 24)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(bytes, order));
+  }
   for (; k + 8 <= depth; k += 8) {
-    __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + k), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm256_max_ps(_mm256_min_ps(top, v), bottom);
-    const __m256i offset = _mm256_add_epi32(_mm256_cvtps_epi32(v), zero_point);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(offset), _mm256_extracti128_si256(offset, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packus_epi16(words, words));
+    const __m256i words = offset(k);
+    const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packus_epi16(halves, halves));
   }
 #endif
   for (; k < depth; ++k) {
