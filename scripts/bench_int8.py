@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import BLOCK, SETTINGS, isolated, kv_bytes_per_token, make_workload, run_batchgen  # noqa: E402
+from w8a8 import copy_tokenizer, write_w8a8  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
 AGREE_TOKENS = 64
@@ -79,9 +80,7 @@ def random_1b(src: Path, dst: Path) -> Path:
             if weight.dim() == 2:
                 weight.normal_(0, 0.02)
     model.save_pretrained(dst)
-    for file in src.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(file, dst / file.name)
+    copy_tokenizer(src, dst)
     return dst
 
 
@@ -127,8 +126,6 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
     kv_blocks = int(sum(mixed.kv_blocks()) * 1.1) + 16
     configs = {"bf16": (args.model, None), "int8": (args.model, "int8")}  # label: (model, quantization)
     if args.w8a8:
-        from w8a8 import write_w8a8
-
         configs["w8a8"] = (str(write_w8a8(Path(args.model), scratch / "w8a8")), None)
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for round_ in range(args.rounds):
