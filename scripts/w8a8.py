@@ -21,7 +21,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
-def write_w8a8(src: Path, dst: Path, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+def write_w8a8(src: Path, dst: Path, ignore: tuple[str, ...] = ("lm_head",), strategy: str = "channel") -> Path:
+    """`strategy`: the weights' scales, "channel" (one per output feature, the preset's) or "tensor" (one)."""
     import transformers as tf
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
@@ -29,14 +30,17 @@ def write_w8a8(src: Path, dst: Path, ignore: tuple[str, ...] = ("lm_head",)) -> 
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = tf.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    scheme = QuantizationScheme(targets=["Linear"], **INT8_W8A8)
+    weights = INT8_W8A8["weights"].model_copy(update={"strategy": strategy})
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=INT8_W8A8["input_activations"])
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is not None:
                 w = module.weight.float()
-                scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True),
-                                             scheme.weights)
+                per_row = strategy == "channel"
+                low, high = (w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)) if per_row else (
+                    w.amin().reshape(1), w.amax().reshape(1))
+                scale, _ = calculate_qparams(low, high, scheme.weights)
                 module.weight_scale.copy_(scale)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

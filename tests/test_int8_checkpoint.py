@@ -75,6 +75,25 @@ def test_greedy_matches_the_checkpoints_int8_reference(tiny_model_dirs, w8a8_dir
     assert_greedy_matches(hf, llm, make_prompts(hf.config.vocab_size))
 
 
+def test_one_scale_per_weight_is_taken_for_all_its_features(tiny_model_dirs, tmp_path):
+    """Weights quantized per tensor: q, k and v each bring one scale, which fills their rows of the fused scales.
+    One prompt of 16 parts from the reference at a near-tie of 0.032 (1.3% of a logit), a little wider than the
+    per-channel tests meet."""
+    src = tiny_model_dirs["llama"]
+    checkpoint = w8a8.write_w8a8(src, tmp_path / "w8a8", strategy="tensor")
+    tensors = checkpoint_tensors(checkpoint)
+    assert tensors["model.layers.0.self_attn.k_proj.weight_scale"].numel() == 1
+
+    def checkpoint_weight(name: str, linear: torch.nn.Linear):
+        return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
+
+    hf = int8_reference_model(src, checkpoint_weight)
+    llm = LLM(checkpoint, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    scales = llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.scale
+    assert len(set(scales[:512].tolist())) == 3  # q's 256 rows, k's 128, v's 128
+    assert_greedy_matches(hf, llm, make_prompts(hf.config.vocab_size), near_tie=0.05)
+
+
 def test_a_projection_the_checkpoint_left_in_float_is_quantized_at_load(tiny_model_dirs, tmp_path):
     """An `ignore`d layer projection: batchgen's own rounding at load, so that every layer still runs on int8."""
     src = tiny_model_dirs["llama"]
