@@ -39,6 +39,19 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def checkpoint_weights(tensors: dict[str, torch.Tensor], own_where_float: bool = False):
+    """For `int8_reference_model`: each projection's int8 weight from the checkpoint's values and scales; with
+    `own_where_float`, a projection the checkpoint holds in float quantized by batchgen's rule (a KeyError
+    otherwise)."""
+
+    def weight(name: str, linear: torch.nn.Linear):
+        if own_where_float and f"{name}.weight_scale" not in tensors:
+            return pack_int8_weight(linear.weight)
+        return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
+
+    return weight
+
+
 @pytest.fixture(scope="module")
 def w8a8_dirs(tiny_model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("w8a8")
@@ -63,10 +76,7 @@ def test_greedy_matches_the_checkpoints_int8_reference(tiny_model_dirs, w8a8_dir
     scales."""
     tensors = checkpoint_tensors(w8a8_dirs[arch])
 
-    def checkpoint_weight(name: str, linear: torch.nn.Linear):
-        return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
-
-    hf = int8_reference_model(tiny_model_dirs[arch], checkpoint_weight)
+    hf = int8_reference_model(tiny_model_dirs[arch], checkpoint_weights(tensors))
     with caplog.at_level("INFO", logger="batchgen"):
         llm = LLM(w8a8_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
     assert any("(float32, cpu, int8 compute)" in r.getMessage() for r in caplog.records), caplog.text
@@ -84,10 +94,7 @@ def test_one_scale_per_weight_is_taken_for_all_its_features(tiny_model_dirs, tmp
     tensors = checkpoint_tensors(checkpoint)
     assert tensors["model.layers.0.self_attn.k_proj.weight_scale"].numel() == 1
 
-    def checkpoint_weight(name: str, linear: torch.nn.Linear):
-        return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
-
-    hf = int8_reference_model(src, checkpoint_weight)
+    hf = int8_reference_model(src, checkpoint_weights(tensors))
     llm = LLM(checkpoint, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
     scales = llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.scale
     assert len(set(scales[:512].tolist())) == 3  # q's 256 rows, k's 128, v's 128
@@ -102,12 +109,7 @@ def test_a_projection_the_checkpoint_left_in_float_is_quantized_at_load(tiny_mod
     assert "model.layers.1.mlp.down_proj.weight_scale" not in tensors
     assert "model.layers.0.mlp.down_proj.weight_scale" in tensors
 
-    def checkpoint_or_own(name: str, linear: torch.nn.Linear):
-        if f"{name}.weight_scale" in tensors:
-            return pack_int8_weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"])
-        return pack_int8_weight(linear.weight)
-
-    hf = int8_reference_model(src, checkpoint_or_own)
+    hf = int8_reference_model(src, checkpoint_weights(tensors, own_where_float=True))
     llm = LLM(checkpoint, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
     assert isinstance(llm.engine.runner.model.layers[1].mlp.down_proj, Int8Linear)
     assert_greedy_matches(hf, llm, make_prompts(hf.config.vocab_size))
