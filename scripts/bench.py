@@ -15,6 +15,14 @@ prompt length, the best of several batch sizes), and transformers continuous bat
   lora      mixed's requests round-robin over 4 random rank-16 PEFT adapters on all seven projections
             (enable_lora, max_loras=4), against lora-base: the same requests on the base model; the two run
             alternately twice and the ratio of their tokens/s is LoRA's cost (issue 34's target: >= 0.8x)
+  int8      mixed's requests with int8 projections (quantization="int8"), run right after mixed: the ratio of
+            their tokens/s, and int8's quality against the same dtype: greedy agreement over the first 64 tokens
+            of mixed's first 32 prompts, the perplexity of tests/data/pride_and_prejudice_ch1.txt (budget: within
+            2%); scripts/bench_int8.py measures more (rounds, W8A8 checkpoints, a 1B shape)
+  vocab     not chat: random Llama models of hidden 256 at Llama 3's 128,256 and Gemma 3's 262,144 tokens, so that
+            the lm_head and the sampler are most of a step (64 rows of greedy, top-p, penalties and logprobs, 64
+            tokens each): the sampler's rate of reading logits as a share of the measured read bandwidth
+            (scripts/bench_vocab.py --engine; bench_vocab.py alone times each sampler op)
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
@@ -23,6 +31,7 @@ its clock starts, as vLLM's engine zero-fills its cache at start-up.
 
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
+    .venv/bin/python scripts/bench.py --dtype bf16 --skip-peers --workloads mixed,int8,vocab   # issue 36's report
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import math
 import multiprocessing
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -51,20 +61,29 @@ import torch.nn.functional as F
 _NAMED = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 sys.path.insert(max((i + 1 for i, p in enumerate(sys.path) if p and os.path.abspath(p) in _NAMED), default=0),
                 str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other scripts: machine.py, bench_vocab.py
+from machine import processor  # noqa: E402
+
 BLOCK = 16
 LORA_RANK = 16
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
+AGREE_TOKENS = 64
+PERPLEXITY_BUDGET = 0.02  # int8's perplexity within 2% of its dtype's (issue 36)
+VOCAB_SIZES = (128256, 262144)  # the vocab workload's: Llama 3's and Gemma 3's
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 SETTINGS = {  # full and --quick sizes
     False: dict(mixed=dict(count=200, lengths=(20, 400), max_tokens=(16, 32, 64, 128, 256)),
                 parallel=dict(count=32, lengths=(390, 410), max_tokens=(64,), n=8),
                 beam=dict(count=32, lengths=(390, 410), max_tokens=(64,), beam_width=4),
                 decode=dict(count=256, lengths=(32, 32), max_tokens=(16, 32, 48, 64)),
-                batch_sizes=(8, 16, 32, 64), gemm_ms=(64, 128, 256), gemm_time=0.3),
+                batch_sizes=(8, 16, 32, 64), gemm_ms=(64, 128, 256), gemm_time=0.3, agree_prompts=32,
+                vocab=dict(sizes=VOCAB_SIZES, requests=64, max_tokens=64)),
     True: dict(mixed=dict(count=16, lengths=(20, 80), max_tokens=(4, 8, 16)),
                parallel=dict(count=4, lengths=(60, 70), max_tokens=(8,), n=8),
                beam=dict(count=4, lengths=(60, 70), max_tokens=(8,), beam_width=4),
                decode=dict(count=64, lengths=(16, 16), max_tokens=(4, 8)),
-               batch_sizes=(8,), gemm_ms=(64,), gemm_time=0.02),
+               batch_sizes=(8,), gemm_ms=(64,), gemm_time=0.02, agree_prompts=2,
+               vocab=dict(sizes=(4096,), requests=8, max_tokens=8)),
 }
 
 # --- workloads ---------------------------------------------------------------------------------------------------
@@ -284,6 +303,31 @@ def isolated(isolate: bool, fn, *args):
         return fn(*args)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
+            dtype: str = "bfloat16") -> dict:
+    """Greedy continuations of `prompts` and the perplexity of TEXT (as much as the model's context holds) under
+    one configuration."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads,
+              kv_cache_memory="2GiB", max_num_seqs=64)
+    greedy = SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True)
+    continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    text_ids = llm.tokenizer(TEXT.read_text())["input_ids"][: llm.max_model_len - 1]  # all of it for real models
+    scored = llm.generate([text_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = [entry[token] for entry, token in zip(scored.prompt_logprobs[1:], text_ids[1:], strict=True)]
+    return dict(continuations=continuations, perplexity=math.exp(-sum(logprobs) / len(logprobs)),
+                text_tokens=len(text_ids))
+
+
+def agreement(want: list[list[int]], got: list[list[int]]) -> dict:
+    prefixes = [next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
+                for w, g in zip(want, got, strict=True)]
+    return dict(token_share=sum(prefixes) / sum(map(len, want)),
+                identical_share=sum(p == len(w) for p, w in zip(prefixes, want, strict=True)) / len(want),
+                mean_common_prefix=statistics.mean(prefixes))
 
 
 # --- engines -----------------------------------------------------------------------------------------------------
@@ -571,19 +615,23 @@ def kv_bytes_per_token(cfg, dtype: str) -> int:
 
 
 def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> list[Run]:
-    """mixed (when mixed or pressure is asked for), pressure, parallel, then the decode run, in that order."""
+    """mixed (when mixed, pressure or int8 is asked for), int8, pressure, parallel, beam, json, lora, then the
+    decode run, in that order."""
     bytes_per_block = BLOCK * kv_bytes_per_token(cfg, dtype)
 
-    def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64, model_impl: str = "native") -> Run:
+    def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64, model_impl: str = "native",
+            quantization: str | None = None) -> Run:
         kv_blocks = kv_blocks or int(sum(wl.kv_blocks()) * 1.1) + 16  # all of it at once: no preemption
         print(f"[{dtype}] batchgen ({model_impl}) {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks",
               flush=True)
         return isolated(args.isolate, run_batchgen, args.model, wl, dtype, args.threads, kv_blocks, swap_blocks,
-                        bytes_per_block, model_impl)
+                        bytes_per_block, model_impl, quantization)
 
     runs, mixed = [], workloads["mixed"]
-    if {"mixed", "pressure"} & set(args.workloads):
+    if {"mixed", "pressure", "int8"} & set(args.workloads):
         runs.append(run(mixed))
+    if "int8" in args.workloads:  # mixed's requests with int8 projections, next to mixed's run in time
+        runs.append(run(Workload(**{**asdict(mixed), "name": "int8"}), quantization="int8"))
     if "pressure" in args.workloads:
         peak = runs[0].extra["peak_blocks"]
         pressure = run(Workload(**{**asdict(mixed), "name": "pressure"}),
@@ -667,13 +715,45 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
     read_gbs = isolated(args.isolate, read_gb_s, args.threads, settings["gemm_time"] * 10)
     ours = bench_batchgen(args, dtype, cfg, workloads)
     notes = lora_notes(ours, dtype)
-    backend = [r for r in ours if r.engine != "batchgen"]  # compared as a peer (ratio_rows)
+    backend = [r for r in ours if r.engine != "batchgen"]  # the transformers backend (a peer) and int8
     ours = [r for r in ours if r.engine == "batchgen"]
     limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours)
     for run in ours + backend:
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
+    measures = {}
+    if "int8" in args.workloads:
+        measures["int8"] = int8_against(args, dtype, workloads["mixed"], ours + backend, settings["agree_prompts"])
+    if "vocab" in args.workloads:
+        v = settings["vocab"]
+        measures["vocab"] = [isolated(args.isolate, vocab_engine_run, size, dtype, args.threads, v["requests"],
+                                      v["max_tokens"]) for size in v["sizes"]]
     peers = [] if args.skip_peers else bench_peers(args, dtype, workloads, ours, settings, notes)
-    return ours + backend + peers, limit, notes
+    return ours + backend + peers, limit, notes, measures
+
+
+def int8_against(args, dtype: str, mixed: Workload, ours: list[Run], agree_prompts: int) -> dict:
+    """int8 compute against `dtype` (issue 36): the int8 workload's tokens/s over mixed's in this run, and the
+    quality: greedy agreement over mixed's first prompts and the perplexity of TEXT, each side in its own process."""
+    print(f"[{dtype}] int8 quality: {agree_prompts} greedy continuations and {TEXT.name}'s perplexity", flush=True)
+    prompts = mixed.prompts[:agree_prompts]
+    base, int8 = (isolated(args.isolate, quality, args.model, q, args.threads, prompts, dtype) for q in (None, "int8"))
+    rate = {r.workload: r.rates()["total_tok_s"] for r in ours}
+    change = int8["perplexity"] / base["perplexity"] - 1
+    return dict(int8_over_dtype=rate["int8"] / rate["mixed"], int8_tok_s=rate["int8"], dtype_tok_s=rate["mixed"],
+                agreement=agreement(base["continuations"], int8["continuations"]), agreement_prompts=len(prompts),
+                perplexity=dict(dtype=base["perplexity"], int8=int8["perplexity"]), perplexity_change=change,
+                perplexity_budget_met=abs(change) <= PERPLEXITY_BUDGET, text_tokens=base["text_tokens"])
+
+
+def vocab_engine_run(vocab: int, dtype: str, threads: int, requests: int, max_tokens: int) -> dict:
+    """`bench_vocab.py --engine` at one vocabulary: a random Llama of hidden 256 whose vocabulary side (lm_head and
+    sampler) is most of a step, rows mixing greedy, top-p, penalties and logprobs; the sampler's rate of reading
+    logits against the machine's read bandwidth measured after the run."""
+    from bench_vocab import READ_PROBE_BYTES, engine_run
+
+    probe = torch.ones(READ_PROBE_BYTES // 4)
+    result = engine_run(vocab, {"bfloat16": "bf16", "float32": "fp32"}[dtype], threads, requests, max_tokens, probe)
+    return {**asdict(result), "sample_share_of_read": result.sample_share_of_read}
 
 
 def lora_notes(runs: list[Run], dtype: str) -> list[str]:
@@ -692,7 +772,7 @@ def ratio_rows(runs: list[Run]) -> list[dict]:
     and total tok/s give one ratio) and peak RSS; pressure is compared with the peers' mixed runs."""
     peers = defaultdict(dict)
     for r in runs:
-        if r.engine != "batchgen":
+        if r.engine != "batchgen" and "+" not in r.engine:  # a quantized run (int8) is no peer: int8_against
             peers[(r.workload, r.dtype)][r.engine.split("-")[1]] = r
     rows = []
     for r in runs:
@@ -722,7 +802,8 @@ def backend_rows(runs: list[Run]) -> list[dict]:
     return rows
 
 
-def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
+def print_report(runs: list[Run], ceilings: dict, notes: list[str], measures: dict, machine: str) -> None:
+    print(f"\n== {machine}")
     for dtype, c in ceilings.items():
         print(f"\n== limit, {dtype}: GEMM GFLOP/s by M (tokens), the faster of F.linear and packed")
         for name, by_m in c["gemm_gflops"].items():
@@ -736,6 +817,24 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str]) -> None:
                   f"matmul ceiling, {c['mixed_with_kv_fraction']:.1%} with the K/V reads")
         for label, rate in c["batchgen_decode_tok_s"].items():
             print(f"  batchgen decode-only, batch {label}: {rate:.0f} tok/s = {c['decode_fraction'][label]:.1%}")
+    for dtype, m in measures.items():
+        if q := m.get("int8"):
+            a = q["agreement"]
+            print(f"\n== int8 against {dtype}, mixed's requests in this run: x{q['int8_over_dtype']:.2f} the total "
+                  f"tok/s ({q['int8_tok_s']:.0f} vs {q['dtype_tok_s']:.0f})")
+            print(f"  perplexity of {TEXT.name} ({q['text_tokens']} tokens): {q['perplexity']['dtype']:.3f} -> "
+                  f"{q['perplexity']['int8']:.3f} ({q['perplexity_change']:+.2%}; budget {PERPLEXITY_BUDGET:.0%} "
+                  f"{'met' if q['perplexity_budget_met'] else 'missed'})")
+            print(f"  greedy agreement over {AGREE_TOKENS} tokens of {q['agreement_prompts']} prompts: "
+                  f"{a['token_share']:.1%} of tokens before the first difference, {a['identical_share']:.1%} of "
+                  f"prompts identical")
+        if results := m.get("vocab"):
+            print(f"\n== large vocabularies, {dtype}: random Llama models of hidden 256 (bench_vocab.py --engine)")
+            for v in results:
+                print(f"  {v['vocab']:>7,}: {v['output_tokens'] / v['seconds']:.0f} out tok/s; lm_head "
+                      f"{v['logits_s'] / v['seconds']:.0%} and sampler {v['sample_s'] / v['seconds']:.0%} of the run; "
+                      f"the sampler reads logits at {v['logits_bytes'] / v['sample_s'] / 1e9:.1f} GB/s = "
+                      f"{v['sample_share_of_read']:.0%} of the {v['read_gb_s']:.1f} GB/s read bandwidth")
     print("\n== where batchgen's time goes (seconds, share of the run)")
     for r in [r for r in runs if r.engine.startswith("batchgen")]:
         stages = r.extra["stage_seconds"]
@@ -804,7 +903,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora", "int8", "vocab"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args
@@ -828,21 +927,26 @@ def main(argv=None) -> dict:
         settings = {**settings, "batch_sizes": args.batch_sizes}
     if args.mixed_count:
         settings = {**settings, "mixed": {**settings["mixed"], "count": args.mixed_count}}
-    runs, ceilings, notes = [], {}, []
+    runs, ceilings, notes, measures = [], {}, [], {}
     for dtype in args.dtypes:
-        dtype_runs, ceilings[dtype], dtype_notes = bench_dtype(args, dtype, cfg, tokenizer, settings)
+        dtype_runs, ceilings[dtype], dtype_notes, measures[dtype] = bench_dtype(args, dtype, cfg, tokenizer, settings)
         runs += dtype_runs
         notes += dtype_notes
     loads = [", ".join(f"{x:.1f}" for x in load) for load in (load_before, os.getloadavg())]
     notes.append(f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end, "
                  f"{psutil.cpu_count()} CPUs: other work on the machine slows every engine down")
-    report = dict(args=vars(args), torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
+    from batchgen import _C
+
+    machine = f"{processor()}, kernel table {_C.cpu_isa()}, int8 loop {_C.int8_kernel()}, {args.threads} threads"
+    report = dict(args=vars(args), processor=processor(), kernels=_C.cpu_isa(), int8_kernel=_C.int8_kernel(),
+                  torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
                   runs=[r.record() for r in runs], ratios=ratio_rows(runs), backend=backend_rows(runs),
-                  ceilings=ceilings, notes=notes)
+                  ceilings=ceilings, int8={d: m["int8"] for d, m in measures.items() if "int8" in m},
+                  vocab={d: m["vocab"] for d, m in measures.items() if "vocab" in m}, notes=notes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    print_report(runs, ceilings, notes)
+    print_report(runs, ceilings, notes, measures, machine)
     return report
 
 

@@ -16,7 +16,6 @@ import importlib.util
 import io
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from machine import processor  # noqa: E402
 from s3_server import S3Server, apply_env  # noqa: E402
 
 from batchgen.job.engine import default_factory  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> None:
         sum(x["seconds"] for x in results if x["where"] == "local")
     bucket = sum(x["output_tokens"] for x in results if x["where"] == "bucket") / \
         sum(x["seconds"] for x in results if x["where"] == "bucket")
-    summary = {"processor": platform.processor() or platform.machine(), "dtype": args.dtype, "quick": args.quick,
+    summary = {"processor": processor(), "dtype": args.dtype, "quick": args.quick,
                "local_tok_s": local, "bucket_tok_s": bucket, "bucket_over_local": bucket / local, "runs": results}
     print(f"bucket / local: {bucket / local:.3f}x ({bucket:.1f} vs {local:.1f} output tok/s; target >= 0.95x)")
     if args.json:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -35,34 +34,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import BLOCK, SETTINGS, isolated, kv_bytes_per_token, make_workload, run_batchgen  # noqa: E402
+from bench import (  # noqa: E402
+    AGREE_TOKENS,
+    BLOCK,
+    PERPLEXITY_BUDGET,
+    SETTINGS,
+    TEXT,
+    agreement,
+    isolated,
+    kv_bytes_per_token,
+    make_workload,
+    quality,
+    run_batchgen,
+)
 from w8a8 import copy_tokenizer, write_w8a8  # noqa: E402
-
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
-AGREE_TOKENS = 64
-PERPLEXITY_BUDGET = 0.02
-def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
-            dtype: str = "bfloat16") -> dict:
-    """Greedy continuations of `prompts` and the perplexity of TEXT under one configuration."""
-    from batchgen import LLM, SamplingParams
-
-    llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads,
-              kv_cache_memory="2GiB", max_num_seqs=64)
-    greedy = SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True)
-    continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    text_ids = llm.tokenizer(TEXT.read_text())["input_ids"]
-    scored = llm.generate([text_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    logprobs = [entry[token] for entry, token in zip(scored.prompt_logprobs[1:], text_ids[1:], strict=True)]
-    return dict(continuations=continuations, perplexity=math.exp(-sum(logprobs) / len(logprobs)),
-                text_tokens=len(text_ids))
-
-
-def agreement(want: list[list[int]], got: list[list[int]]) -> dict:
-    prefixes = [next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
-                for w, g in zip(want, got, strict=True)]
-    return dict(token_share=sum(prefixes) / sum(map(len, want)),
-                identical_share=sum(p == len(w) for p, w in zip(prefixes, want, strict=True)) / len(want),
-                mean_common_prefix=statistics.mean(prefixes))
 
 
 def random_1b(src: Path, dst: Path) -> Path:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from machine import processor
 
 REPO = Path(__file__).resolve().parent.parent
 INSTANT = f"{REPO / 'scripts' / 'instant_engine.py'}:InstantLLM"
@@ -257,16 +258,6 @@ def tiny_model(root: Path) -> Path:
     from conftest import build_tiny_model
 
     return Path(build_tiny_model(root / "llama", "llama"))
-
-
-def processor() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def render(results: list[CaseResult]) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_interleaved  # noqa: E402
+from machine import processor  # noqa: E402
 
 from batchgen import _C, ops  # noqa: E402
 from batchgen.layers.sampler import SamplingRow, sample  # noqa: E402
@@ -217,11 +217,6 @@ def engine_run(vocab: int, dtype: str, threads: int, count: int, max_tokens: int
           f"{spent['sample'] / seconds:.0%} ({read['rows']} rows, {read['bytes'] / spent['sample'] / 1e9:.1f} GB/s of "
           f"logits = {100 * result.sample_share_of_read:.0f}% of {result.read_gb_s:.1f} GB/s read)", flush=True)
     return result
-
-
-def processor() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -164,3 +164,24 @@ def test_lora_workload_quick_pass(bench, tmp_path):
     assert [r["workload"] for r in runs] == ["lora-base", "lora", "lora-base", "lora"]
     assert all(r["requests"] == 8 and r["output_tokens"] > 0 for r in runs)
     assert any("lora: 4 rank-16 adapters at" in note for note in report["notes"])
+
+
+def test_int8_and_vocab_workloads_quick_pass(bench, tmp_path, capsys):
+    """--workloads int8,vocab: mixed with and without int8 projections in one run with int8's quality beside
+    them, and the large-vocabulary engine run's sampler share of the read bandwidth (issue 36's report)."""
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "int8,vocab",
+                "--skip-peers", "--json", str(out)])
+    report = json.loads(out.read_text())
+    runs = {(r["workload"], r["engine"]) for r in report["runs"]}
+    assert {("mixed", "batchgen"), ("int8", "batchgen+int8")} <= runs
+    int8 = report["int8"]["float32"]
+    assert int8["int8_over_dtype"] > 0 and int8["agreement_prompts"] == 2
+    assert 0 <= int8["agreement"]["token_share"] <= 1 and int8["text_tokens"] == 1023  # the tiny model's context
+    assert int8["perplexity"]["dtype"] > 1 and int8["perplexity"]["int8"] > 1
+    (vocab,) = report["vocab"]["float32"]
+    assert vocab["vocab"] == 4096 and vocab["output_tokens"] == 8 * 8 and 0 < vocab["sample_share_of_read"]
+    assert report["processor"] and report["kernels"] and report["int8_kernel"]
+    printed = capsys.readouterr().out
+    assert "== int8 against float32" in printed and "== large vocabularies, float32" in printed
