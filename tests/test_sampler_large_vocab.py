@@ -146,6 +146,56 @@ def test_sample_tokens_matches_the_torch_reference(vocab, cpu_isas):
         assert torch.equal(ops.sample_tokens(bf16, *args), expected_bf16), isa
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_sampler_ops_read_the_rows_they_are_named_in_place(dtype, cpu_isas):
+    """top_k, sample_tokens and mask_logits given `rows` read those rows of the logits where they lie, in that
+    order (repeats too): bit for bit what they give on logits[rows], on every table."""
+    vocab = 128256
+    gen = torch.Generator().manual_seed(12)
+    logits = peaked_logits(9, vocab, gen).to(dtype)
+    picked = torch.tensor([7, 0, 3, 3, 8])
+    temperature, top_k, top_p, min_p = torch.tensor([0.8, 1.0, 0.7, 1.2, 1.0]), torch.tensor([0, 5, 0, 0, 50]), \
+        torch.tensor([0.95, 1.0, 0.9, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0])
+    args = (temperature, top_k, top_p, min_p, torch.rand(5, generator=gen))
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        assert torch.equal(ops.sample_tokens(logits, *args, rows=picked), ops.sample_tokens(logits[picked], *args)), isa
+        values, ids = ops.top_k(logits, 6, rows=picked)
+        expected_values, expected_ids = ops.top_k(logits[picked], 6)
+        assert torch.equal(ids, expected_ids) and torch.equal(bits(values), bits(expected_values)), isa
+        allowed = random_bitmask(5, (vocab + 31) // 32, gen)
+        assert torch.equal(ops.mask_logits(logits, allowed, rows=picked), ops.mask_logits(logits[picked], allowed))
+    with pytest.raises(ValueError, match=r"rows\[1\] = 9 is not a row of the 9 logits rows"):
+        ops.top_k(logits, 3, rows=torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match="temperature must be a CPU tensor of 2 entries"):  # one per row read
+        ops.sample_tokens(logits, *args, rows=torch.tensor([0, 1]))
+
+
+def test_a_chunk_of_every_kind_samples_each_row_as_alone():
+    """Greedy, top-p (drawn from the logits in place), penalised and grammar-constrained (from a float32 copy of
+    those rows only) and logprob rows interleaved in one chunk: each row's token, logprob and top logprobs as when
+    it is sampled alone."""
+    vocab = 128256
+    gen = torch.Generator().manual_seed(13)
+    logits = peaked_logits(16, vocab, gen).to(torch.bfloat16)
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95),
+             SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5,
+                            frequency_penalty=0.5),
+             SamplingParams(temperature=0, logprobs=5)]
+    seen = torch.randint(vocab, (16, 40), generator=gen).tolist()
+    rows = [row(kinds[r % 4], outputs=seen[r][8:], prompt=seen[r][:8], seed=r) for r in range(16)]
+    for r in (1, 2, 6):  # a grammar on two random rows, one of them penalised as well
+        rows[r].allowed = random_bitmask(1, (vocab + 31) // 32, gen)[0]
+    together = sample(logits, rows)
+    for r in range(16):
+        alone = sample(logits[r : r + 1].clone(), [rows[r]])
+        assert together.token_ids[r] == alone.token_ids[0], r
+        assert together.logprobs[r] == alone.logprobs[0], r
+        assert together.top_logprobs[r] == alone.top_logprobs[0], r
+    assert all(together.top_logprobs[r] is not None for r in range(3, 16, 4))
+    assert len({together.token_ids[r] for r in range(1, 16, 4)}) > 1  # the random rows drew
+
+
 def row(params: SamplingParams, outputs=(), prompt=(1, 2), seed: int = 0) -> SamplingRow:
     return SamplingRow(params, seed, 0, list(prompt), list(outputs), [])
 

@@ -8,6 +8,7 @@ steps, and after a preemption.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -55,16 +56,23 @@ class SampledTokens:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _editable_copy(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A float32 copy of the rows' logits with -inf where a row's grammar refuses a token, made in one pass
-    (`ops.mask_logits`) for the constrained rows."""
-    masked = [r for r, row in enumerate(rows) if row.allowed is not None]
+def _editable_copy(logits: torch.Tensor, which: list[int], rows: list[SamplingRow]) -> torch.Tensor:
+    """A float32 copy of the logits' rows that `which` names (`rows` theirs), with -inf where a row's grammar
+    refuses a token: the constrained rows through `ops.mask_logits`, the others converted in one pass (row by row
+    for some of the rows: taking them, then converting them, would be two)."""
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
     if len(masked) == len(rows):
-        return ops.mask_logits(logits, torch.stack([row.allowed for row in rows]).cpu())
-    out = logits.to(torch.float32, copy=True)
+        return ops.mask_logits(logits, torch.stack([row.allowed for row in rows]).cpu(), _selection(logits, which))
+    if _every_row(logits, which):
+        out = logits.to(torch.float32, copy=True)
+    else:
+        out = torch.empty(len(which), logits.shape[1], dtype=torch.float32, device=logits.device)
+        for i, r in enumerate(which):
+            if rows[i].allowed is None:
+                out[i].copy_(logits[r])
     if masked:
-        allowed = torch.stack([rows[r].allowed for r in masked]).cpu()
-        out[masked] = ops.mask_logits(logits[masked], allowed).to(out.device)
+        allowed = torch.stack([rows[i].allowed for i in masked]).cpu()
+        out[masked] = ops.mask_logits(logits, allowed, _selection(logits, [which[i] for i in masked])).to(out.device)
     return out
 
 
@@ -82,12 +90,12 @@ def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[i
 
 
 def _flat_positions(logits: torch.Tensor, tokens_of_rows: list[tuple[int, list[int]]]) -> torch.Tensor:
-    """Indices into logits.view(-1) of each (row, its tokens) pair's tokens (int64, repeats kept)."""
-    if not tokens_of_rows:
-        return torch.empty(0, dtype=torch.long, device=logits.device)
+    """Indices into logits.view(-1) of each (row, its tokens) pair's tokens (int64, repeats kept). The token
+    lists go through array.array, which takes a list of ints several times faster than torch.tensor does."""
     vocab = logits.shape[1]
-    return torch.cat([torch.tensor(tokens, dtype=torch.long, device=logits.device) + r * vocab
-                      for r, tokens in tokens_of_rows])
+    pieces = [torch.frombuffer(array.array("q", tokens), dtype=torch.long) + r * vocab
+              for r, tokens in tokens_of_rows if tokens]
+    return (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)).to(logits.device)
 
 
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -125,10 +133,15 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
 _CHUNK_ROWS = 16
 
 
-def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows], without the copy when rows are all of t's rows in order (a chunk of random rows, as "parallel"
-    samples, is one 3 MB copy per index otherwise)."""
-    return t if rows == list(range(len(t))) else t[rows]
+def _every_row(t: torch.Tensor, rows: list[int]) -> bool:
+    """`rows` are all of t's rows, in order."""
+    return rows == list(range(len(t)))
+
+
+def _selection(t: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """`rows` for the ops that read some rows of t in place (`ops.sample_tokens`, `ops.top_k`,
+    `ops.mask_logits`); None for all of them."""
+    return None if _every_row(t, rows) else torch.tensor(rows, dtype=torch.long)
 
 
 def _uniform(row: SamplingRow) -> float:
@@ -136,8 +149,9 @@ def _uniform(row: SamplingRow) -> float:
     return (mix_seed(row.seed, row.sample_index, len(row.output_token_ids)) >> 10) / 2.0**53
 
 
-def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row of work (logits after bans and penalties, read as float32)."""
+def _draw(work: torch.Tensor, which: list[int], rows: list[SamplingRow]) -> torch.Tensor:
+    """One token for each row of work (logits, after bans and penalties where the rows have them) that `which`
+    names, read in place as float32, sampled as the matching entry of `rows` says."""
     params = [row.params for row in rows]
 
     def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -145,32 +159,34 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
     return ops.sample_tokens(work, per_row([p.temperature for p in params]),
                              per_row([p.top_k for p in params], torch.int64), per_row([p.top_p for p in params]),
-                             per_row([p.min_p for p in params]), per_row([_uniform(row) for row in rows]))
+                             per_row([p.min_p for p in params]), per_row([_uniform(row) for row in rows]),
+                             _selection(work, which))
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, their log-probabilities under the model's distribution (before bans and penalties) and each
     row's logsumexp.
 
-    A plain greedy row needs only its argmax; the other rows are read as float32, in a float32 copy
-    where bans or penalties edit them."""
+    A plain greedy row needs only its argmax; a random row whose logits stay as they are is drawn from
+    them in place; the rows that edit their logits (a grammar, bans, penalties) from a float32 copy of theirs."""
     chosen, log_total = ops.argmax_logsumexp(logits)
     settled = _allowed_argmax_rows(chosen, rows)
-    edited_rows = [r for r, row in enumerate(rows)
-                   if (not row.params.greedy or row.edits_logits) and r not in settled]
-    if edited_rows:
-        edited_samples = [rows[r] for r in edited_rows]
-        edited = _take(logits, edited_rows)
-        if any(row.edits_logits for row in edited_samples):
-            # The grammar's mask comes before bans and penalties; the caller's logits stay as they are.
-            edited = _editable_copy(edited, edited_samples)
-            _apply_bans_and_penalties(edited, edited_samples)
-        random_rows = [i for i, r in enumerate(edited_rows) if not rows[r].params.greedy]
-        greedy_edited = len(random_rows) < len(edited_rows)  # greedy rows with bans or penalties
-        picks = ops.argmax_logsumexp(edited)[0] if greedy_edited else torch.empty_like(chosen[edited_rows])
+    pending = [r for r, row in enumerate(rows) if (not row.params.greedy or row.edits_logits) and r not in settled]
+    in_place = [r for r in pending if not rows[r].edits_logits]
+    if in_place:
+        chosen[in_place] = _draw(logits, in_place, [rows[r] for r in in_place])
+    editing = [r for r in pending if rows[r].edits_logits]
+    if editing:
+        samples = [rows[r] for r in editing]
+        # The grammar's mask comes before bans and penalties; the caller's logits stay as they are.
+        edited = _editable_copy(logits, editing, samples)
+        _apply_bans_and_penalties(edited, samples)
+        random_rows = [i for i, row in enumerate(samples) if not row.params.greedy]
+        greedy_edited = len(random_rows) < len(editing)  # greedy rows with bans or penalties
+        picks = ops.argmax_logsumexp(edited)[0] if greedy_edited else torch.empty_like(chosen[editing])
         if random_rows:
-            picks[random_rows] = _draw(_take(edited, random_rows), [edited_samples[i] for i in random_rows])
-        chosen[edited_rows] = picks
+            picks[random_rows] = _draw(edited, random_rows, [samples[i] for i in random_rows])
+        chosen[editing] = picks
     return chosen, logits.gather(1, chosen[:, None]).squeeze(1).float() - log_total, log_total
 
 
@@ -191,7 +207,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
         # The most likely tokens straight from the logits (log_softmax keeps their order), then
         # logit - logsumexp: no float32 copy of the rows' whole vocabulary.
         k = min(max(1, *(rows[r].params.logprobs for r in wanted)), logits.shape[1])
-        values, indices = ops.top_k(_take(logits, wanted), k)
+        values, indices = ops.top_k(logits, k, _selection(logits, wanted))
         values = values - torch.cat(log_totals)[wanted, None]
         for i, r in enumerate(wanted):
             n = rows[r].params.logprobs

@@ -378,38 +378,41 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return argmax, log_total
 
 
-def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `logits` `[n, vocab]`: its k largest values (float32) and their indices (int64), largest
-    first, NaN above everything and ties by the lower index (a stable descending sort's first k), read once
-    from the model's own dtype. 1 <= k <= vocab."""
+def top_k(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` `[n, vocab]` (or of `logits[rows]`, read in place: `rows` int64 indices): its k
+    largest values (float32) and their indices (int64), largest first, NaN above everything and ties by the
+    lower index (a stable descending sort's first k), read once from the model's own dtype. 1 <= k <= vocab."""
     if not _has_kernel(logits):
-        return reference.top_k(logits, k)
-    values = torch.empty(logits.shape[0], k, dtype=torch.float32)
-    ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
-    _C.top_k(logits, k, values, ids)
+        return reference.top_k(logits if rows is None else logits[rows], k)
+    count = logits.shape[0] if rows is None else len(rows)
+    values = torch.empty(count, k, dtype=torch.float32)
+    ids = torch.empty(count, k, dtype=torch.int64)
+    _C.top_k(logits, k, values, ids, rows)
     return values, ids
 
 
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of `logits` `[n, vocab]` with -inf where a row's grammar refuses a token: bit j of word i of
-    `allowed` (int32 `[n, >= vocab / 32]`) allows token 32 i + j."""
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A float32 copy of `logits` `[n, vocab]` (or of `logits[rows]`, read in place: `rows` int64 indices) with
+    -inf where a row's grammar refuses a token: bit j of word i of `allowed` (int32 `[n, >= vocab / 32]`, a row
+    per row copied) allows token 32 i + j."""
     if not (_has_kernel(logits) and allowed.is_cpu and allowed.dtype == torch.int32):
-        return reference.mask_logits(logits, allowed)
-    out = torch.empty(logits.shape, dtype=torch.float32)
-    _C.mask_logits(logits, allowed, out)
+        return reference.mask_logits(logits if rows is None else logits[rows], allowed)
+    out = torch.empty(logits.shape[0] if rows is None else len(rows), logits.shape[1], dtype=torch.float32)
+    _C.mask_logits(logits, allowed, out, rows)
     return out
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                  min_p: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` `[n, vocab]` (float32, or bfloat16 read as float32) into int64 `[n]`, drawn
     from softmax(logits / temperature) by inverting its cumulative distribution at `u` (float32 in [0, 1)).
     Rows with top-k (int64, 0 off), top-p (1 off) or min-p (relative to the most likely token, 0 off) draw among
-    the tokens those keep, most likely first; the others among all tokens in id order. temperature > 0."""
+    the tokens those keep, most likely first; the others among all tokens in id order. temperature > 0. With
+    `rows` (int64 indices), the rows of `logits[rows]`, read in place; the per-row tensors are then theirs."""
     if not (logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)):
-        return reference.sample_tokens(logits, temperature, top_k, top_p, min_p, u)
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    _C.sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens)
+        return reference.sample_tokens(logits if rows is None else logits[rows], temperature, top_k, top_p, min_p, u)
+    tokens = torch.empty(logits.shape[0] if rows is None else len(rows), dtype=torch.int64)
+    _C.sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens, rows)
     return tokens
 
 

@@ -348,21 +348,34 @@ void argmax_logsumexp(const Tensor& logits, Tensor& argmax, Tensor& log_total) {
   batchgen::cpu::argmax_logsumexp(logits, argmax, log_total);
 }
 
-void top_k(const Tensor& logits, int64_t k, Tensor& values, Tensor& ids) {
+// The number of rows a sampler op reads from logits [n, vocab]: rows' length (int64 [m], each in [0, n)), or n.
+int64_t selected_rows(const char* op, const Tensor& logits, const c10::optional<Tensor>& rows) {
+  if (!rows.has_value()) return logits.size(0);
+  check_index(op, "rows", *rows, torch::kInt64, 1, "[m]");
+  TORCH_CHECK_VALUE(rows->is_cpu() && rows->is_contiguous(), op, ": rows must be a contiguous CPU tensor");
+  const int64_t* ids = rows->data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows->size(0); ++r) {
+    TORCH_CHECK_VALUE(ids[r] >= 0 && ids[r] < logits.size(0), op, ": rows[", r, "] = ", ids[r], " is not a row of the ",
+                      logits.size(0), " logits rows");
+  }
+  return rows->size(0);
+}
+
+void top_k(const Tensor& logits, int64_t k, Tensor& values, Tensor& ids, const c10::optional<Tensor>& rows) {
   const char* op = "top_k";
   check_activation(op, "logits", logits);
   TORCH_CHECK_VALUE(logits.dim() == 2 && k >= 1 && k <= logits.size(1), op,
                     ": logits must be [n, vocab] and 1 <= k <= vocab, got shape ", logits.sizes(), " and k ", k);
+  const int64_t n = selected_rows(op, logits, rows);
   check_index(op, "ids", ids, torch::kInt64, 2, "[n, k]");
   TORCH_CHECK_VALUE(values.is_cpu() && values.scalar_type() == torch::kFloat32 && values.is_contiguous() &&
-                        ids.is_cpu() && values.sizes() == ids.sizes() && values.size(0) == logits.size(0) &&
-                        values.size(1) == k,
-                    op, ": values (float32) and ids must be contiguous CPU tensors [", logits.size(0), ", ", k, "]");
-  batchgen::cpu::top_k(logits, k, values, ids);
+                        ids.is_cpu() && values.sizes() == ids.sizes() && values.size(0) == n && values.size(1) == k,
+                    op, ": values (float32) and ids must be contiguous CPU tensors [", n, ", ", k, "]");
+  batchgen::cpu::top_k(logits, k, values, ids, rows);
 }
 
 void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
-                   const Tensor& min_p, const Tensor& u, Tensor& tokens) {
+                   const Tensor& min_p, const Tensor& u, Tensor& tokens, const c10::optional<Tensor>& rows) {
   const char* op = "sample_tokens";
   check_rank(op, "logits", logits, 2, "[n, vocab]");
   const bool float32_or_bf16 = logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16;
@@ -370,7 +383,7 @@ void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor
                         logits.size(1) <= std::numeric_limits<int32_t>::max(),
                     op, ": logits must be a float32 or bfloat16 CPU tensor [n, vocab] with contiguous rows, got ",
                     logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides(), " on ", logits.device());
-  const int64_t n = logits.size(0);
+  const int64_t n = selected_rows(op, logits, rows);
   const std::pair<const char*, const Tensor*> per_row[] = {
       {"temperature", &temperature}, {"top_p", &top_p}, {"min_p", &min_p}, {"u", &u}};
   for (const auto& [name, t] : per_row) {
@@ -385,15 +398,15 @@ void sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK_VALUE(temp[r] > 0.0f, op, ": temperature[", r, "] = ", temp[r], " must be > 0 (greedy rows take argmax)");
   }
-  batchgen::cpu::sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens);
+  batchgen::cpu::sample_tokens(logits, temperature, top_k, top_p, min_p, u, tokens, rows);
 }
 
-void mask_logits(const Tensor& logits, const Tensor& allowed, Tensor& out) {
+void mask_logits(const Tensor& logits, const Tensor& allowed, Tensor& out, const c10::optional<Tensor>& rows) {
   const char* op = "mask_logits";
   check_activation(op, "logits", logits);
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [n, vocab], got shape ",
                     logits.sizes());
-  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t n = selected_rows(op, logits, rows), vocab = logits.size(1);
   check_rank(op, "allowed", allowed, 2, "[n, words]");
   TORCH_CHECK_VALUE(allowed.is_cpu() && allowed.scalar_type() == torch::kInt32 && allowed.stride(1) == 1 &&
                         allowed.size(0) == n && allowed.size(1) * 32 >= vocab,
@@ -401,10 +414,11 @@ void mask_logits(const Tensor& logits, const Tensor& allowed, Tensor& out) {
                     "] with contiguous rows, got ", allowed.scalar_type(), " ", allowed.sizes(), " on ",
                     allowed.device());
   check_tensor(op, "out", out, 2, "[n, vocab]");
-  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == torch::kFloat32 && out.sizes() == logits.sizes(), op,
-                    ": out must be a float32 CPU tensor of logits' shape ", logits.sizes(), ", got ",
-                    out.scalar_type(), " ", out.sizes());
-  batchgen::cpu::mask_logits(logits, allowed, out);
+  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == n &&
+                        out.size(1) == vocab,
+                    op, ": out must be a contiguous float32 CPU tensor [", n, ", ", vocab, "], got ", out.scalar_type(),
+                    " ", out.sizes());
+  batchgen::cpu::mask_logits(logits, allowed, out, rows);
 }
 
 // A float32 CPU tensor [rows, cols] with contiguous rows.
@@ -569,14 +583,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), no_gil);
   m.def("argmax_logsumexp", &argmax_logsumexp, "Per row of logits: first argmax and logsumexp", py::arg("logits"),
         py::arg("argmax"), py::arg("log_total"), no_gil);
-  m.def("top_k", &top_k, "Per row of logits: the k largest as float32 (NaN first, ties lower index first)",
-        py::arg("logits"), py::arg("k"), py::arg("values"), py::arg("ids"), no_gil);
+  m.def("top_k", &top_k,
+        "Per row of logits (those `rows` names, or all): the k largest as float32 (NaN first, ties lower index first)",
+        py::arg("logits"), py::arg("k"), py::arg("values"), py::arg("ids"), py::arg("rows") = py::none(), no_gil);
   m.def("sample_tokens", &sample_tokens,
-        "One token per row of float32 logits, drawn at u from softmax(logits / temperature) under top-k/top-p/min-p",
+        "One token per row of logits (those `rows` names, or all), drawn at u from softmax(logits / temperature) "
+        "under top-k/top-p/min-p",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
-        py::arg("tokens"), no_gil);
-  m.def("mask_logits", &mask_logits, "float32 logits with -inf where a packed int32 bitmask refuses a token",
-        py::arg("logits"), py::arg("allowed"), py::arg("out"), no_gil);
+        py::arg("tokens"), py::arg("rows") = py::none(), no_gil);
+  m.def("mask_logits", &mask_logits,
+        "float32 logits (of the rows `rows` names, or all) with -inf where a packed int32 bitmask refuses a token",
+        py::arg("logits"), py::arg("allowed"), py::arg("out"), py::arg("rows") = py::none(), no_gil);
   m.attr("GEMM_PANEL_COLS") = batchgen::cpu::kGemmPanelCols;
   m.def("has_gemm_bf16", &batchgen::cpu::has_gemm_bf16, "Whether the active CPU kernels have the bf16 GEMM");
   m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ addend) (+ bias) on bf16 weights packed in panels",

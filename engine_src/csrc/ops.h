@@ -49,13 +49,17 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const to
 // For each row of logits [n, vocab] (float32 or bfloat16): the index of its first maximum and
 // log(sum(exp(row))) in float32 (cpu/sampling_ops.cpp).
 void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch::Tensor& log_total);
-void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids);
+// top_k, sample_tokens and mask_logits read the rows of logits that `rows` (int64 [m]) names, in its order, or
+// every row without it; their outputs and per-row inputs have one row per row read.
+void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids,
+           const c10::optional<torch::Tensor>& rows);
 void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
-                   torch::Tensor& tokens);
+                   torch::Tensor& tokens, const c10::optional<torch::Tensor>& rows);
 // out [n, vocab] float32 = logits [n, vocab] (float32 or bfloat16) as float32, -inf where bit i % 32 of
 // allowed[r, i / 32] (int32 [n, words], words * 32 >= vocab) is 0: a grammar's mask applied in one pass.
-void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out);
+void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out,
+                 const c10::optional<torch::Tensor>& rows);
 
 // bf16 GEMMs on weights packed in panels [cols / kGemmPanelCols rounded up, depth / 2, kGemmPanelCols, 2]
 // (cpu/gemm_ops.cpp): out[rows, cols] = x w^T (+ bias, float32), or silu(x gate^T) * (x up^T); out is

@@ -24,6 +24,21 @@
 namespace batchgen::cpu {
 namespace {
 
+// The row of logits that a call's row r reads: rows[r], or r itself without `rows` (top_k, sample_tokens,
+// mask_logits).
+class SelectedRows {
+ public:
+  SelectedRows(const torch::Tensor& logits, const c10::optional<torch::Tensor>& rows)
+      : ids_(rows.has_value() ? rows->data_ptr<int64_t>() : nullptr),
+        count_(rows.has_value() ? rows->size(0) : logits.size(0)) {}
+  int64_t count() const { return count_; }
+  int64_t operator[](int64_t r) const { return ids_ != nullptr ? ids_[r] : r; }
+
+ private:
+  const int64_t* ids_;
+  int64_t count_;
+};
+
 // draw_in_id_order scans a row in chunks of this many weights, each summed as a whole (vectorised)
 // before any of its weights is looked at one by one.
 constexpr int64_t kChunk = 64;
@@ -161,7 +176,7 @@ std::pair<int64_t, float> combine_blocks(const BlockSummary* blocks, int64_t cou
 
 void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                    const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u,
-                   torch::Tensor& tokens) {
+                   torch::Tensor& tokens, const c10::optional<torch::Tensor>& rows) {
   const WeightsRowFn weights_row = active_kernels().weights_row[static_cast<int>(dtype_of(logits))];
   const CollectRowFn collect_row = active_kernels().collect_row;
   const int64_t n = logits.size(1), stride = logits.stride(0) * logits.element_size();
@@ -172,11 +187,12 @@ void sample_tokens(const torch::Tensor& logits, const torch::Tensor& temperature
   const float* m = min_p.data_ptr<float>();
   const float* uniform = u.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
-  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+  const SelectedRows selected(logits, rows);
+  at::parallel_for(0, selected.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(n);
     RowScratch scratch(n);
     for (int64_t r = begin; r < end; ++r) {
-      const float total = weights_row(x + r * stride, n, temp[r], w.data());
+      const float total = weights_row(x + selected[r] * stride, n, temp[r], w.data());
       out[r] = draw_row(collect_row, w.data(), n, total, {k[r], p[r], m[r]}, uniform[r], scratch);
     }
   });
@@ -204,9 +220,11 @@ void argmax_logsumexp(const torch::Tensor& logits, torch::Tensor& argmax, torch:
   }
 }
 
-void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids) {
+void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch::Tensor& ids,
+           const c10::optional<torch::Tensor>& selection) {
   const TopKBlockFn top_k_block = active_kernels().top_k_block[static_cast<int>(dtype_of(logits))];
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0) * logits.element_size();
+  const SelectedRows selected(logits, selection);
+  const int64_t rows = selected.count(), n = logits.size(1), stride = logits.stride(0) * logits.element_size();
   const int64_t blocks = (n + kSummaryBlock - 1) / kSummaryBlock;
   const char* data = static_cast<const char*>(logits.data_ptr());
   std::vector<float> block_values(rows * blocks * k);
@@ -216,7 +234,7 @@ void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch:
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / blocks, first = unit % blocks * kSummaryBlock;
       TopKList list{&block_values[unit * k], &block_ids[unit * k], k};
-      top_k_block(data + r * stride, first, std::min(first + kSummaryBlock, n), &list);
+      top_k_block(data + selected[r] * stride, first, std::min(first + kSummaryBlock, n), &list);
       block_counts[unit] = list.count;
     }
   });
@@ -259,8 +277,10 @@ void mask_row(const Bits* x, const uint32_t* allowed, int64_t first_word, int64_
 
 }  // namespace
 
-void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out) {
-  const int64_t rows = logits.size(0), n = logits.size(1), words = (n + 31) / 32;
+void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torch::Tensor& out,
+                 const c10::optional<torch::Tensor>& selection) {
+  const SelectedRows selected(logits, selection);
+  const int64_t rows = selected.count(), n = logits.size(1), words = (n + 31) / 32;
   const int64_t blocks = (words + kMaskBlockWords - 1) / kMaskBlockWords;
   const bool bf16 = logits.scalar_type() == torch::kBFloat16;
   const char* x = static_cast<const char*>(logits.data_ptr());
@@ -273,10 +293,11 @@ void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torc
       const int64_t r = unit / blocks, first = unit % blocks * kMaskBlockWords;
       const int64_t last = std::min(first + kMaskBlockWords, words);
       const uint32_t* row_bits = bits + r * bits_stride;
+      const char* row = x + selected[r] * x_stride;
       if (bf16) {
-        mask_row(reinterpret_cast<const uint16_t*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+        mask_row(reinterpret_cast<const uint16_t*>(row), row_bits, first, last, n, dst + r * n);
       } else {
-        mask_row(reinterpret_cast<const uint32_t*>(x + r * x_stride), row_bits, first, last, n, dst + r * n);
+        mask_row(reinterpret_cast<const uint32_t*>(row), row_bits, first, last, n, dst + r * n);
       }
     }
   });
