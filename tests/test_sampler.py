@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from batchgen import _C, ops
+from batchgen.layers import sampler
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.sampling_params import SamplingParams
 
@@ -108,9 +109,13 @@ def test_wide_nucleus_is_not_cut_to_the_first_candidates():
     assert len(set(sample(logits, rows).token_ids)) > 250
 
 
-def test_seeded_row_is_independent_of_its_chunk():
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["chunks_of_the_vocabulary", "chunks_of_16_rows"])
+def test_seeded_row_is_independent_of_its_chunk(chunk_bytes, monkeypatch):
     """Rows are sampled in chunks, and a chunk searches wider candidate sets for its rows with wide
     nuclei; neither may change what a seeded row draws."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(sampler, "_CHUNK_BYTES", chunk_bytes)
+    assert sampler._chunk_rows(3000) == (16 if chunk_bytes else 1398)  # row 16 starts a chunk of its own, or not
     torch.manual_seed(1)
     target = torch.randn(1, 3000) * 3
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=500, seed=11)

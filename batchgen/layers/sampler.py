@@ -127,10 +127,17 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         flat[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
-# Rows are sampled in chunks of this many: every temporary is then a few MB, which the allocator
-# reuses from step to step. A temporary of the whole batch (256 rows x 49k vocabulary = 50 MB) is
-# mapped fresh from the OS on every call, and its page faults cost more than the arithmetic.
-_CHUNK_ROWS = 16
+# Rows are sampled in chunks of up to this many bytes of float32 logits. Only the rows that edit their logits
+# are copied (to float32), so a chunk's temporaries stay within it: below glibc's mmap threshold (32 MiB,
+# engine/host_memory.py), they are reused from step to step, where a fresh mapping would pay its page faults
+# again at every step. Within that, larger chunks mean fewer calls: 256 greedy rows of a 49k vocabulary
+# sample 1.5x faster in chunks of 85 rows than of 16.
+_CHUNK_BYTES = 16 << 20
+
+
+def _chunk_rows(vocab: int) -> int:
+    """Rows a chunk takes: 85 at SmolLM2's 49,152 tokens, 32 at Llama 3's 128,256, 16 at Gemma 3's 262,144."""
+    return max(16, _CHUNK_BYTES // (4 * vocab))
 
 
 def _every_row(t: torch.Tensor, rows: list[int]) -> bool:
@@ -194,8 +201,9 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
     """logits: [len(rows), vocab] in the model's dtype (float32 or bfloat16); left as they are."""
     chosen, logprobs, log_totals = [], [], []
-    for start in range(0, len(rows), _CHUNK_ROWS):
-        tokens, lps, log_total = _sample_chunk(logits[start : start + _CHUNK_ROWS], rows[start : start + _CHUNK_ROWS])
+    size = _chunk_rows(logits.shape[1])
+    for start in range(0, len(rows), size):
+        tokens, lps, log_total = _sample_chunk(logits[start : start + size], rows[start : start + size])
         chosen.append(tokens)
         logprobs.append(lps)
         log_totals.append(log_total)
