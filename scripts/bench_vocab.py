@@ -36,6 +36,7 @@ from bench_kernels import time_interleaved  # noqa: E402
 from machine import processor  # noqa: E402
 
 from batchgen import _C, ops  # noqa: E402
+from batchgen.engine.host_memory import retain_freed_memory  # noqa: E402
 from batchgen.layers.sampler import SamplingRow, sample  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
@@ -241,6 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[Result] | list[EngineResult]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # the engine's allocator settings (engine/host_memory.py): temporaries reused, not remapped
     min_time = 0.05 if args.quick else 0.3
     probe = torch.ones(READ_PROBE_BYTES // 4)
     print(f"{processor()}, {args.threads} threads, kernels {_C.cpu_isa()}, torch {torch.__version__}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen import ops
@@ -89,13 +90,24 @@ def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[i
     return {r for r, bit in zip(candidates, bits.tolist(), strict=True) if bit}
 
 
-def _flat_positions(logits: torch.Tensor, tokens_of_rows: list[tuple[int, list[int]]]) -> torch.Tensor:
-    """Indices into logits.view(-1) of each (row, its tokens) pair's tokens (int64, repeats kept). The token
-    lists go through array.array, which takes a list of ints several times faster than torch.tensor does."""
-    vocab = logits.shape[1]
-    pieces = [torch.frombuffer(array.array("q", tokens), dtype=torch.long) + r * vocab
-              for r, tokens in tokens_of_rows if tokens]
-    return (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)).to(logits.device)
+def _seen_positions(logits: torch.Tensor,
+                    tokens_of_rows: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct indices into logits.view(-1) of each (row, its tokens) pair's tokens, ascending, and how often
+    each occurs: what torch.unique(positions, return_counts=True) gives, in numpy on one thread. A few thousand
+    ids are too few for torch's threads to pay off: the sort within each row of a padded [rows, ids] array and
+    the merge of equal runs take ~0.1 ms where torch.unique took ~0.35. `tokens_of_rows` in ascending row order."""
+    kept = [(r, tokens) for r, tokens in tokens_of_rows if tokens]
+    if not kept:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    padded = np.full((len(kept), max(len(tokens) for _, tokens in kept)), -1, dtype=np.int64)
+    for i, (_, tokens) in enumerate(kept):
+        padded[i, : len(tokens)] = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+    padded.sort(axis=1)
+    offsets = np.array([r for r, _ in kept], dtype=np.int64)[:, None] * logits.shape[1]
+    positions = (padded + offsets)[padded >= 0]  # row by row, each ascending: ascending
+    starts = np.flatnonzero(np.concatenate(([True], positions[1:] != positions[:-1])))
+    counts = np.diff(np.append(starts, len(positions)))
+    return torch.from_numpy(positions[starts]).to(logits.device), torch.from_numpy(counts).to(logits.device)
 
 
 def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -110,19 +122,19 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
             return values[0]
         return torch.tensor(values, dtype=logits.dtype, device=logits.device)[positions // vocab]
 
-    flat[_flat_positions(logits, [(r, row.banned_token_ids) for r, row in enumerate(rows)
-                                        if row.banned_token_ids])] = float("-inf")
+    banned = [(r, row.banned_token_ids) for r, row in enumerate(rows)]
+    flat[_seen_positions(logits, banned)[0]] = float("-inf")
     counted = [(r, row.output_token_ids) for r, row in enumerate(rows)
                if (row.params.presence_penalty or row.params.frequency_penalty) and row.output_token_ids]
     if counted:
-        seen, counts = torch.unique(_flat_positions(logits, counted), return_counts=True)
+        seen, counts = _seen_positions(logits, counted)
         counts = counts.to(logits.dtype)
         flat[seen] -= (per_pair(seen, lambda p: p.frequency_penalty) * counts
                        + per_pair(seen, lambda p: p.presence_penalty) * (counts > 0).to(logits.dtype))
     repeated = [(r, row.prompt_token_ids + row.output_token_ids) for r, row in enumerate(rows)
                 if row.params.repetition_penalty != 1.0]
     if repeated:
-        seen = torch.unique(_flat_positions(logits, repeated))
+        seen = _seen_positions(logits, repeated)[0]
         picked, penalty = flat[seen], per_pair(seen, lambda p: p.repetition_penalty)
         flat[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
