@@ -236,6 +236,21 @@ def test_penalties_match_the_dense_formula_bit_for_bit(vocab):
     assert [greedy[r] for r in (0, 1, 3)] == expected[[0, 1, 3]].argmax(-1).tolist()
 
 
+def test_seen_positions_are_torch_uniques():
+    """The penalties' (row, token) pairs and counts, found in numpy, are torch.unique's: rows with repeats, empty
+    lists, rows skipped, lists of different lengths."""
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.zeros(40, 1000)
+    for case in range(50):
+        rows = sorted(torch.randperm(40, generator=gen)[: 1 + case % 40].tolist())
+        lists = [(r, torch.randint(1000, (int(torch.randint(0, 60, (1,), generator=gen)),), generator=gen).tolist())
+                 for r in rows]
+        flat = torch.tensor([t + r * 1000 for r, tokens in lists for t in tokens], dtype=torch.long)
+        seen, counts = sampler._seen_positions(logits, lists)
+        expected_seen, expected_counts = torch.unique(flat, return_counts=True)
+        assert torch.equal(seen, expected_seen) and torch.equal(counts, expected_counts), case
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_greedy_and_logprobs_match_torch(vocab, dtype):
