@@ -937,7 +937,6 @@ def main(argv=None) -> dict:
                  f"{psutil.cpu_count()} CPUs: other work on the machine slows every engine down")
     from batchgen import _C
 
-    machine = f"{processor()}, kernel table {_C.cpu_isa()}, int8 loop {_C.int8_kernel()}, {args.threads} threads"
     report = dict(args=vars(args), processor=processor(), kernels=_C.cpu_isa(), int8_kernel=_C.int8_kernel(),
                   torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
                   runs=[r.record() for r in runs], ratios=ratio_rows(runs), backend=backend_rows(runs),
@@ -946,7 +945,8 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    print_report(runs, ceilings, notes, measures, machine)
+    print_report(runs, ceilings, notes, measures, f"{report['processor']}, kernel table {report['kernels']}, "
+                 f"int8 loop {report['int8_kernel']}, {args.threads} threads")
     return report
 
 

@@ -177,11 +177,15 @@ def test_int8_and_vocab_workloads_quick_pass(bench, tmp_path, capsys):
     runs = {(r["workload"], r["engine"]) for r in report["runs"]}
     assert {("mixed", "batchgen"), ("int8", "batchgen+int8")} <= runs
     int8 = report["int8"]["float32"]
-    assert int8["int8_over_dtype"] > 0 and int8["agreement_prompts"] == 2
+    rate = {r["workload"]: r["total_tok_s"] for r in report["runs"]}  # the ratio is of this run's two mixed runs
+    assert (int8["int8_tok_s"], int8["dtype_tok_s"]) == (rate["int8"], rate["mixed"])
+    assert int8["int8_over_dtype"] == pytest.approx(rate["int8"] / rate["mixed"]) and int8["agreement_prompts"] == 2
     assert 0 <= int8["agreement"]["token_share"] <= 1 and int8["text_tokens"] == 1023  # the tiny model's context
     assert int8["perplexity"]["dtype"] > 1 and int8["perplexity"]["int8"] > 1
     (vocab,) = report["vocab"]["float32"]
     assert vocab["vocab"] == 4096 and vocab["output_tokens"] == 8 * 8 and 0 < vocab["sample_share_of_read"]
+    share = vocab["logits_bytes"] / vocab["sample_s"] / 1e9 / vocab["read_gb_s"]  # logits read over the probe's rate
+    assert vocab["sample_share_of_read"] == pytest.approx(share)
     assert report["processor"] and report["kernels"] and report["int8_kernel"]
     printed = capsys.readouterr().out
     assert "== int8 against float32" in printed and "== large vocabularies, float32" in printed
