@@ -189,3 +189,22 @@ def test_int8_and_vocab_workloads_quick_pass(bench, tmp_path, capsys):
     assert report["processor"] and report["kernels"] and report["int8_kernel"]
     printed = capsys.readouterr().out
     assert "== int8 against float32" in printed and "== large vocabularies, float32" in printed
+
+
+def test_host_bench_quick_pass(capsys):
+    """scripts/bench_host.py --quick: the engine's real loop on a null model, one JSON line per batch size with
+    its cost per step and per sequence and where it goes (no thresholds: timings vary with the machine)."""
+    spec = importlib.util.spec_from_file_location("bench_host", BENCH.parent / "bench_host.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_host"] = module
+    spec.loader.exec_module(module)
+    module.main(["--quick"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [line["batch"] for line in lines] == module.QUICK.batches
+    for line in lines:
+        assert line["us_per_step"] > 0 and line["us_per_seq"] == pytest.approx(line["us_per_step"] / line["batch"],
+                                                                                rel=1e-2)
+        assert line["sample_us"] > 0 and line["steps"] == module.QUICK.steps and line["processor"]
+        assert set(line["breakdown_us"]) == {"schedule", "prepare", "model", "update"}
+        assert all(v > 0 for v in line["breakdown_us"].values())
+        assert sum(line["breakdown_us"].values()) == pytest.approx(line["us_per_step"], abs=0.5)
