@@ -59,8 +59,10 @@ def prefill(cache: Cache, q: torch.Tensor, chunks: list[tuple[list[int], int, in
     starts = [0]
     for _, _, count in chunks:
         starts.append(starts[-1] + count)
-    out = ops.paged_attention_prefill(query, cache.k, cache.v, tables([t for t, _, _ in chunks]),
-                                      ints([s + c for _, s, c in chunks]), ints(starts), 0.125, **variant)
+    on = cache.k.device
+    out = ops.paged_attention_prefill(query, cache.k, cache.v, tables([t for t, _, _ in chunks]).to(on),
+                                      ints([s + c for _, s, c in chunks]).to(on), ints(starts).to(on), 0.125,
+                                      **variant)
     return [out[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
 
@@ -68,8 +70,9 @@ def decode(cache: Cache, q: torch.Tensor, seqs: list[tuple[list[int], int]], gro
            **variant) -> torch.Tensor:
     """One decode call: per sequence (block table, position), q [seq, H, D] per position."""
     query = torch.stack([q[pos] for _, pos in seqs])
-    return ops.paged_attention_decode(query, cache.k, cache.v, tables([t for t, _ in seqs]),
-                                      ints([p + 1 for _, p in seqs]), 0.125,
+    on = cache.k.device
+    return ops.paged_attention_decode(query, cache.k, cache.v, tables([t for t, _ in seqs]).to(on),
+                                      ints([p + 1 for _, p in seqs]).to(on), 0.125,
                                       seq_groups=None if groups is None else ints(groups), **variant)
 
 
@@ -227,3 +230,33 @@ def test_windowed_rows_do_not_depend_on_the_step(cpu_isas, dtype):
         for j, (member_table, pos) in enumerate(members):
             (rows,) = prefill(cache, q_long, [(member_table, pos, 1)], **VARIANT)
             assert torch.equal(out[j], rows[0]), f"{isa}, {dtype}: sample {j} of a group"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", [{}, VARIANT], ids=["plain", "window+cap"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_cuda_rows_do_not_depend_on_the_step(dtype, shape, variant):
+    """On CUDA: a decode row alone equals the same row among others, beside contexts long enough to
+    change the launch's grid and workspace (its splits are a fixed number of keys); a prefill row equals
+    the same row however the prompt was chunked and whatever shares the call. Decode and prefill are
+    different kernels there (tensor cores in prefill): their rows are compared only with their own kind's."""
+    heads, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(6)
+    cache = Cache(kv_heads, head_dim, dtype, num_blocks=700)
+    cache.k, cache.v = cache.k.cuda(), cache.v.cuda()
+    table, other = cache.take(blocks_for(SEQ_LEN)), cache.take(blocks_for(1500))
+    q = torch.randn(1500, heads, head_dim, generator=gen).to(dtype).cuda()
+    (whole,) = prefill(cache, q, [(table, 0, SEQ_LEN)], **variant)
+    for cuts in ([100], [1, 2, 3, 130, 299], [63, 65, 127, 191, 257]):
+        bounds = [0, *cuts, SEQ_LEN]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            for rows in (prefill(cache, q, [(table, a, b - a)], **variant)[0],
+                         prefill(cache, q, [(other, 0, 700), (table, a, b - a)], **variant)[1]):
+                assert torch.equal(rows, whole[a:b]), f"{dtype}: prefill rows {a}..{b - 1} depend on the step"
+    positions = [0, 15, 16, 63, 255, 256, 257, 299]
+    alone = torch.cat([decode(cache, q, [(table, p)], **variant) for p in positions])
+    for neighbours in ([(other, 1499)], [(other, p) for p in range(0, 1500, 97)]):
+        out = decode(cache, q, [(table, p) for p in positions] + neighbours, **variant)
+        for i, pos in enumerate(positions):
+            assert torch.equal(out[i], alone[i]), f"{dtype}: a decode at {pos} depends on its neighbours"

@@ -143,27 +143,34 @@ def poison_before_windows(key_cache, value_cache, tables, first_positions, windo
             value_cache[tables[i, b]] = float("nan")
 
 
+def decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window=0, cap=0.0):
+    """The decode kernel's output, and the bytes of workspace it asked for."""
+    num_seqs, num_heads, head_dim = query.shape
+    out = torch.full_like(query, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    block_size = key_cache.shape[2]
+    max_context = tables.shape[1] * block_size
+    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context, window)
+    workspace = torch.full((workspace_bytes // 4,), float("nan")) if workspace_bytes else None
+    rc = lib.emu_decode(
+        DTYPE_CODE[query.dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
+        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs, num_heads,
+        key_cache.shape[1], head_dim, block_size, max_context, scale, window, cap, ptr(workspace))
+    assert rc == 0
+    return out, workspace_bytes
+
+
 def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad=1, window=0, cap=0.0,
                scale=None):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype, table_pad)
     poison_before_windows(key_cache, value_cache, tables, [n - 1 for n in seq_lens], window)
-    num_seqs, scale = len(seq_lens), scale or head_dim**-0.5
-    query = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
-    out = torch.full_like(query, float("nan"))
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    max_context = tables.shape[1] * block_size
-    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context, window)
-    workspace = torch.full((workspace_bytes // 4,), float("nan")) if workspace_bytes else None
-    rc = lib.emu_decode(
-        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
-        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, max_context, scale, window, cap, ptr(workspace))
-    assert rc == 0
+    scale = scale or head_dim**-0.5
+    query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    out, workspace_bytes = decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window, cap)
     want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale, window, cap)
             for i, n in enumerate(seq_lens)]
-    want = torch.cat(want)
-    assert_close(out, want, dtype)
+    assert_close(out, torch.cat(want), dtype)
     return workspace_bytes
 
 
@@ -215,6 +222,36 @@ def test_decode_split_context(lib, dtype, head_dim, block_size, num_heads, num_k
     torch.manual_seed(1)
     workspace = run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad)
     assert workspace > 0, "these shapes should split the context"
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_heads, num_kv_heads",
+    [
+        (torch.float32, 64, 40, 1),  # MQA: a group of 40 in 5 head chunks of 8
+        (torch.bfloat16, 128, 14, 2),  # group 7: chunks of 4 and 3
+        (torch.float16, 256, 3, 3),  # MHA at the widest head_dim: 16 lanes of 4 pieces, 2-token groups
+    ],
+)
+def test_decode_head_chunks(lib, dtype, head_dim, num_heads, num_kv_heads):
+    torch.manual_seed(8)
+    run_decode(lib, dtype, head_dim, 16, num_heads, num_kv_heads, [3, 90, 300])
+
+
+@pytest.mark.parametrize("dtype, window", [(torch.float32, 0), (torch.float32, 300), (torch.float16, 0)])
+def test_decode_is_batch_invariant(lib, dtype, window):
+    """A sequence's output bits do not depend on its neighbours: not on how long the longest context is
+    (which sizes the grid and the workspace), nor on whether it shares the launch at all."""
+    torch.manual_seed(9)
+    seq_lens = [700, 2100, 5, 700, 256]
+    key_cache, value_cache, tables, *_ = paged_sequences(seq_lens, 2, 16, 64, dtype, table_pad=3)
+    query = torch.randn(len(seq_lens), 6, 64).to(dtype)
+    batch, workspace = decode(lib, query, key_cache, value_cache, tables, seq_lens, 0.125, window, 1.5)
+    assert workspace > 0
+    for i in (0, 2, 4):
+        blocks = -(-seq_lens[i] // 16)
+        alone, _ = decode(lib, query[i:i + 1].clone(), key_cache, value_cache, tables[i:i + 1, :blocks].contiguous(),
+                          seq_lens[i:i + 1], 0.125, window, 1.5)
+        assert torch.equal(alone[0], batch[i]), i
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
