@@ -208,3 +208,22 @@ def test_host_bench_quick_pass(capsys):
         assert set(line["breakdown_us"]) == {"schedule", "prepare", "model", "update"}
         assert all(v > 0 for v in line["breakdown_us"].values())
         assert sum(line["breakdown_us"].values()) == pytest.approx(line["us_per_step"], abs=0.5)
+
+
+def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
+    """scripts/bench_e2e.py on the tiny shape: a random checkpoint written, both workloads and the batch-1 run
+    through LLM, the roofline computed from the steps' schedules (the GPU figures come from a lent card)."""
+    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH.parent / "bench_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = module
+    spec.loader.exec_module(module)
+    report = tmp_path / "e2e.json"
+    module.main(["--device", "cpu", "--shapes", "tiny", "--prompts", "8", "--max-output", "8", "--json", str(report)])
+    rows = json.loads(report.read_text())["results"]
+    assert [(r["shape"], r["workload"]) for r in rows] == [("tiny", "mixed"), ("tiny", "parallel"), ("tiny", "batch1")]
+    mixed, parallel, batch1 = rows
+    assert mixed["requests"] == 8 and parallel["requests"] == 1 and parallel["output_tokens"] == 8 * 8
+    assert batch1["output_tokens"] == 8 and batch1["steps"] == 8
+    for row in (mixed, parallel):
+        assert row["steps"] > 0 and row["roofline_s"] > 0 and row["output_tok_s"] > 0
+        assert row["gpu_busy_share"] is None  # measured on CUDA only
