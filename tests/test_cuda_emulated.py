@@ -77,6 +77,9 @@ def _bind(lib):
     lib.emu_lora_workspace_bytes.argtypes = [i64, i32]
     lib.emu_lora_workspace_bytes.restype = ctypes.c_size_t
     lib.emu_lora.argtypes = [i32, i32, p, i64, p, i64, i64, p, i32, i32, p, p, p, i32, i32, i32, f32, i32, p]
+    lib.emu_mma_fragments.argtypes = [i32, p, p, p, p]
+    lib.emu_ldmatrix.argtypes = [p, p]
+    lib.emu_ldmatrix_mma.argtypes = [i32, p, p, p, p, p]
     return lib
 
 
@@ -200,6 +203,57 @@ def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_l
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 80, 96, 128, 256]
+
+
+def small_integers(*shape, gen, dtype):
+    """Integers in -4..4: exact in fp16 and bf16, and so are their products' sums."""
+    return torch.randint(-4, 5, shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_emulated_mma_fragments(lib, dtype):
+    """The emulated m16n8k16 MMA, fed fragments built from the PTX ISA's layouts, is a @ b + c: exactly on
+    integers, to float rounding on random values."""
+    gen = torch.Generator().manual_seed(11)
+    bf16 = int(dtype == torch.bfloat16)
+    for exact in (True, False):
+        make = (lambda *s: small_integers(*s, gen=gen, dtype=dtype)) if exact else (
+            lambda *s: torch.randn(*s, generator=gen).to(dtype))
+        a, b, c = make(16, 16), make(16, 8), make(16, 8).float()
+        d = torch.full((16, 8), float("nan"))
+        lib.emu_mma_fragments(bf16, ptr(a), ptr(b), ptr(c), ptr(d))
+        want = a.double() @ b.double() + c.double()
+        if exact:
+            assert torch.equal(d.double(), want)
+        else:
+            torch.testing.assert_close(d.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_emulated_ldmatrix_layouts(lib):
+    """ldmatrix x4 and x4.trans hand lane l, register i: row l / 4 (plain) or column l / 4 (trans) of matrix i,
+    elements 2 (l % 4) and the next, the lower in the low half."""
+    m = torch.arange(256, dtype=torch.int16).view(4, 8, 8)
+    out = torch.zeros(32, 8, dtype=torch.int32)
+    lib.emu_ldmatrix(ptr(m), ptr(out))
+    want = torch.zeros(32, 8, dtype=torch.int32)
+    for lane in range(32):
+        for i in range(4):
+            r, c = lane // 4, 2 * (lane % 4)
+            want[lane, i] = int(m[i, r, c]) | int(m[i, r, c + 1]) << 16
+            want[lane, 4 + i] = int(m[i, c, r]) | int(m[i, c + 1, r]) << 16
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_emulated_ldmatrix_mma(lib, dtype):
+    """ldmatrix into MMA fragments as the prefill kernel pairs them: a K-like operand read plainly gives
+    a @ bt^T, a V-like one read transposed gives a @ v (integers: exact)."""
+    gen = torch.Generator().manual_seed(12)
+    a, bt, v = (small_integers(*s, gen=gen, dtype=dtype) for s in [(16, 32), (16, 32), (32, 16)])
+    x, y = torch.full((16, 16), float("nan")), torch.full((16, 16), float("nan"))
+    lib.emu_ldmatrix_mma(int(dtype == torch.bfloat16), ptr(a), ptr(bt), ptr(v), ptr(x), ptr(y))
+    assert torch.equal(x, (a.float() @ bt.float().T))
+    assert torch.equal(y, (a.float() @ v.float()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

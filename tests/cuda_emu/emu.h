@@ -5,6 +5,15 @@
 // barrier that not every thread reaches aborts ("deadlock"). Blocks run one after another, so
 // static __shared__ arrays become function statics; dynamic shared memory starts as NaN bytes.
 // It includes the CUDA headers first and then redefines the CUDA keywords: include it first.
+//
+// The tensor-core instructions behind engine_src/cuda/mma.cuh (BATCHGEN_CUDA_EMU selects these) are
+// warp-collective here as on the GPU: each lane puts its operands (or its ldmatrix row address)
+// into the warp's exchange slots, all 32 lanes meet at a warp barrier, and each lane builds its own
+// result from the others' slots per the PTX ISA's fragment layouts. An MMA multiplies the fp16/bf16
+// operands exactly and sums each output's 16 products and its accumulator in double, rounded once
+// to float (the hardware's order of additions is not documented; tests allow for the difference).
+// cp.async copies are queued per thread and done only when a cp.async.wait covers their group, so
+// a read before the wait (or, by another thread, before the barrier after it) sees stale bytes.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,9 +22,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <tuple>
 #include <vector>
@@ -25,12 +36,21 @@ using std::min;
 
 namespace emu {
 
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;  // 16, or 0: zero fill
+};
+
 struct Thread {
   ucontext_t ctx;
   uint3 tid;
   bool done = false;
   int blocked = 0;  // 0 runnable, 1 block barrier, 2 warp barrier
   std::vector<char> stack;
+  int exchange_phase = 0;  // which of the two exchange slots the next warp-collective op uses
+  std::vector<AsyncCopy> async_open;               // cp.async copies not committed yet
+  std::deque<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
 };
 
 struct State {
@@ -41,6 +61,7 @@ struct State {
   dim3 block_dim, grid_dim;
   std::vector<unsigned char> smem;
   std::vector<unsigned long long> warp_buf;
+  std::vector<uint32_t> exchange;  // per thread 2 phases x kExchangeWords words
   std::function<void()> body;
   long long barriers = 0;
 };
@@ -83,6 +104,131 @@ T shfl_xor(T v, int mask) {
 
 inline unsigned char* dynamic_smem() { return S().smem.data(); }
 
+inline void fail(const char* what);
+
+// Warp-collective exchange: this lane's `n` words go into its slot, the warp meets, and the result
+// points at lane 0's slot of the same phase (lane l's at + l * kExchangeWords). The two phases
+// alternate, so one barrier per exchange is enough: a lane can only overwrite a phase's slot after
+// the next exchange's barrier, which every lane reaches after reading this one.
+constexpr int kExchangeWords = 8;
+
+inline const uint32_t* exchange(const uint32_t* words, int n) {
+  auto& s = S();
+  const int t = linear_tid();
+  const int phase = s.cur->exchange_phase;
+  s.cur->exchange_phase ^= 1;
+  const size_t warp0 = static_cast<size_t>(t & ~31);
+  uint32_t* base = s.exchange.data() + (static_cast<size_t>(phase) * s.threads.size() + warp0) * kExchangeWords;
+  std::memcpy(base + (t & 31) * kExchangeWords, words, n * sizeof(uint32_t));
+  syncwarp();
+  return base;
+}
+
+inline bool in_smem(const void* p, size_t bytes) {
+  auto& s = S();
+  const auto* b = static_cast<const unsigned char*>(p);
+  return b >= s.smem.data() && b + bytes <= s.smem.data() + s.smem.size();
+}
+
+inline float half_bits(uint16_t h, bool bf16) {
+  if (bf16) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw x;
+  x.x = h;
+  return __half2float(__half(x));
+}
+
+// Element `half` (0 low, 1 high) of word `reg` of lane `lane` in an exchange.
+inline uint16_t element(const uint32_t* slots, int lane, int reg, int half) {
+  return static_cast<uint16_t>(slots[lane * kExchangeWords + reg] >> (16 * half));
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: c += a b (layouts in engine_src/cuda/mma.cuh).
+inline void mma_m16n8k16(bool bf16, float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  const uint32_t words[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const uint32_t* slots = exchange(words, 6);
+  const int lane = linear_tid() & 31;
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1);
+    const int col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (int k = 0; k < 16; ++k) {
+      // A(row, k): register (row >= 8) + 2 (k >= 8) of lane 4 (row % 8) + (k % 8) / 2.
+      const uint16_t x = element(slots, 4 * (row & 7) + ((k & 7) >> 1), (row >> 3) + 2 * (k >> 3), k & 1);
+      // B(k, col): register 4 + (k >= 8) of lane 4 col + (k % 8) / 2.
+      const uint16_t y = element(slots, 4 * col + ((k & 7) >> 1), 4 + (k >> 3), k & 1);
+      sum += static_cast<double>(half_bits(x, bf16)) * static_cast<double>(half_bits(y, bf16));
+    }
+    c[i] = static_cast<float>(sum);
+  }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: each lane reads its row (16 bytes) and the warp
+// shares them out, so every row is read at the instruction, as on the GPU.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) fail("ldmatrix row address not 16-byte aligned");
+  if (!in_smem(row, 16)) fail("ldmatrix row address outside dynamic shared memory");
+  uint32_t words[4];
+  std::memcpy(words, row, 16);
+  const uint32_t* slots = exchange(words, 4);
+  const int lane = linear_tid() & 31;
+  for (int i = 0; i < 4; ++i) {
+    if (!trans) {  // row lane / 4 of matrix i, elements 2 (lane % 4) and the next: one word
+      r[i] = slots[(8 * i + lane / 4) * kExchangeWords + lane % 4];
+    } else {  // column lane / 4 of rows 2 (lane % 4) and the next
+      const int e = lane / 4;
+      const uint32_t lo = element(slots, 8 * i + 2 * (lane % 4), e / 2, e % 2);
+      const uint32_t hi = element(slots, 8 * i + 2 * (lane % 4) + 1, e / 2, e % 2);
+      r[i] = lo | (hi << 16);
+    }
+  }
+}
+
+// cp.async.cg.shared.global [dst], [src], 16, bytes (bytes 0: zero fill, src not read).
+inline void cp_async(void* dst, const void* src, int bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || (bytes && reinterpret_cast<uintptr_t>(src) % 16 != 0)) {
+    fail("cp.async address not 16-byte aligned");
+  }
+  if (!in_smem(dst, 16)) fail("cp.async destination outside dynamic shared memory");
+  S().cur->async_open.push_back({dst, src, bytes});
+}
+
+inline void cp_async_commit() {
+  Thread& t = *S().cur;
+  t.async_groups.push_back(std::move(t.async_open));
+  t.async_open.clear();
+}
+
+inline void cp_async_wait(int pending) {
+  Thread& t = *S().cur;
+  while (static_cast<int>(t.async_groups.size()) > pending) {
+    for (const AsyncCopy& c : t.async_groups.front()) {
+      if (c.bytes) {
+        std::memcpy(c.dst, c.src, 16);
+      } else {
+        std::memset(c.dst, 0, 16);
+      }
+    }
+    t.async_groups.pop_front();
+  }
+}
+
+inline cudaError_t get_device(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+// The emulated device is an sm_90.
+inline cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  return cudaSuccess;
+}
+
 inline void trampoline() {
   auto& s = S();
   s.body();
@@ -103,6 +249,7 @@ inline void run_block() {
   s.threads.clear();
   s.threads.resize(n);
   s.warp_buf.assign(n, 0);
+  s.exchange.assign(static_cast<size_t>(2) * n * kExchangeWords, 0);
   for (int i = 0; i < n; ++i) {
     Thread& t = s.threads[i];
     t.tid = make_uint3(i % s.block_dim.x, (i / s.block_dim.x) % s.block_dim.y, i / (s.block_dim.x * s.block_dim.y));
@@ -206,8 +353,11 @@ Launch<KArgs...> launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t 
 #define blockIdx (emu::S().block_idx)
 #define blockDim (emu::S().block_dim)
 #define gridDim (emu::S().grid_dim)
+#define BATCHGEN_CUDA_EMU 1
 #define __syncthreads() emu::syncthreads()
 #define __syncwarp(...) emu::syncwarp()
 #define __shfl_xor_sync(mask, v, m) emu::shfl_xor(v, m)
 #define cudaGetLastError() cudaSuccess
 #define cudaFuncSetAttribute(...) cudaSuccess
+#define cudaGetDevice(device) emu::get_device(device)
+#define cudaDeviceGetAttribute(value, attr, device) emu::device_attribute(value, attr, device)

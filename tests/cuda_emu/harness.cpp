@@ -7,10 +7,112 @@
 #include "gen/attention_decode.cpp"
 #include "gen/attention_prefill.cpp"
 #include "gen/lora_kernels.cpp"
+#include "mma.cuh"
 
 using namespace batchgen::kernels;
 
+namespace {
+
+uint32_t pair_of(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16); }
+
+// One warp: fragments built straight from the PTX ISA's layouts (no ldmatrix), one MMA, d = a b + c.
+// a [16][16] and b [16][8] (k rows, n columns) of 16-bit elements, c and d [16][8] float, row major.
+template <typename T>
+__global__ void mma_fragments_kernel(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  const uint32_t af[4] = {pair_of(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]),
+                          pair_of(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]),
+                          pair_of(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]),
+                          pair_of(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9])};
+  const uint32_t bf[2] = {pair_of(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]),
+                          pair_of(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g])};
+  float acc[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t], c[(g + 8) * 8 + 2 * t + 1]};
+  mma_m16n8k16<T>(acc, af, bf);
+  d[g * 8 + 2 * t] = acc[0];
+  d[g * 8 + 2 * t + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * t] = acc[2];
+  d[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+
+// One warp: four 8 x 8 matrices m [4][8][8] placed in shared memory in reverse order with rows 48
+// bytes apart; out [32 lanes][8]: the four registers of ldmatrix_x4, then of ldmatrix_x4_trans.
+__global__ void ldmatrix_kernel(const uint16_t* m, uint32_t* out) {
+  uint16_t* smem = reinterpret_cast<uint16_t*>(emu::dynamic_smem());
+  const int lane = threadIdx.x;
+  constexpr int kStride = 24;  // elements between rows
+  auto row_at = [&](int matrix, int row) { return smem + ((3 - matrix) * 8 + row) * kStride; };
+  for (int i = lane; i < 32; i += 32) {
+    for (int e = 0; e < 8; ++e) row_at(i / 8, i % 8)[e] = m[i * 8 + e];
+  }
+  __syncwarp();
+  uint32_t r[4], rt[4];
+  ldmatrix_x4(r, row_at(lane / 8, lane % 8));
+  ldmatrix_x4_trans(rt, row_at(lane / 8, lane % 8));
+  for (int i = 0; i < 4; ++i) {
+    out[lane * 8 + i] = r[i];
+    out[lane * 8 + 4 + i] = rt[i];
+  }
+}
+
+// One warp, ldmatrix and MMA as the prefill kernel pairs them: x = a bt^T and y = a v, a [16][32],
+// bt [16][32] (n rows, like K), v [32][16] (k rows, like V), all row major, copied into shared memory
+// with cp.async; x and y [16][16] float.
+template <typename T>
+__global__ void ldmatrix_mma_kernel(const uint16_t* a, const uint16_t* bt, const uint16_t* v, float* x, float* y) {
+  uint16_t* a_s = reinterpret_cast<uint16_t*>(emu::dynamic_smem());
+  uint16_t* bt_s = a_s + 16 * 32;
+  uint16_t* v_s = bt_s + 16 * 32;
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 3 * 64; i += 32) {  // 64 chunks of 16 bytes each
+    const uint16_t* src = i < 64 ? a : i < 128 ? bt : v;
+    cp_async_16(a_s + i * 8, src + (i % 64) * 8, true);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  float xa[2][4] = {}, ya[2][4] = {};
+  for (int ks = 0; ks < 2; ++ks) {
+    uint32_t af[4], bf[4], vf[4];
+    ldmatrix_x4(af, a_s + (lane % 16) * 32 + ks * 16 + (lane / 16) * 8);
+    ldmatrix_x4(bf, bt_s + (lane % 8 + 8 * (lane / 16)) * 32 + ks * 16 + (lane / 8 % 2) * 8);
+    ldmatrix_x4_trans(vf, v_s + (ks * 16 + lane % 8 + 8 * (lane / 8 % 2)) * 16 + (lane / 16) * 8);
+    mma_m16n8k16<T>(xa[0], af, bf);
+    mma_m16n8k16<T>(xa[1], af, bf + 2);
+    mma_m16n8k16<T>(ya[0], af, vf);
+    mma_m16n8k16<T>(ya[1], af, vf + 2);
+  }
+  for (int n = 0; n < 2; ++n) {
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i / 2), col = n * 8 + 2 * t + i % 2;
+      x[row * 16 + col] = xa[n][i];
+      y[row * 16 + col] = ya[n][i];
+    }
+  }
+}
+
+}  // namespace
+
 extern "C" {
+
+void emu_mma_fragments(int bf16, const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+  if (bf16) {
+    emu::launch(mma_fragments_kernel<__nv_bfloat16>, dim3(1), dim3(32))(a, b, c, d);
+  } else {
+    emu::launch(mma_fragments_kernel<__half>, dim3(1), dim3(32))(a, b, c, d);
+  }
+}
+
+void emu_ldmatrix(const uint16_t* m, uint32_t* out) {
+  emu::launch(ldmatrix_kernel, dim3(1), dim3(32), 32 * 24 * 2)(m, out);
+}
+
+void emu_ldmatrix_mma(int bf16, const uint16_t* a, const uint16_t* bt, const uint16_t* v, float* x, float* y) {
+  if (bf16) {
+    emu::launch(ldmatrix_mma_kernel<__nv_bfloat16>, dim3(1), dim3(32), 3 * 16 * 32 * 2)(a, bt, v, x, y);
+  } else {
+    emu::launch(ldmatrix_mma_kernel<__half>, dim3(1), dim3(32), 3 * 16 * 32 * 2)(a, bt, v, x, y);
+  }
+}
 
 int emu_reshape_and_cache(int dtype, const void* key, const void* value, void* key_cache, void* value_cache,
                           const int64_t* slots, int64_t num_tokens, int num_kv_heads, int head_dim, int block_size,
