@@ -8,6 +8,11 @@ alternation with the kernel so that both see the same machine (on shared or virt
 the memory bandwidth drifts). The ratio of the two is the kernel's share of the memory system.
 Every time is the fastest of several calls, the least disturbed one.
 
+On CUDA it also measures prefill on tensor cores (issue 51's grid, `--prefill-flops`): causal prompts of
+512, 2,048 and 4,096 tokens (16,384 tokens a call), head dim 64 (9/3 heads) and 128 (32/8 heads), fp16 or
+bf16, in TFLOP/s of the paged kernel next to torch SDPA's flash backend on the same K/V laid out
+contiguously (each kv head repeated for its query heads), timed in turn.
+
     python scripts/bench_kernels.py --quick
     python scripts/bench_kernels.py --device cuda --json out.json
 """
@@ -32,6 +37,8 @@ FULL_GRID = {
     "prefill": [(b, c) for b in (1, 4) for c in (128, 512, 2048)],
 }
 QUICK_GRID = {"decode": [(1, 1024), (64, 1024)], "prefill": [(1, 512)]}
+PREFILL_FLOPS_GRID = [(heads, tokens) for heads in ("smollm2-135m", "llama-gqa") for tokens in (512, 2048, 4096)]
+PREFILL_FLOPS_TOKENS = 16384  # query tokens a call: the batch is this over the prompt length
 REFERENCE_MAX_SEQS = 8  # the reference loops over sequences in Python: skip it beyond this many
 
 
@@ -129,6 +136,46 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
     return row
 
 
+def sdpa_flash(query, key, value, scale):
+    """Causal SDPA on the flash backend only (an error where that backend cannot run the inputs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+
+
+def bench_prefill_flops(heads_name, tokens, dtype_name, device, block_size):
+    """TFLOP/s of causal prefill over paged K/V (whole prompts, no cached context) and of SDPA's flash
+    backend over the same K/V contiguous, and the largest difference between their outputs."""
+    num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[heads_name]
+    batch = max(1, PREFILL_FLOPS_TOKENS // tokens)
+    query, key_cache, value_cache, tables, lens, (k, v) = paged_inputs(
+        batch, tokens, HEAD_CONFIGS[heads_name], DTYPES[dtype_name], device, block_size, tokens
+    )
+    group = num_heads // num_kv_heads
+    k_full, v_full = (t.repeat_interleave(group, dim=1).contiguous() for t in (k, v))  # [B, H, L, D]
+    q_dense = query.view(batch, tokens, num_heads, head_dim).transpose(1, 2).contiguous()
+    scale = head_dim**-0.5
+    starts = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32, device=device)
+    out = torch.empty_like(query)
+    kernel = lambda: ops.paged_attention_prefill(query, key_cache, value_cache, tables, lens, starts, scale, out=out)
+    flash = lambda: sdpa_flash(q_dense, k_full, v_full, scale)
+    kernel_s, flash_s = time_interleaved([kernel, flash], device)
+    kernel()
+    want = flash().transpose(1, 2).reshape_as(out)
+    flops = 4 * num_heads * head_dim * batch * tokens * (tokens + 1) / 2  # causal: q.k and p.v per visible pair
+    return {"kind": "prefill-flops", "heads": heads_name, "head_dim": head_dim, "dtype": dtype_name, "batch": batch,
+            "tokens": tokens, "kernel_ms": kernel_s * 1e3, "sdpa_flash_ms": flash_s * 1e3,
+            "kernel_tflops": flops / kernel_s / 1e12, "sdpa_flash_tflops": flops / flash_s / 1e12,
+            "vs_flash": flash_s / kernel_s, "max_abs_diff": (out.float() - want.float()).abs().max().item()}
+
+
+def print_prefill_flops(row):
+    print(f"{row['heads']:13} {row['head_dim']:4} {row['dtype']:5} {row['batch']:5} {row['tokens']:6} "
+          f"{row['kernel_ms']:10.3f} {row['sdpa_flash_ms']:10.3f} {row['kernel_tflops']:9.1f} "
+          f"{row['sdpa_flash_tflops']:9.1f} {row['vs_flash']:8.2f}x {row['max_abs_diff']:9.2e}", flush=True)
+
+
 def print_row(row):
     ref = f"{row['reference_ms']:10.2f}" if row["reference_ms"] is not None else f"{'-':>10}"
     if row["kv_gbps"] is None:
@@ -161,6 +208,8 @@ def main() -> None:
     parser.add_argument("--isa", help="CPU instruction set of the kernels (scalar, avx2, avx512, avx512_bf16)")
     parser.add_argument("--max-kv-gb", type=float, default=1.5, help="skip configs whose K/V is larger")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--prefill-flops", choices=["auto", "on", "off"], default="auto",
+                        help="prefill TFLOP/s against SDPA's flash backend (auto: on CUDA with fp16/bf16)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -196,9 +245,23 @@ def main() -> None:
     print_header()
     for row in rows:
         print_row(row)
+
+    flops_rows = []
+    want_flops = args.prefill_flops == "on" or (args.prefill_flops == "auto" and device.type == "cuda")
+    if want_flops and (device.type != "cuda" or args.dtype == "fp32"):
+        print("\nprefill TFLOP/s: needs CUDA and fp16/bf16 (SDPA's flash backend); skipped")
+    elif want_flops:
+        print("\nprefill, causal, whole prompts: TFLOP/s of the paged kernel and of SDPA's flash backend")
+        print(f"{'heads':13} {'hd':>4} {'dtype':5} {'batch':>5} {'tokens':>6} {'_C ms':>10} {'flash ms':>10} "
+              f"{'_C TF/s':>9} {'flash TF/s':>9} {'vs flash':>9} {'max diff':>9}")
+        for heads, tokens in PREFILL_FLOPS_GRID:
+            row = bench_prefill_flops(heads, tokens, args.dtype, device, args.block_size)
+            print_prefill_flops(row)
+            flops_rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "where": where, "results": rows}, f, indent=2)
+            report = {"device": str(device), "where": where, "results": rows, "prefill_flops": flops_rows}
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -178,13 +178,14 @@ def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_le
 
 
 def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens,
-                strided_query=False, window=0, cap=0.0, scale=None):
+                strided_query=False, window=0, cap=0.0, scale=None, query_pad=0):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype)
     poison_before_windows(key_cache, value_cache, tables, [n - q for n, q in zip(seq_lens, query_lens, strict=True)],
                           window)
     num_tokens, scale = sum(query_lens), scale or head_dim**-0.5
-    query = torch.randn(num_tokens, num_heads + 3 * strided_query, head_dim).to(dtype)[:, :num_heads]
+    query = torch.randn(num_tokens, num_heads + 3 * strided_query, head_dim + query_pad).to(dtype)
+    query = query[:, :num_heads, :head_dim]
     out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=dtype)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -358,12 +359,82 @@ def test_decode_split_context_with_a_window(lib, dtype, window):
     assert (workspace > 0) == (window > 256)
 
 
-@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale", VARIANTS)
+# More for the tensor-core prefill (fp16/bf16): windows across its 64-key tiles, head_dim 256's 32-key tiles.
+TENSOR_CORE_VARIANTS = [
+    (torch.bfloat16, 64, 8, 4, 2, 37, 0.0, 0.3),
+    (torch.float16, 256, 32, 2, 1, 45, 10.0, 0.1),
+    (torch.bfloat16, 128, 16, 7, 1, 70, 0.0, 0.15),  # group 7, a window longer than a tile
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale",
+                         VARIANTS + TENSOR_CORE_VARIANTS)
 def test_prefill_variants(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap, scale):
     torch.manual_seed(7)
     # plain prefill, chunks behind a cached context across the window's edge, a single token
     run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, [50, 90, 9, 130], [50, 23, 1, 40],
                 window=window, cap=cap, scale=scale)
+
+
+def test_prefill_unaligned_rows_take_the_cuda_core_kernel(lib):
+    """Query rows 4 elements apart (not on 16 bytes) cannot be copied with cp.async: the fp16 launch falls back
+    to the CUDA-core kernel, still right."""
+    torch.manual_seed(8)
+    run_prefill(lib, torch.float16, 64, 16, 4, 2, [30, 20], [30, 7], strided_query=True, query_pad=4)
+
+
+def _prefill_parts(lib, dtype, caches, parts, num_heads, scale, window, cap):
+    """One prefill launch of `parts` [(sequence, first position, query rows)] over the paged `caches`;
+    the output rows of each part."""
+    key_cache, value_cache, tables = caches
+    num_kv_heads, block_size, head_dim = key_cache.shape[1:]
+    query = torch.cat([q for _, _, q in parts])
+    out = torch.full_like(query, float("nan"))
+    lengths = [len(q) for _, _, q in parts]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor([first + len(q) for _, first, q in parts], dtype=torch.int32)
+    part_tables = tables[[i for i, _, _ in parts]].contiguous()
+    rc = lib.emu_prefill(
+        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2], ptr(key_cache),
+        ptr(value_cache), ptr(part_tables), part_tables.stride(0), ptr(lens), ptr(starts), len(parts), len(query),
+        num_heads, num_kv_heads, head_dim, block_size, scale, window, cap)
+    assert rc == 0
+    return out.split(lengths)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap",
+    [
+        (torch.bfloat16, 64, 16, 4, 2, 0, 0.0),
+        (torch.float16, 128, 8, 14, 2, 0, 0.0),  # group 7: a token's rows straddle warps and blocks
+        (torch.bfloat16, 80, 32, 3, 3, 45, 20.0),  # window and soft cap
+        (torch.float32, 64, 16, 4, 1, 0, 0.0),
+    ],
+)
+def test_prefill_batch_invariance(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, window, cap):
+    """A query row's output bits depend on its sequence's cached keys and its own query only: the whole prompt
+    alone, the prompt beside other sequences, and the prompt in chunks (one of a single token) behind its
+    cached context beside other neighbours give identical rows."""
+    torch.manual_seed(9)
+    seq_lens = [150, 70, 33]
+    key_cache, value_cache, tables, _, _ = paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype)
+    caches = (key_cache, value_cache, tables)
+    queries = [torch.randn(n, num_heads, head_dim).to(dtype) for n in seq_lens]
+    scale = head_dim**-0.5
+
+    def run(parts):
+        return _prefill_parts(lib, dtype, caches, parts, num_heads, scale, window, cap)
+
+    (alone,) = run([(0, 0, queries[0])])
+    _, beside, _ = run([(1, 0, queries[1]), (0, 0, queries[0]), (2, 10, queries[2][10:])])
+    assert torch.equal(beside, alone)
+    chunks = [(0, 37), (37, 100), (100, 101), (101, 150)]
+    for n, (first, end) in enumerate(chunks):
+        neighbours = [(2, 0, queries[2][:5 + 9 * n]), (1, 60 - 20 * n, queries[1][60 - 20 * n:63])]
+        parts = neighbours[: n % 3] + [(0, first, queries[0][first:end])] + neighbours[n % 3:]
+        got = run(parts)[n % 3]
+        assert torch.equal(got, alone[first:end]), (first, end)
+    assert not torch.isnan(alone.float()).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

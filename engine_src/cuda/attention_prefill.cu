@@ -3,8 +3,38 @@
 //
 // Query rows of one sequence and one kv head are the (token j, head h of the GQA group) pairs,
 // numbered j * group + h, so the heads that share a kv head also share every key/value tile a
-// thread block loads. A thread block takes kRows consecutive rows of one sequence and one kv
-// head (warp w owns kRowsPerWarp of them) and walks the keys in tiles of 32:
+// thread block loads. Row j of sequence i sits at position context + j and sees keys 0 .. context + j;
+// with a sliding window W only keys context + j - W < key <= context + j, and a thread block starts
+// at the tile of its first row's window, not reading the keys before that window. Two kernels:
+//
+// fp16 and bf16: tensor cores, in the manner of FlashAttention-2. A thread block of 4 warps takes 64
+// consecutive rows of one sequence and one kv head, 16 rows a warp (the M of one m16n8k16 MMA).
+//   1. The rows' queries and then, tile by tile, 64 keys and their values (32 at head_dim 256) are
+//      copied into shared memory with 16-byte cp.async copies, each key's row found through the
+//      block table, double-buffered: tile t + 1's copies are in flight while tile t is used. Rows are
+//      unpadded, their 16-byte chunks XOR-swizzled by row (mma.cuh's ldmatrix reads 8 rows at one
+//      chunk, which land in 8 different bank groups).
+//   2. Each warp computes its 16 rows' scores S = Q K^T on tensor cores: ldmatrix.x4 fragments of Q
+//      and K, k-steps of 16 over head_dim (80 and 96 are 5 and 6 steps), 8-key column tiles.
+//   3. Scores are scaled into base 2, soft-capped, masked (only on tiles that straddle a row's
+//      diagonal or window edge: a tile every row of the warp sees wholly needs no mask; tiles past all
+//      of a warp's rows, or before all their windows, are skipped), and go through an online softmax
+//      in fp32: a row's max over its quad of lanes, its accumulator rescaled.
+//   4. The probabilities, rounded to fp16/bf16, are the A fragments of O += P V as they lie in
+//      registers (two 8-key C fragments make one 16-key A fragment); V's fragments come from
+//      ldmatrix.x4.trans.
+//   5. Rows are normalized, staged in the warp's own rows of the query tile and stored 16 bytes at a
+//      time.
+// Batch invariance: tile t always covers keys t * K .. t * K + K - 1 (K = 64, 32 at head_dim 256:
+// absolute positions), a row meets its tiles in order from its first visible one, and each score and
+// output element is one MMA chain over its own row. A tile a row sees nothing of leaves its state bit
+// for bit (probabilities 0, rescale factor exactly 1, exact zeros added), so a row's bits do not
+// depend on the rows beside it in its thread block or launch, nor on how its prompt was chunked.
+// Needs sm_80 and 16-byte aligned query/out rows and caches; otherwise the CUDA-core kernel runs.
+//
+// float32 (true fp32 products, for parity with transformers): CUDA cores. A thread block takes kRows
+// consecutive rows of one sequence and one kv head (warp w owns kRowsPerWarp of them) and walks the
+// keys in tiles of 32:
 //   1. the tile's keys and values are gathered from the cache into shared memory;
 //   2. each lane scores one key against each of its warp's rows (keys padded in shared memory so
 //      the 32 lanes read 32 different banks);
@@ -12,12 +42,11 @@
 //      probabilities go through shared memory so that, for step 4, lanes switch to owning
 //      head_dim elements instead of keys;
 //   4. each lane accumulates its elements of probs x values.
-// Row j of sequence i sits at position context + j and sees keys 0 .. context + j; with a sliding
-// window W only keys context + j - W < key <= context + j, and a thread block starts at the tile of
-// its first row's window, not reading the keys before that window.
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace batchgen::kernels {
 namespace {
@@ -297,6 +326,304 @@ cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream
   return cudaGetLastError();
 }
 
+
+// ---- Tensor-core kernel (fp16, bf16) ------------------------------------------------------------
+
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = kTcWarps * kWarpSize;
+constexpr int kTcRows = kTcWarps * 16;  // each warp owns the 16 rows of one MMA
+
+template <typename T, int HEAD_DIM>
+struct TcConfig {
+  static constexpr int kKeys = HEAD_DIM > 128 ? 32 : 64;  // keys per tile (fewer at 256: registers)
+  static constexpr int kChunks = HEAD_DIM / 8;            // 16-byte chunks in a row of head_dim
+  static constexpr int kDimSteps = HEAD_DIM / 16;         // k-steps of Q K^T, column-tile pairs of P V
+  static constexpr int kKeySteps = kKeys / 16;            // k-steps of P V, column-tile pairs of Q K^T
+  static constexpr size_t kQueryElems = static_cast<size_t>(kTcRows) * HEAD_DIM;
+  static constexpr size_t kTileElems = static_cast<size_t>(kKeys) * HEAD_DIM;
+  // The queries, then two stages of keys, then two of values.
+  static constexpr size_t kSmemBytes = (kQueryElems + 4 * kTileElems) * sizeof(T);
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile of HEAD_DIM-wide rows,
+// unpadded: within each group of 8 chunks the chunk index is XORed with row % 8, so that the 8 rows one
+// ldmatrix matrix reads at the same chunk fall in 8 different bank groups. The 2 or 4 chunks past the
+// last full group (head_dim 80, 96) are XORed with row % 2 or row % 4 (2-way conflicts there).
+template <int HEAD_DIM>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  constexpr int kChunks = HEAD_DIM / 8;
+  constexpr int kFull = kChunks / 8 * 8;
+  constexpr int kTail = kChunks - kFull;
+  int c = chunk ^ (row & 7);
+  if constexpr (kTail > 0) {
+    if (chunk >= kFull) c = kFull + ((chunk - kFull) ^ (row & (kTail - 1)));
+  }
+  return row * HEAD_DIM + c * 8;
+}
+
+// Starts copying keys key0 .. key0 + kKeys - 1 of one kv head, and their values, into shared memory
+// (cp.async, 16 bytes a copy, each key's row through the block table). Keys before kv_begin or at or
+// past kv_end are zero-filled and not read: their blocks may be poisoned or their table entries invalid.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const int* block_table, int kv_head,
+                                                   int key0, int kv_begin, int kv_end, T* key_s, T* value_s) {
+  using Config = TcConfig<T, HEAD_DIM>;
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  for (int i = threadIdx.x; i < Config::kKeys * Config::kChunks; i += kTcThreads) {
+    const int n = i / Config::kChunks;
+    const int c = i % Config::kChunks;
+    const int key = key0 + n;
+    const bool read = key >= kv_begin && key < kv_end;
+    int64_t offset = 0;
+    if (read) {
+      const int64_t block = block_table[key / p.block_size];
+      offset = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM + c * 8;
+    }
+    const int dst = swizzle<HEAD_DIM>(n, c);
+    cp_async_16(key_s + dst, key_cache + offset, read);
+    cp_async_16(value_s + dst, value_cache + offset, read);
+  }
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(const PrefillParams p) {
+  using Config = TcConfig<T, HEAD_DIM>;
+  constexpr int kKeys = Config::kKeys;
+  constexpr int kChunks = Config::kChunks;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* query_s = reinterpret_cast<T*>(smem);           // [kTcRows][HEAD_DIM], swizzled
+  T* key_s = query_s + Config::kQueryElems;          // [2][kKeys][HEAD_DIM], swizzled
+  T* value_s = key_s + 2 * Config::kTileElems;       // [2][kKeys][HEAD_DIM], swizzled
+
+  // Which rows (as in the CUDA-core kernel): every early return here is taken by the whole block.
+  const int kv_head = blockIdx.y;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int seq = find_sequence<kTcRows>(p, blockIdx.x, group);
+  const int64_t tile = blockIdx.x - first_tile<kTcRows>(p, seq, group);
+  const int query_start = p.query_start_loc[seq];
+  const int query_len = p.query_start_loc[seq + 1] - query_start;
+  const int num_rows = query_len * group;
+  if (tile < 0 || tile * kTcRows >= num_rows) return;
+  const int first_row = static_cast<int>(tile) * kTcRows;
+  const int context = p.seq_lens[seq] - query_len;
+  const int last_row = min(first_row + kTcRows, num_rows) - 1;
+  const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
+  const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int* block_table = p.block_tables + seq * p.block_table_stride;
+
+  // The block's queries (zeros past the sequence's rows), in the first cp.async group with the first tile.
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kTcRows * kChunks; i += kTcThreads) {
+    const int r = i / kChunks;
+    const int c = i % kChunks;
+    const int row = first_row + r;
+    const bool real = row < num_rows;
+    const T* src = query;
+    if (real) {
+      const int head = kv_head * group + row % group;
+      src = query + (query_start + row / group) * p.query_token_stride + head * p.query_head_stride + c * 8;
+    }
+    cp_async_16(query_s + swizzle<HEAD_DIM>(r, c), src, real);
+  }
+  // Tiles at absolute key positions: tile t holds keys t * kKeys .. (t + 1) * kKeys - 1, whichever rows
+  // share the block, so each row meets its keys in the same tiles and order however it is batched.
+  int key0 = kv_begin / kKeys * kKeys;
+  const int last_key0 = (kv_end - 1) / kKeys * kKeys;
+  load_kv_tile_async<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
+  cp_async_commit();
+
+  // This lane's rows are rows g and g + 8 of its warp's 16 (the MMA's C layout); it holds their scores
+  // and outputs at columns 2t and 2t + 1 of every 8-wide fragment. position -1: past the sequence's rows.
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int warp_row0 = first_row + warp * 16;
+  const bool warp_has_rows = warp_row0 < num_rows;
+  int position[2];
+  int first_key[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_row0 + g + 8 * h;
+    position[h] = row < num_rows ? context + row / group : -1;
+    first_key[h] = window_begin(position[h], p.sliding_window);
+  }
+  // The warp's rows see keys warp_first_key .. warp_last_position; all of them see the keys from
+  // warp_last_first_key to warp_first_position (a tile inside that range needs no mask).
+  const int warp_first_position = context + warp_row0 / group;
+  const int warp_last_position = context + (min(warp_row0 + 15, num_rows - 1)) / group;
+  const int warp_first_key = window_begin(warp_first_position, p.sliding_window);
+  const int warp_last_first_key = window_begin(warp_last_position, p.sliding_window);
+
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this lane's share of the row's sum; the quad's are added at the end
+  float acc[HEAD_DIM / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  }
+
+  for (int stage = 0; key0 <= last_key0; key0 += kKeys, stage ^= 1) {
+    // Double buffering: the next tile's copies start before this one is used.
+    if (key0 + kKeys <= last_key0) {
+      load_kv_tile_async<T, HEAD_DIM>(p, block_table, kv_head, key0 + kKeys, kv_begin, kv_end,
+                                      key_s + (stage ^ 1) * Config::kTileElems,
+                                      value_s + (stage ^ 1) * Config::kTileElems);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // every group but the newest: this tile (and the queries) arrived
+    __syncthreads();     // ... for every thread's copies
+
+    // A warp skips tiles wholly past its rows or before their windows (no row of it sees a key there).
+    if (warp_has_rows && key0 <= warp_last_position && key0 + kKeys > warp_first_key) {
+      const T* key_tile = key_s + stage * Config::kTileElems;
+      const T* value_tile = value_s + stage * Config::kTileElems;
+
+      // Scores S = Q K^T: the warp's 16 rows x kKeys keys, kKeys / 8 fragments of 16 x 8.
+      float score[kKeys / 8][4];
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) score[j][e] = 0.f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < Config::kDimSteps; ++ks) {
+        uint32_t a[4];  // rows lane % 16, columns 16 ks + 8 (lane / 16) ..
+        ldmatrix_x4(a, query_s + swizzle<HEAD_DIM>(warp * 16 + lane % 16, 2 * ks + lane / 16));
+#pragma unroll
+        for (int np = 0; np < Config::kKeySteps; ++np) {
+          uint32_t b[4];  // keys 16 np + lane % 8 + 8 (lane / 16), columns 16 ks + 8 (lane / 8 % 2) ..
+          ldmatrix_x4(b, key_tile + swizzle<HEAD_DIM>(16 * np + lane % 8 + 8 * (lane / 16), 2 * ks + lane / 8 % 2));
+          mma_m16n8k16<T>(score[2 * np], a, b);
+          mma_m16n8k16<T>(score[2 * np + 1], a, b + 2);
+        }
+      }
+
+      // Scale to base 2, soft cap, and the causal / window mask where some row does not see some key.
+      const bool masked = key0 + kKeys - 1 > warp_first_position || key0 < warp_last_first_key;
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2;
+          const int key = key0 + 8 * j + 2 * t + e % 2;
+          const float s = soft_capped(score[j][e] * p.scale_log2, p.soft_cap_log2);
+          score[j][e] = masked && (key > position[h] || key < first_key[h]) ? -INFINITY : s;
+        }
+      }
+
+      // Online softmax per row (fp32, base 2); a row's max is shared by the 4 lanes of its quad.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float new_max = row_max[h];
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j) new_max = fmaxf(new_max, fmaxf(score[j][2 * h], score[j][2 * h + 1]));
+        new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
+        new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
+        // 1 exactly when the max stays, so a tile a row sees nothing of changes none of its bits.
+        const float alpha = new_max == row_max[h] ? 1.f : exp2_shifted(row_max[h], new_max);
+        row_max[h] = new_max;
+        row_sum[h] *= alpha;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+          acc[dt][2 * h] *= alpha;
+          acc[dt][2 * h + 1] *= alpha;
+        }
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const float prob = exp2_shifted(score[j][e], new_max);
+            row_sum[h] += prob;
+            score[j][e] = prob;
+          }
+        }
+      }
+
+      // O += P V: the probabilities' C fragments of two 8-key tiles are the A fragment of a 16-key step.
+#pragma unroll
+      for (int kk = 0; kk < Config::kKeySteps; ++kk) {
+        const uint32_t a[4] = {pack_pair<T>(score[2 * kk][0], score[2 * kk][1]),
+                               pack_pair<T>(score[2 * kk][2], score[2 * kk][3]),
+                               pack_pair<T>(score[2 * kk + 1][0], score[2 * kk + 1][1]),
+                               pack_pair<T>(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < Config::kDimSteps; ++dp) {
+          uint32_t b[4];  // transposed: keys 16 kk + lane % 8 + 8 (lane / 8 % 2), columns 16 dp + 8 (lane / 16) ..
+          ldmatrix_x4_trans(b, value_tile + swizzle<HEAD_DIM>(16 * kk + lane % 8 + 8 * (lane / 8 % 2), 2 * dp + lane / 16));
+          mma_m16n8k16<T>(acc[2 * dp], a, b);
+          mma_m16n8k16<T>(acc[2 * dp + 1], a, b + 2);
+        }
+      }
+    }
+    __syncthreads();  // this stage is read before the next iteration's copies refill it
+  }
+  if (!warp_has_rows) return;
+
+  // Normalize, stage the warp's rows in its own rows of query_s (no other warp reads them) and store
+  // them 16 bytes at a time. Every real row saw its own key, so its sum is positive.
+  float inv_total[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float total = row_sum[h] + __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    inv_total[h] = 1.f / total;
+  }
+#pragma unroll
+  for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      T* dst = query_s + swizzle<HEAD_DIM>(warp * 16 + g + 8 * h, dt) + 2 * t;
+      *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(acc[dt][2 * h] * inv_total[h], acc[dt][2 * h + 1] * inv_total[h]);
+    }
+  }
+  __syncwarp();
+  T* out = static_cast<T*>(p.out);
+  for (int i = lane; i < 16 * kChunks; i += kWarpSize) {
+    const int r = i / kChunks;
+    const int c = i % kChunks;
+    const int row = warp_row0 + r;
+    if (row < num_rows) {
+      const int head = kv_head * group + row % group;
+      T* dst = out + (query_start + row / group) * p.out_token_stride + head * p.out_head_stride + c * 8;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(query_s + swizzle<HEAD_DIM>(warp * 16 + r, c));
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launch_prefill_tc(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
+  using Config = TcConfig<T, HEAD_DIM>;
+  if (Config::kSmemBytes > kDefaultSmemLimit) {
+    const cudaError_t err = cudaFuncSetAttribute(paged_attention_prefill_tc_kernel<T, HEAD_DIM>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(Config::kSmemBytes));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(p.num_kv_heads));
+  paged_attention_prefill_tc_kernel<T, HEAD_DIM><<<grid, kTcThreads, Config::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The tensor-core kernel needs sm_80 (mma.sync with bf16, cp.async) and 16-byte aligned rows: query and
+// out pointers and strides, and the caches, on 8-element boundaries. Otherwise the CUDA-core kernel runs.
+bool tensor_cores_fit(const void* out, int64_t out_token_stride, int64_t out_head_stride, const void* query,
+                      int64_t query_token_stride, int64_t query_head_stride, const void* key_cache,
+                      const void* value_cache) {
+  int device = 0;
+  int major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 8) {
+    return false;
+  }
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return aligned(out) && aligned(query) && aligned(key_cache) && aligned(value_cache) && out_token_stride % 8 == 0 &&
+         out_head_stride % 8 == 0 && query_token_stride % 8 == 0 && query_head_stride % 8 == 0;
+}
 }  // namespace
 
 cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_token_stride,
@@ -336,11 +663,20 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.scale_log2 = scale * kLog2e;
   p.sliding_window = sliding_window;
   p.soft_cap_log2 = logits_soft_cap * kLog2e;
+  const bool tensor_cores = dtype != DType::kFloat32 &&
+                            tensor_cores_fit(out, out_token_stride, out_head_stride, query, query_token_stride,
+                                             query_head_stride, key_cache, value_cache);
 
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = typename decltype(dtype_tag)::type;
     return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
       constexpr int kHeadDim = decltype(head_dim_tag)::value;
+      if constexpr (!std::is_same_v<T, float>) {  // float32 stays on CUDA cores: true fp32 products
+        if (tensor_cores) {
+          const int64_t num_tiles = num_tokens * group / kTcRows + num_seqs;
+          return launch_prefill_tc<T, kHeadDim>(p, num_tiles, stream);
+        }
+      }
       const int64_t num_tiles = num_tokens * group / PrefillConfig<T, kHeadDim>::kRows + num_seqs;
       return launch_prefill<T, kHeadDim>(p, num_tiles, stream);
     });
