@@ -184,14 +184,18 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.block_size * HEAD_DIM;
 
   // Every lane runs every step (the shuffles below need whole warps); a lane group past the end
-  // reads nothing.
+  // reads nothing. The next step's cache block id is fetched a step ahead, so that the K/V loads
+  // never wait on the block table.
+  const auto block_of = [&](int token) { return token < end ? block_table[token / p.block_size] : 0; };
+  int block = block_of(begin + lane_group * kGroupTokens);
   for (int step = begin; step < end; step += Shape::kStepTokens) {
     const int token = step + lane_group * kGroupTokens;
+    const int next_block = block_of(token + Shape::kStepTokens);
     // Every load of the group's tokens is issued before any arithmetic. Tokens past the end or before
     // the window are not read (their slots may hold anything) and load as zeros.
-    const int64_t row = token < end ? static_cast<int64_t>(block_table[token / p.block_size]) * block_stride +
-                                          head_offset + static_cast<int64_t>(token % p.block_size) * HEAD_DIM
-                                    : 0;
+    const int64_t row = static_cast<int64_t>(block) * block_stride + head_offset +
+                        static_cast<int64_t>(token % p.block_size) * HEAD_DIM;
+    block = next_block;
     uint4 key_raw[kGroupTokens][kPieces];
     uint4 value_raw[kGroupTokens][kPieces];
     bool valid[kGroupTokens];
