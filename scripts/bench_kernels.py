@@ -37,6 +37,10 @@ FULL_GRID = {
     "prefill": [(b, c) for b in (1, 4) for c in (128, 512, 2048)],
 }
 QUICK_GRID = {"decode": [(1, 1024), (64, 1024)], "prefill": [(1, 512)]}
+# Issue 51's decode grid for a card: batch 1/16/64/256 at contexts 512/2k/8k (its prefill TFLOP/s grid is
+# PREFILL_FLOPS_GRID, run on CUDA either way).
+ISSUE51_GRID = {"decode": [(b, c) for b in (1, 16, 64, 256) for c in (512, 2048, 8192)]}
+GRIDS = {"full": FULL_GRID, "quick": QUICK_GRID, "issue51": ISSUE51_GRID}
 PREFILL_FLOPS_GRID = [(heads, tokens) for heads in ("smollm2-135m", "llama-gqa") for tokens in (512, 2048, 4096)]
 PREFILL_FLOPS_TOKENS = 16384  # query tokens a call: the batch is this over the prompt length
 REFERENCE_MAX_SEQS = 8  # the reference loops over sequences in Python: skip it beyond this many
@@ -199,14 +203,17 @@ def print_header():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--quick", action="store_true", help="a small grid (--grid quick)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
+                        help="issue51: decode at batch 1/16/64/256 x context 512/2k/8k (K/V up to --max-kv-gb)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--heads", nargs="*", default=sorted(HEAD_CONFIGS), choices=sorted(HEAD_CONFIGS))
     parser.add_argument("--block-size", type=int, default=16, choices=ops.SUPPORTED_BLOCK_SIZES)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     parser.add_argument("--isa", help="CPU instruction set of the kernels (scalar, avx2, avx512, avx512_bf16)")
-    parser.add_argument("--max-kv-gb", type=float, default=1.5, help="skip configs whose K/V is larger")
+    parser.add_argument("--max-kv-gb", type=float, help="skip configs whose K/V is larger (default: 1.5 on a CPU, "
+                                                           "16 on CUDA)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--prefill-flops", choices=["auto", "on", "off"], default="auto",
                         help="prefill TFLOP/s against SDPA's flash backend (auto: on CUDA with fp16/bf16)")
@@ -217,7 +224,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.isa:
         _C.set_cpu_isa(args.isa)
-    grid = QUICK_GRID if args.quick else FULL_GRID
+    grid = QUICK_GRID if args.quick else GRIDS[args.grid]
+    max_kv_gb = args.max_kv_gb or (16.0 if device.type == "cuda" else 1.5)
     copy = CopyProbe(device)
     where = f"{torch.get_num_threads()} threads, kernels {_C.cpu_isa()}" if device.type == "cpu" else str(device)
     print(f"device {device} ({where})")
@@ -232,7 +240,7 @@ def main() -> None:
             _, num_kv_heads, head_dim = HEAD_CONFIGS[heads]
             for batch, context in configs:
                 kv_gb = 2 * batch * context * num_kv_heads * head_dim * DTYPES[args.dtype].itemsize / 1e9
-                if kv_gb > args.max_kv_gb:
+                if kv_gb > max_kv_gb:
                     continue
                 with_reference = batch <= REFERENCE_MAX_SEQS and (kind == "decode" or context <= 512)
                 row = bench_config(

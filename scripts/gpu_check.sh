@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with an NVIDIA GPU, nvcc and a CUDA build of torch: builds batchgen._C
-# with the CUDA kernels for this GPU's architecture, runs the GPU tests (pytest -m gpu) and the
-# kernel benchmark, and prints a summary table last. Exits non-zero when any step fails.
+# with the CUDA kernels for this GPU's architecture, runs the GPU tests (pytest -m gpu), the kernel
+# benchmark (issue 51's grid: decode GB/s against the card's copy rate, prefill TFLOP/s against SDPA's
+# flash backend) and the end-to-end benchmark (scripts/bench_e2e.py: random-weight 1B and 8B shapes),
+# prints a summary table last and writes everything to one JSON report, $LOG/report.json (copied to
+# $OUT/report.json when $OUT is set, as on a lent device machine). Exits non-zero when any step fails.
+# Made to fit 8 minutes on an H100/H200: BATCHGEN_GPU_E2E_SHAPES (default 1b,8b; "none" skips the step)
+# and BATCHGEN_GPU_E2E_PROMPTS (default 1000) size the end-to-end step.
 #
 # Python: $PYTHON if set, else the first of $BATCHGEN_GPU_VENV (default
 # ~/.cache/batchgen/venv-gpu), .venv, python3 whose torch sees the GPU; failing that that venv is
@@ -19,7 +24,7 @@ LOG="${BATCHGEN_GPU_LOG:-/tmp/batchgen_gpu_check}"
 GPU_VENV="${BATCHGEN_GPU_VENV:-$HOME/.cache/batchgen/venv-gpu}"
 mkdir -p "$LOG"
 declare -A STATUS DETAIL
-STEPS=(python build tests bench)
+STEPS=(python build tests bench e2e)
 for s in "${STEPS[@]}"; do STATUS[$s]="skipped"; DETAIL[$s]=""; done
 FAILED=0
 
@@ -131,8 +136,9 @@ fi
 if [ "${STATUS[build]}" = ok ]; then
   if [ -f scripts/bench_kernels.py ]; then
     start=$(date +%s)
-    log "running scripts/bench_kernels.py --device cuda --quick (log: $LOG/bench.txt)"
-    if timeout 180 "$PY" scripts/bench_kernels.py --device cuda --quick >"$LOG/bench.txt" 2>&1; then
+    log "running scripts/bench_kernels.py --device cuda --grid issue51 (log: $LOG/bench.txt)"
+    if timeout 240 "$PY" scripts/bench_kernels.py --device cuda --grid issue51 --json "$LOG/bench.json" \
+      >"$LOG/bench.txt" 2>&1; then
       STATUS[bench]="ok"
       DETAIL[bench]="$(elapsed "$start")"
     else
@@ -141,6 +147,43 @@ if [ "${STATUS[build]}" = ok ]; then
   else
     fail bench "scripts/bench_kernels.py not found"
   fi
+fi
+
+# --- end to end ----------------------------------------------------------------------------
+E2E_SHAPES="${BATCHGEN_GPU_E2E_SHAPES:-1b,8b}"
+if [ "${STATUS[build]}" = ok ] && [ "$E2E_SHAPES" != none ]; then
+  start=$(date +%s)
+  log "running scripts/bench_e2e.py --shapes $E2E_SHAPES (log: $LOG/e2e.txt)"
+  if timeout 300 "$PY" scripts/bench_e2e.py --device cuda --shapes "$E2E_SHAPES" \
+    --prompts "${BATCHGEN_GPU_E2E_PROMPTS:-1000}" --json "$LOG/e2e.json" >"$LOG/e2e.txt" 2>&1; then
+    STATUS[e2e]="ok"
+    DETAIL[e2e]="$(elapsed "$start")"
+  else
+    fail e2e "exit $? after $(elapsed "$start"), see $LOG/e2e.txt"
+    tail -n 20 "$LOG/e2e.txt"
+  fi
+fi
+
+# --- one report ----------------------------------------------------------------------------
+report_steps=""
+for s in "${STEPS[@]}"; do report_steps+="$s=${STATUS[$s]}=${DETAIL[$s]}"$'\n'; done
+"${PY:-python3}" - "$LOG" "${DEVICE_INFO:-}" "$report_steps" <<'EOF' || log "could not write $LOG/report.json"
+import json, sys
+from pathlib import Path
+
+log, device, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+def read(name):
+    path = log / name
+    return json.loads(path.read_text()) if path.is_file() else None
+report = {"device": device,
+          "steps": {s.split("=", 2)[0]: {"status": s.split("=", 2)[1], "detail": s.split("=", 2)[2]}
+                    for s in steps.splitlines() if s},
+          "kernels": read("bench.json"), "e2e": read("e2e.json")}
+(log / "report.json").write_text(json.dumps(report, indent=2))
+EOF
+if [ -n "${OUT:-}" ] && [ -f "$LOG/report.json" ]; then
+  cp "$LOG/report.json" "$OUT/report.json"
+  tar -czf "$OUT/logs.tar.gz" -C "$LOG" . 2>/dev/null || true
 fi
 
 summary
