@@ -352,7 +352,8 @@ def test_swap_blocks_matches_reference(src_device, dst_device, dtype, head_dim, 
     gen = torch.Generator().manual_seed(9)
     src = torch.randn(6, heads[1], block_size, head_dim, generator=gen).to(dtype).to(src_device)
     dst = torch.randn(9, heads[1], block_size, head_dim, generator=gen).to(dtype).to(dst_device)
-    mapping = torch.tensor([[0, 8], [5, 0], [2, 3]], dtype=torch.int64)
+    # Out of order, with a run of 3 blocks consecutive on both sides (copied at once on CUDA).
+    mapping = torch.tensor([[0, 8], [5, 0], [3, 4], [2, 3], [4, 5], [1, 1]], dtype=torch.int64)
     expected = dst.clone()
     reference.swap_blocks(src, expected, mapping)
     ops.swap_blocks(src, dst, mapping)

@@ -207,13 +207,24 @@ void swap_blocks(const torch::Tensor& src, torch::Tensor& dst, const torch::Tens
                                                : cudaMemcpyDeviceToDevice;
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
   const cudaStream_t stream = current_stream();
+  // One copy per run of blocks consecutive on both sides (a sequence's blocks often are), not one per block:
+  // each cudaMemcpyAsync costs microseconds of host time, a whole sequence's swap thousands of them.
   const torch::Tensor mapping = block_mapping.contiguous();
-  const int64_t* pairs = mapping.data_ptr<int64_t>();
+  const int64_t* flat = mapping.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> pairs(static_cast<size_t>(mapping.size(0)));
+  for (size_t i = 0; i < pairs.size(); ++i) pairs[i] = {flat[2 * i], flat[2 * i + 1]};
+  std::sort(pairs.begin(), pairs.end());  // a swap's sources and destinations are in different caches
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(dst.data_ptr());
-  for (int64_t i = 0; i < mapping.size(0); ++i) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[2 * i + 1] * block_bytes, from + pairs[2 * i] * block_bytes,
-                                   static_cast<size_t>(block_bytes), kind, stream));
+  for (size_t first = 0; first < pairs.size();) {
+    size_t end = first + 1;
+    while (end < pairs.size() && pairs[end].first == pairs[end - 1].first + 1 &&
+           pairs[end].second == pairs[end - 1].second + 1) {
+      ++end;
+    }
+    C10_CUDA_CHECK(cudaMemcpyAsync(to + pairs[first].second * block_bytes, from + pairs[first].first * block_bytes,
+                                   static_cast<size_t>(block_bytes) * (end - first), kind, stream));
+    first = end;
   }
 }
 
