@@ -377,8 +377,8 @@ def test_prefill_variants(lib, dtype, head_dim, block_size, num_heads, num_kv_he
 
 
 def test_prefill_unaligned_rows_take_the_cuda_core_kernel(lib):
-    """Query rows 4 elements apart (not on 16 bytes) cannot be copied with cp.async: the fp16 launch falls back
-    to the CUDA-core kernel, still right."""
+    """Query heads 68 elements apart (rows not on 16-byte boundaries) cannot be copied with cp.async: the fp16
+    launch falls back to the CUDA-core kernel, still right."""
     torch.manual_seed(8)
     run_prefill(lib, torch.float16, 64, 16, 4, 2, [30, 20], [30, 7], strided_query=True, query_pad=4)
 

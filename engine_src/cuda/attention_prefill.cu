@@ -7,14 +7,16 @@
 // with a sliding window W only keys context + j - W < key <= context + j, and a thread block starts
 // at the tile of its first row's window, not reading the keys before that window. Two kernels:
 //
-// fp16 and bf16: tensor cores, in the manner of FlashAttention-2. A thread block of 4 warps takes 64
-// consecutive rows of one sequence and one kv head, 16 rows a warp (the M of one m16n8k16 MMA).
-//   1. The rows' queries and then, tile by tile, 64 keys and their values (32 at head_dim 256) are
-//      copied into shared memory with 16-byte cp.async copies, each key's row found through the
+// fp16 and bf16: tensor cores, in the manner of FlashAttention-2. A thread block of 4 warps takes 128
+// consecutive rows of one sequence and one kv head, 32 rows a warp: two M-tiles of 16 (the M of one
+// m16n8k16 MMA), so each K and V fragment read from shared memory feeds two MMAs; at head_dim 256,
+// 64 rows and one M-tile a warp (registers). A sequence's row tiles are launched last first.
+//   1. The rows' queries and then, tile by tile, 64 keys and their values (32 at head_dim 128 and
+//      256) are copied into shared memory with 16-byte cp.async copies, each key's row found through the
 //      block table, double-buffered: tile t + 1's copies are in flight while tile t is used. Rows are
 //      unpadded, their 16-byte chunks XOR-swizzled by row (mma.cuh's ldmatrix reads 8 rows at one
 //      chunk, which land in 8 different bank groups).
-//   2. Each warp computes its 16 rows' scores S = Q K^T on tensor cores: ldmatrix.x4 fragments of Q
+//   2. Each warp computes its rows' scores S = Q K^T on tensor cores: ldmatrix.x4 fragments of Q
 //      and K, k-steps of 16 over head_dim (80 and 96 are 5 and 6 steps), 8-key column tiles.
 //   3. Scores are scaled into base 2, soft-capped, masked (only on tiles that straddle a row's
 //      diagonal or window edge: a tile every row of the warp sees wholly needs no mask; tiles past all
@@ -25,8 +27,8 @@
 //      ldmatrix.x4.trans.
 //   5. Rows are normalized, staged in the warp's own rows of the query tile and stored 16 bytes at a
 //      time.
-// Batch invariance: tile t always covers keys t * K .. t * K + K - 1 (K = 64, 32 at head_dim 256:
-// absolute positions), a row meets its tiles in order from its first visible one, and each score and
+// Batch invariance: tile t always covers keys t * K .. t * K + K - 1 (K = 64, or 32: absolute
+// positions), a row meets its tiles in order from its first visible one, and each score and
 // output element is one MMA chain over its own row. A tile a row sees nothing of leaves its state bit
 // for bit (probabilities 0, rescale factor exactly 1, exact zeros added), so a row's bits do not
 // depend on the rows beside it in its thread block or launch, nor on how its prompt was chunked.
@@ -331,15 +333,20 @@ cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream
 
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * kWarpSize;
-constexpr int kTcRows = kTcWarps * 16;  // each warp owns the 16 rows of one MMA
 
+// A warp owns kMTiles x 16 rows (each 16 the M of one MMA): two below head_dim 256, so that each K and
+// V fragment read from shared memory feeds two MMAs (FlashAttention-2's 128-row tiles), one at 256,
+// where two would not fit the registers. Key tiles of 64, or 32 where the accumulators are large.
 template <typename T, int HEAD_DIM>
 struct TcConfig {
-  static constexpr int kKeys = HEAD_DIM > 128 ? 32 : 64;  // keys per tile (fewer at 256: registers)
+  static constexpr int kMTiles = HEAD_DIM > 128 ? 1 : 2;
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kRows = kTcWarps * kWarpRows;    // rows of a thread block: 128, or 64 at 256
+  static constexpr int kKeys = HEAD_DIM >= 128 ? 32 : 64;  // keys per tile
   static constexpr int kChunks = HEAD_DIM / 8;            // 16-byte chunks in a row of head_dim
   static constexpr int kDimSteps = HEAD_DIM / 16;         // k-steps of Q K^T, column-tile pairs of P V
   static constexpr int kKeySteps = kKeys / 16;            // k-steps of P V, column-tile pairs of Q K^T
-  static constexpr size_t kQueryElems = static_cast<size_t>(kTcRows) * HEAD_DIM;
+  static constexpr size_t kQueryElems = static_cast<size_t>(kRows) * HEAD_DIM;
   static constexpr size_t kTileElems = static_cast<size_t>(kKeys) * HEAD_DIM;
   // The queries, then two stages of keys, then two of values.
   static constexpr size_t kSmemBytes = (kQueryElems + 4 * kTileElems) * sizeof(T);
@@ -389,26 +396,30 @@ __device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(const PrefillParams p) {
   using Config = TcConfig<T, HEAD_DIM>;
+  constexpr int kRows = Config::kRows;
+  constexpr int kM = Config::kMTiles;
   constexpr int kKeys = Config::kKeys;
   constexpr int kChunks = Config::kChunks;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  T* query_s = reinterpret_cast<T*>(smem);           // [kTcRows][HEAD_DIM], swizzled
-  T* key_s = query_s + Config::kQueryElems;          // [2][kKeys][HEAD_DIM], swizzled
-  T* value_s = key_s + 2 * Config::kTileElems;       // [2][kKeys][HEAD_DIM], swizzled
+  T* query_s = reinterpret_cast<T*>(smem);       // [kRows][HEAD_DIM], swizzled
+  T* key_s = query_s + Config::kQueryElems;      // [2][kKeys][HEAD_DIM], swizzled
+  T* value_s = key_s + 2 * Config::kTileElems;   // [2][kKeys][HEAD_DIM], swizzled
 
-  // Which rows (as in the CUDA-core kernel): every early return here is taken by the whole block.
+  // Which rows (as in the CUDA-core kernel): every early return here is taken by the whole block. A
+  // sequence's row tiles run from its last to its first, so the longest (causal) go out first.
   const int kv_head = blockIdx.y;
   const int group = p.num_heads / p.num_kv_heads;
-  const int seq = find_sequence<kTcRows>(p, blockIdx.x, group);
-  const int64_t tile = blockIdx.x - first_tile<kTcRows>(p, seq, group);
+  const int seq = find_sequence<kRows>(p, blockIdx.x, group);
   const int query_start = p.query_start_loc[seq];
   const int query_len = p.query_start_loc[seq + 1] - query_start;
   const int num_rows = query_len * group;
-  if (tile < 0 || tile * kTcRows >= num_rows) return;
-  const int first_row = static_cast<int>(tile) * kTcRows;
+  const int64_t local = blockIdx.x - first_tile<kRows>(p, seq, group);
+  const int64_t num_row_tiles = (static_cast<int64_t>(num_rows) + kRows - 1) / kRows;
+  if (local < 0 || local >= num_row_tiles) return;
+  const int first_row = static_cast<int>(num_row_tiles - 1 - local) * kRows;
   const int context = p.seq_lens[seq] - query_len;
-  const int last_row = min(first_row + kTcRows, num_rows) - 1;
+  const int last_row = min(first_row + kRows, num_rows) - 1;
   const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
   const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
@@ -418,7 +429,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 
   // The block's queries (zeros past the sequence's rows), in the first cp.async group with the first tile.
   const T* query = static_cast<const T*>(p.query);
-  for (int i = threadIdx.x; i < kTcRows * kChunks; i += kTcThreads) {
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kTcThreads) {
     const int r = i / kChunks;
     const int c = i % kChunks;
     const int row = first_row + r;
@@ -437,34 +448,47 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   load_kv_tile_async<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
   cp_async_commit();
 
-  // This lane's rows are rows g and g + 8 of its warp's 16 (the MMA's C layout); it holds their scores
-  // and outputs at columns 2t and 2t + 1 of every 8-wide fragment. position -1: past the sequence's rows.
+  // The warp's rows are block rows warp * kWarpRows + 16 m + (0 .. 15) for M-tile m; this lane holds rows
+  // g and g + 8 of each M-tile (the MMA's C layout), their scores and outputs at columns 2t and 2t + 1
+  // of every 8-wide fragment. position -1: past the sequence's rows.
   const int g = lane / 4;
   const int t = lane % 4;
-  const int warp_row0 = first_row + warp * 16;
+  const int warp_s0 = warp * Config::kWarpRows;  // the warp's first row in query_s
+  const int warp_row0 = first_row + warp_s0;
   const bool warp_has_rows = warp_row0 < num_rows;
-  int position[2];
-  int first_key[2];
+  int position[kM][2];
+  int first_key[kM][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = warp_row0 + g + 8 * h;
-    position[h] = row < num_rows ? context + row / group : -1;
-    first_key[h] = window_begin(position[h], p.sliding_window);
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row0 + 16 * m + g + 8 * h;
+      position[m][h] = row < num_rows ? context + row / group : -1;
+      first_key[m][h] = window_begin(position[m][h], p.sliding_window);
+    }
   }
   // The warp's rows see keys warp_first_key .. warp_last_position; all of them see the keys from
   // warp_last_first_key to warp_first_position (a tile inside that range needs no mask).
   const int warp_first_position = context + warp_row0 / group;
-  const int warp_last_position = context + (min(warp_row0 + 15, num_rows - 1)) / group;
+  const int warp_last_position = context + (min(warp_row0 + Config::kWarpRows - 1, num_rows - 1)) / group;
   const int warp_first_key = window_begin(warp_first_position, p.sliding_window);
   const int warp_last_first_key = window_begin(warp_last_position, p.sliding_window);
 
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // this lane's share of the row's sum; the quad's are added at the end
-  float acc[HEAD_DIM / 8][4];
+  float row_max[kM][2];
+  float row_sum[kM][2];  // this lane's share of the row's sum; the quad's are added at the end
+  float acc[kM][HEAD_DIM / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+  for (int m = 0; m < kM; ++m) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+    for (int h = 0; h < 2; ++h) {
+      row_max[m][h] = -INFINITY;
+      row_sum[m][h] = 0.f;
+    }
+#pragma unroll
+    for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][dt][e] = 0.f;
+    }
   }
 
   for (int stage = 0; key0 <= last_key0; key0 += kKeys, stage ^= 1) {
@@ -483,80 +507,108 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
       const T* key_tile = key_s + stage * Config::kTileElems;
       const T* value_tile = value_s + stage * Config::kTileElems;
 
-      // Scores S = Q K^T: the warp's 16 rows x kKeys keys, kKeys / 8 fragments of 16 x 8.
-      float score[kKeys / 8][4];
+      // Scores S = Q K^T: per M-tile 16 rows x kKeys keys, kKeys / 8 fragments of 16 x 8; each K
+      // fragment serves every M-tile.
+      float score[kM][kKeys / 8][4];
 #pragma unroll
-      for (int j = 0; j < kKeys / 8; ++j) {
+      for (int m = 0; m < kM; ++m) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) score[j][e] = 0.f;
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) score[m][j][e] = 0.f;
+        }
       }
 #pragma unroll
       for (int ks = 0; ks < Config::kDimSteps; ++ks) {
-        uint32_t a[4];  // rows lane % 16, columns 16 ks + 8 (lane / 16) ..
-        ldmatrix_x4(a, query_s + swizzle<HEAD_DIM>(warp * 16 + lane % 16, 2 * ks + lane / 16));
+        uint32_t a[kM][4];  // rows 16 m + lane % 16, columns 16 ks + 8 (lane / 16) ..
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+          ldmatrix_x4(a[m], query_s + swizzle<HEAD_DIM>(warp_s0 + 16 * m + lane % 16, 2 * ks + lane / 16));
+        }
 #pragma unroll
         for (int np = 0; np < Config::kKeySteps; ++np) {
           uint32_t b[4];  // keys 16 np + lane % 8 + 8 (lane / 16), columns 16 ks + 8 (lane / 8 % 2) ..
           ldmatrix_x4(b, key_tile + swizzle<HEAD_DIM>(16 * np + lane % 8 + 8 * (lane / 16), 2 * ks + lane / 8 % 2));
-          mma_m16n8k16<T>(score[2 * np], a, b);
-          mma_m16n8k16<T>(score[2 * np + 1], a, b + 2);
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            mma_m16n8k16<T>(score[m][2 * np], a[m], b);
+            mma_m16n8k16<T>(score[m][2 * np + 1], a[m], b + 2);
+          }
         }
       }
 
       // Scale to base 2, soft cap, and the causal / window mask where some row does not see some key.
       const bool masked = key0 + kKeys - 1 > warp_first_position || key0 < warp_last_first_key;
 #pragma unroll
-      for (int j = 0; j < kKeys / 8; ++j) {
+      for (int m = 0; m < kM; ++m) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2;
-          const int key = key0 + 8 * j + 2 * t + e % 2;
-          const float s = soft_capped(score[j][e] * p.scale_log2, p.soft_cap_log2);
-          score[j][e] = masked && (key > position[h] || key < first_key[h]) ? -INFINITY : s;
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const int key = key0 + 8 * j + 2 * t + e % 2;
+            const float s = soft_capped(score[m][j][e] * p.scale_log2, p.soft_cap_log2);
+            score[m][j][e] = masked && (key > position[m][h] || key < first_key[m][h]) ? -INFINITY : s;
+          }
         }
       }
 
       // Online softmax per row (fp32, base 2); a row's max is shared by the 4 lanes of its quad.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float new_max = row_max[h];
+      for (int m = 0; m < kM; ++m) {
 #pragma unroll
-        for (int j = 0; j < kKeys / 8; ++j) new_max = fmaxf(new_max, fmaxf(score[j][2 * h], score[j][2 * h + 1]));
-        new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
-        new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
-        // 1 exactly when the max stays, so a tile a row sees nothing of changes none of its bits.
-        const float alpha = new_max == row_max[h] ? 1.f : exp2_shifted(row_max[h], new_max);
-        row_max[h] = new_max;
-        row_sum[h] *= alpha;
+        for (int h = 0; h < 2; ++h) {
+          float new_max = row_max[m][h];
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-          acc[dt][2 * h] *= alpha;
-          acc[dt][2 * h + 1] *= alpha;
-        }
+          for (int j = 0; j < kKeys / 8; ++j) {
+            new_max = fmaxf(new_max, fmaxf(score[m][j][2 * h], score[m][j][2 * h + 1]));
+          }
+          new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
+          new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
+          // 1 exactly when the max stays, so a tile a row sees nothing of changes none of its bits.
+          const float alpha = new_max == row_max[m][h] ? 1.f : exp2_shifted(row_max[m][h], new_max);
+          row_max[m][h] = new_max;
+          row_sum[m][h] *= alpha;
 #pragma unroll
-        for (int j = 0; j < kKeys / 8; ++j) {
+          for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            acc[m][dt][2 * h] *= alpha;
+            acc[m][dt][2 * h + 1] *= alpha;
+          }
 #pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            const float prob = exp2_shifted(score[j][e], new_max);
-            row_sum[h] += prob;
-            score[j][e] = prob;
+          for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+              const float prob = exp2_shifted(score[m][j][e], new_max);
+              row_sum[m][h] += prob;
+              score[m][j][e] = prob;
+            }
           }
         }
       }
 
-      // O += P V: the probabilities' C fragments of two 8-key tiles are the A fragment of a 16-key step.
+      // O += P V: the probabilities' C fragments of two 8-key tiles are the A fragment of a 16-key step;
+      // each V fragment serves every M-tile.
 #pragma unroll
       for (int kk = 0; kk < Config::kKeySteps; ++kk) {
-        const uint32_t a[4] = {pack_pair<T>(score[2 * kk][0], score[2 * kk][1]),
-                               pack_pair<T>(score[2 * kk][2], score[2 * kk][3]),
-                               pack_pair<T>(score[2 * kk + 1][0], score[2 * kk + 1][1]),
-                               pack_pair<T>(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+        uint32_t a[kM][4];
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+          a[m][0] = pack_pair<T>(score[m][2 * kk][0], score[m][2 * kk][1]);
+          a[m][1] = pack_pair<T>(score[m][2 * kk][2], score[m][2 * kk][3]);
+          a[m][2] = pack_pair<T>(score[m][2 * kk + 1][0], score[m][2 * kk + 1][1]);
+          a[m][3] = pack_pair<T>(score[m][2 * kk + 1][2], score[m][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < Config::kDimSteps; ++dp) {
-          uint32_t b[4];  // transposed: keys 16 kk + lane % 8 + 8 (lane / 8 % 2), columns 16 dp + 8 (lane / 16) ..
-          ldmatrix_x4_trans(b, value_tile + swizzle<HEAD_DIM>(16 * kk + lane % 8 + 8 * (lane / 8 % 2), 2 * dp + lane / 16));
-          mma_m16n8k16<T>(acc[2 * dp], a, b);
-          mma_m16n8k16<T>(acc[2 * dp + 1], a, b + 2);
+          // Transposed: keys 16 kk + lane % 8 + 8 (lane / 8 % 2), columns 16 dp + 8 (lane / 16) ..
+          uint32_t b[4];
+          const int key = 16 * kk + lane % 8 + 8 * (lane / 8 % 2);
+          ldmatrix_x4_trans(b, value_tile + swizzle<HEAD_DIM>(key, 2 * dp + lane / 16));
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            mma_m16n8k16<T>(acc[m][2 * dp], a[m], b);
+            mma_m16n8k16<T>(acc[m][2 * dp + 1], a[m], b + 2);
+          }
         }
       }
     }
@@ -566,31 +618,31 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 
   // Normalize, stage the warp's rows in its own rows of query_s (no other warp reads them) and store
   // them 16 bytes at a time. Every real row saw its own key, so its sum is positive.
-  float inv_total[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float total = row_sum[h] + __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
-    inv_total[h] = 1.f / total;
-  }
-#pragma unroll
-  for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+  for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      T* dst = query_s + swizzle<HEAD_DIM>(warp * 16 + g + 8 * h, dt) + 2 * t;
-      *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(acc[dt][2 * h] * inv_total[h], acc[dt][2 * h + 1] * inv_total[h]);
+      float total = row_sum[m][h] + __shfl_xor_sync(0xffffffffu, row_sum[m][h], 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float inv_total = 1.f / total;
+#pragma unroll
+      for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        T* dst = query_s + swizzle<HEAD_DIM>(warp_s0 + 16 * m + g + 8 * h, dt) + 2 * t;
+        *reinterpret_cast<uint32_t*>(dst) =
+            pack_pair<T>(acc[m][dt][2 * h] * inv_total, acc[m][dt][2 * h + 1] * inv_total);
+      }
     }
   }
   __syncwarp();
   T* out = static_cast<T*>(p.out);
-  for (int i = lane; i < 16 * kChunks; i += kWarpSize) {
+  for (int i = lane; i < Config::kWarpRows * kChunks; i += kWarpSize) {
     const int r = i / kChunks;
     const int c = i % kChunks;
     const int row = warp_row0 + r;
     if (row < num_rows) {
       const int head = kv_head * group + row % group;
       T* dst = out + (query_start + row / group) * p.out_token_stride + head * p.out_head_stride + c * 8;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(query_s + swizzle<HEAD_DIM>(warp * 16 + r, c));
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(query_s + swizzle<HEAD_DIM>(warp_s0 + r, c));
     }
   }
 }
@@ -673,7 +725,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
       constexpr int kHeadDim = decltype(head_dim_tag)::value;
       if constexpr (!std::is_same_v<T, float>) {  // float32 stays on CUDA cores: true fp32 products
         if (tensor_cores) {
-          const int64_t num_tiles = num_tokens * group / kTcRows + num_seqs;
+          const int64_t num_tiles = num_tokens * group / TcConfig<T, kHeadDim>::kRows + num_seqs;
           return launch_prefill_tc<T, kHeadDim>(p, num_tiles, stream);
         }
       }
