@@ -143,20 +143,38 @@ def run(
     force: Force = False,
     retry_errors: RetryErrors = False,
     grace: Grace = 60.0,
+    settings: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="FIELD=VALUE",
+        help="Change a job field for this run, e.g. --set sampling.max_tokens=16 (a YAML value; repeatable); "
+             "checked like the job file.")] = None,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", min=1, metavar="N",
+        help="Only the first N rows, written to OUT_DIR.limit-N beside output.dir (which is not touched).")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Validate, count the rows, estimate prompt tokens and the KV cache; generate nothing.")
+    ] = False,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
     from .job.engine import load_factory
+    from .job.overrides import Overrides
     from .job.run.runner import Runner
     from .job.shard import resolve_shard
     from .job.validate import validate_job_file
 
     with _user_errors():
         factory = load_factory(engine)
-        spec = validate_job_file(job)
+        spec = validate_job_file(job, overrides=Overrides(tuple(settings or ()), limit))
         _warn(spec.warnings)
         the_shard = resolve_shard(shard, spec.spec.shard.index, spec.spec.shard.count)
-        result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace).run()
+        if dry_run:
+            from .job.run.dry_run import dry_run as plan_run
+            from .job.run.dry_run import render
+
+            print(render(plan_run(spec, the_shard, limit)))
+            return
+        result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace,
+                        limit=limit).run()
     _exit(result.exit_code, result.signal_name)
 
 

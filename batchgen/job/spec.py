@@ -689,7 +689,7 @@ def sampling_problems(spec: Any) -> list[Problem]:
             problems.append(Problem("sampling.max_tokens", "a beam search needs max_tokens"))
     for key in spec.overrides:
         if key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
-            hint = _suggest(key, [*names, *OVERRIDE_KEYS])
+            hint = suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
     return problems
 
@@ -728,7 +728,7 @@ def _problem(err: Any) -> Problem:
     if kind == "missing":
         return Problem(_loc_text(loc), "required field is missing")
     if kind == "extra_forbidden":
-        hint = _suggest(str(loc[-1]), _field_names_at(loc[:-1]))
+        hint = suggest(str(loc[-1]), _field_names_at(loc[:-1]))
         return Problem(_loc_text(loc), f"unknown field{hint}")
     msg = err["msg"].removeprefix("Value error, ")
     msg = msg[:1].lower() + msg[1:]
@@ -739,16 +739,39 @@ def _problem(err: Any) -> Problem:
 
 
 def _field_names_at(loc: tuple[Any, ...]) -> list[str]:
-    model: Any = JobSpec
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
+    return field_names(section_at([str(part) for part in loc]))
+
+
+def section_at(path: list[str]) -> type[BaseModel] | None:
+    """The section (a pydantic model) at ``path`` in the job file's schema (``["sampling",
+    "structured_outputs"]``); None where the path leads to no section."""
+    model: type[BaseModel] | None = JobSpec
+    for part in path:
+        field = field_named(model, part) if model is not None else None
         if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
+            return None
+        model = section_type(field.annotation)
+    return model
 
 
-def _suggest(name: str, choices: list[str]) -> str:
+def field_named(model: type[BaseModel], name: str) -> Any:
+    """The field of ``model`` a job file names ``name`` (its alias where it has one), or None."""
+    return next((f for key, f in model.model_fields.items() if (f.alias or key) == name), None)
+
+
+def field_names(model: type[BaseModel] | None) -> list[str]:
+    """The names a job file gives the fields of ``model`` (aliases where they have one)."""
+    return [f.alias or key for key, f in model.model_fields.items()] if model is not None else []
+
+
+def section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section class in a field's annotation (``ScoreSpec | None`` -> ``ScoreSpec``), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((t for t in map(section_type, typing.get_args(annotation)) if t is not None), None)
+
+
+def suggest(name: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     if close:
         return f" (did you mean {close[0]!r}?)"

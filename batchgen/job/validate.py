@@ -19,6 +19,7 @@ from .adapters import adapter_dir
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
 from .inputs import InputReader, discover
+from .overrides import Overrides
 from .spec import (
     InputSpec,
     Job,
@@ -34,19 +35,30 @@ from .spec import (
 from .structured import resolve_schema_file
 
 
-def validate_job_file(path: str | Path, factory: EngineFactory | None = None) -> Job:
+def validate_job_file(path: str | Path, factory: EngineFactory | None = None,
+                      overrides: Overrides | None = None) -> Job:
     """The validated job, with warnings (e.g. optional columns seen nowhere) in ``Job.warnings``;
     raises ``JobInvalid`` listing every problem found. With an engine ``factory`` the engine also
     checks its options against the model (``batchgen validate``); without one, only the options
-    (``batchgen run``, whose engine checks the rest when it is built, before any row)."""
+    (``batchgen run``, whose engine checks the rest when it is built, before any row). ``overrides``
+    (``run --set``/``--limit``) change the job before it is checked."""
     path = Path(path)
-    return validate_job_text(read_job_text(path), path.resolve().parent, path.resolve(), factory)
+    return validate_job_text(read_job_text(path), path.resolve().parent, path.resolve(), factory, overrides)
 
 
 def validate_job_text(text: str, base_dir: Path, source: Path | None = None,
-                      factory: EngineFactory | None = None) -> Job:
+                      factory: EngineFactory | None = None, overrides: Overrides | None = None) -> Job:
     """``validate_job_file`` for a job given as YAML text (``batchgen run-batch`` builds one)."""
     raw = parse_yaml(text)
+    if overrides:
+        raw = overrides.apply(raw)
+        text = overrides.job_text(raw, source)
+    return validate_job_dict(raw, text, base_dir, source, factory)
+
+
+def validate_job_dict(raw: dict[str, Any], text: str, base_dir: Path, source: Path | None = None,
+                      factory: EngineFactory | None = None) -> Job:
+    """``validate_job_text`` for the parsed job file (``text``: what is saved beside the outputs)."""
     problems = resolve_schema_file(raw, base_dir) + spec_problems(raw)
     storage = _part(StorageOptions, raw.get("storage") or {})
     warnings: list[str] = []
@@ -208,16 +220,23 @@ def context_length(model: ModelSpec, base_dir: Path) -> int | None:
     (a model the run fetches first is checked by the run)."""
     if model.max_model_len is not None:
         return model.max_model_len
+    limit = (text_config(model, base_dir) or {}).get("max_position_embeddings")
+    return limit if isinstance(limit, int) else None
+
+
+def text_config(model: ModelSpec, base_dir: Path) -> dict[str, Any] | None:
+    """A local model's config.json (its ``text_config`` for a vision-language model), read as JSON;
+    None for a model the run fetches first, or one whose config does not read (a problem of model.path)."""
     source = model_source(model.path, base_dir, model.revision)
     if source.kind != "local":
         return None
     try:
         config = json.loads((Path(source.ref) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # reported as a problem of model.path, if it is one
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    limit = text.get("max_position_embeddings")
-    return limit if isinstance(limit, int) else None
+        return None
+    if not isinstance(config, dict):
+        return None
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def max_tokens_warning(max_tokens: int | None, limit: int | None, asked: int | None) -> str | None:

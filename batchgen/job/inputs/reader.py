@@ -78,11 +78,12 @@ class InputReader:
         self._carry_types: dict[str, pa.DataType] = {}  # formats with one: the first file's Arrow types
 
     @classmethod
-    def for_job(cls, job: Job) -> InputReader:
+    def for_job(cls, job: Job, read_only: bool = False) -> InputReader:
+        """The job's reader; ``read_only``: without the id indexes kept in the output dir (``run --dry-run``)."""
+        index_dir = None if read_only else IndexDir(job.output_dir / INDEX_DIR, job.spec.input.id_key or "")
         return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
                    model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage,
-                   base_names=job.base_model_names if job.spec.model.lora_modules else None,
-                   index_dir=IndexDir(job.output_dir / INDEX_DIR, job.spec.input.id_key or ""))
+                   base_names=job.base_model_names if job.spec.model.lora_modules else None, index_dir=index_dir)
 
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
@@ -200,8 +201,9 @@ class InputReader:
 
     # ------------------------------------------------------------------------------------- rows
 
-    def rows(self, shard: Shard | None = None, skip: Container[str] = ()) -> Iterator[Row]:
-        """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set.
+    def rows(self, shard: Shard | None = None, skip: Container[str] = (), limit: int | None = None) -> Iterator[Row]:
+        """Rows of this shard whose id is not in ``skip``, bad ones with ``error`` set; with ``limit``,
+        of the shard's first ``limit`` rows only (done or not, so a rerun takes the same rows).
 
         A row repeating the id of an earlier row is an error row under its own ``<file>:<row>``
         id, so each id is generated once, from its first row, and a rerun skips both. Ids are
@@ -210,9 +212,14 @@ class InputReader:
         """
         if self.spec.carry_columns:
             _ = self.carry_fields  # fixes the carried types before the first row
+        left = limit
         for f, b, read in self._file_batches(self._columns(), parse=True):
+            if left is not None and left <= 0:
+                break
             mine = (np.arange(len(b.ids)) if shard is None or shard.count == 1 else
                     np.flatnonzero(np.fromiter(map(shard.owns, b.owners.to_pylist()), bool, len(b.ids))))
+            if left is not None:
+                mine, left = mine[:left], left - min(left, len(mine))
             ids = b.ids.take(pa.array(mine)) if len(mine) < len(b.ids) else b.ids
             done = (skip.contains(ids, b.hashes[mine]) if isinstance(skip, DoneIds)
                     else np.fromiter((i in skip for i in ids.to_pylist()), bool, len(ids)))

@@ -103,11 +103,23 @@ class RunResult:
         return EXIT_INTERRUPTED if self.status == "interrupted" else EXIT_OK
 
 
+def shard_total(reader: InputReader, shard: Shard, limit: int | None = None) -> tuple[int | None, bool]:
+    """(rows of ``shard`` in the input, exact?) without reading the rows: a shard's share is estimated;
+    ``limit`` caps it (exactly, where the input has that many)."""
+    total, exact = reader.total_rows()
+    if total is not None and shard.count > 1:
+        total, exact = round(total / shard.count), False
+    if limit is not None and (total is None or total >= limit):
+        return limit, total is not None
+    return total, exact
+
+
 class Runner:
     def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
                  retry_errors: bool = False, grace: float = 60.0, reporter: Reporter | None = None,
-                 stop: StopFlag | None = None, lock_wait: float = 0.0):
-        """``lock_wait``: seconds to wait for the shard's lock when another run holds it."""
+                 stop: StopFlag | None = None, lock_wait: float = 0.0, limit: int | None = None):
+        """``lock_wait``: seconds to wait for the shard's lock when another run holds it. ``limit``
+        (``run --limit``): the shard's first rows only (the job's output dir is the trial one already)."""
         self.job = job
         self.shard = shard
         self.engine_factory = engine_factory
@@ -117,6 +129,7 @@ class Runner:
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
         self.lock_wait = lock_wait
+        self.limit = limit
         self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
         self._text = TextPlan()  # who decodes the outputs' text
 
@@ -151,14 +164,15 @@ class Runner:
         saved.check_saved(out_dir, job, self.force)
         rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
         saved.save(out_dir, job)
-        total, exact = reader.total_rows()
-        if total is not None and shard.count > 1:
-            total, exact = round(total / shard.count), False
+        total, exact = shard_total(reader, shard, self.limit)
+        if self.limit is not None:
+            self.reporter.message(f"--limit {self.limit:,}: the first {self.limit:,} rows of shard {shard} only, "
+                                  f"written to {out_dir} (the job's own output.dir is not touched)")
         plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact)
         if rec.retried:
             self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
                                   "their rows are generated again")
-        rows = reader.rows(shard, rec.done)
+        rows = reader.rows(shard, rec.done, self.limit)
         first = next(rows, None)
         if first is None:  # cron's common case: done before loading any model
             self.reporter.start(plan)
@@ -219,8 +233,8 @@ class Runner:
                 return
         except FileNotFoundError:
             pass
-        try:
-            merged = merge(self.job.output_dir, path)
+        try:  # a --limit run's rows are all done when it completes: the input's others are not its own
+            merged = merge(self.job.output_dir, path, partial=self.limit is not None)
         except JobError as e:
             self.reporter.message(f"output.merge_to: not written yet: {e}")
             return
