@@ -125,8 +125,11 @@ def _warn(warnings: list[str]) -> None:
         _err(f"warning: {warning}")
 
 
-def _exit(code: int, signal_name: str = "") -> None:
-    """Ends a run command with its exit code, telling how to resume after an interruption."""
+def _exit(code: int, signal_name: str = "", failure: str | None = None) -> None:
+    """Ends a run command with its exit code, telling how to resume after an interruption, or why
+    the run failed (``failure``: too many error rows)."""
+    if failure:
+        _err(f"batchgen: error: {failure}")
     if code == EXIT_INTERRUPTED:
         _err(f"batchgen: interrupted by {signal_name or 'a signal'}; finished rows are saved, "
              "run the same command again to resume")
@@ -153,6 +156,10 @@ def run(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Validate, count the rows, estimate prompt tokens and the KV cache; generate nothing.")
     ] = False,
+    max_error_rate: Annotated[float | None, typer.Option(
+        "--max-error-rate", min=0, max=1, metavar="RATE",
+        help="Exit 65 when more than this share of the shard's rows are errors, e.g. 0.05 "
+             "(default: output.max_error_rate, else never).")] = None,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
@@ -174,8 +181,8 @@ def run(
             print(render(plan_run(spec, the_shard, limit)))
             return
         result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace,
-                        limit=limit).run()
-    _exit(result.exit_code, result.signal_name)
+                        limit=limit, max_error_rate=max_error_rate).run()
+    _exit(result.exit_code, result.signal_name, result.failure)
 
 
 @_command("ray", "Run a job over a Ray cluster, one shard per worker; a rerun resumes.")
@@ -325,7 +332,7 @@ def run_batch(
         job = validate_job_text(text, out.parent.local if out.is_local else Path.cwd())
         _warn(job.warnings)
         result = Runner(job, Shard(), factory, force=force, retry_errors=retry_errors, grace=grace).run()
-    _exit(result.exit_code, result.signal_name)
+    _exit(result.exit_code, result.signal_name, result.failure)
 
 
 @_command("merge", "Join a JSONL or OpenAI batch output dir into one file, in input order.")

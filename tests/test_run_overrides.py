@@ -90,3 +90,34 @@ def test_dry_run_counts_tokens_with_the_tokenizer_and_sizes_the_kv_cache(tmp_pat
     assert "field 'id': missing id" in out
     assert "  KV cache     " in out and "a full step (4 sequences of up to" in out
     assert not (tmp_path / "out").exists()
+
+
+def _with_bad_rows(tmp_path, **job):
+    """A job of 10 rows, 2 of them with an empty prompt (error rows)."""
+    path = setup_job(tmp_path, rows=0, **job)
+    (tmp_path / "in.jsonl").write_text("".join(
+        f'{{"id": "q{i}", "prompt": "{"" if i in (3, 7) else f"question {i}"}", "topic": 1}}\n' for i in range(10)))
+    return path
+
+
+def test_max_error_rate_fails_a_run_with_too_many_error_rows(tmp_path):
+    job = _with_bad_rows(tmp_path)
+    r = run(job, "--max-error-rate", "0.1")
+    assert r.exit_code == 65, r.output
+    assert r.stderr.splitlines() == [
+        "batchgen: error: 2 of the 10 rows of shard 0/1 are errors (20.0%), more than the 10% allowed "
+        "(--max-error-rate or output.max_error_rate); the rows are saved, each with its error column"]
+    assert len({row["id"] for row in read_rows(tmp_path / "out")}) == 10
+    assert run(job, "--max-error-rate", "0.1").exit_code == 65  # nothing to do, still too many errors
+    assert run(job, "--max-error-rate", "0.2").exit_code == 0  # at most the share allowed
+    assert run(job).exit_code == 0  # opt-in: no threshold, no failure
+    assert run(job, "--max-error-rate", "1.5").exit_code == 2
+
+
+def test_output_max_error_rate_in_the_job_file(tmp_path):
+    job = _with_bad_rows(tmp_path, output={"max_error_rate": 0.05})
+    r = run(job)
+    assert r.exit_code == 65 and "more than the 5% allowed" in r.stderr
+    assert run(job, "--max-error-rate", "0.5").exit_code == 0  # the command line wins
+    bad = run(_with_bad_rows(tmp_path / "bad", output={"max_error_rate": 2}))
+    assert bad.exit_code == 1 and "output.max_error_rate: input should be less than or equal to 1" in bad.stderr

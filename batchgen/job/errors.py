@@ -11,6 +11,7 @@ from dataclasses import dataclass
 EXIT_OK = 0
 EXIT_ERROR = 1  # user mistake: bad job file, missing input, unknown model, config mismatch, ...
 EXIT_USAGE = 2  # bad command line (click's own code)
+EXIT_ERROR_RATE = 65  # done, but more of the rows are errors than output.max_error_rate / --max-error-rate allow
 EXIT_ENGINE = 70  # the engine or batchgen itself failed (EX_SOFTWARE); finished rows are saved
 EXIT_LOCKED = 73  # another run holds this shard's lock; nothing was done
 EXIT_INTERRUPTED = 75  # stopped by SIGTERM/SIGINT (EX_TEMPFAIL); rerun the same command to resume

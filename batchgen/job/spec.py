@@ -278,6 +278,7 @@ class OutputSpec(_Section):
     format: Literal["parquet", "jsonl", "openai_batch"] = "parquet"
     merge_to: str | None = None  # jsonl, openai_batch: once every row is done, one file in input order
     rows_per_part: PositiveInt = 1000
+    max_error_rate: float | None = Field(default=None, ge=0, le=1)  # a run exits 65 above this share of error rows
     fields: list[Literal[OUTPUT_FIELDS]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(DEFAULT_OUTPUT_FIELDS)
     )

@@ -158,6 +158,7 @@ def _with_adapter(row: Row, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Recovered:
     done: DoneIds = field(default_factory=DoneIds)  # ids to skip (for other shard counts, not only ours)
     done_here: int = 0  # of them, the ids this shard owns
+    errors_here: int = 0  # of those, error rows (in parts of this shard count)
     next_seq: int = 0
     parts: int = 0
     retried: int = 0  # error rows removed so that their rows are generated again
@@ -241,6 +242,7 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
             rec.parts += 1
         rec.done.add_part(None, partial(part_ids, part.path), index.hashes)
         rec.done_here += len(index) if same_count else sum(map(shard.owns, index.ids))
+        rec.errors_here += index.errors if same_count else 0
     return rec
 
 

@@ -25,7 +25,7 @@ from ... import __version__
 from ...engine.gc_pacing import fewer_collections
 from ...outputs import RequestOutput
 from ..engine import EngineFactory, build_engine
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
+from ..errors import EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
 from ..inputs import InputReader, Row, ignored_summary
 from ..inputs.rows import EMBEDDING
 from ..outputs import saved
@@ -97,10 +97,23 @@ class RunResult:
     snapshot: Snapshot
     signal_name: str = ""
     warnings: list[str] = field(default_factory=list)
+    failure: str | None = None  # more error rows than the job allows (``error_rate_failure``)
 
     @property
     def exit_code(self) -> int:
-        return EXIT_INTERRUPTED if self.status == "interrupted" else EXIT_OK
+        if self.status == "interrupted":
+            return EXIT_INTERRUPTED
+        return EXIT_ERROR_RATE if self.failure else EXIT_OK
+
+
+def error_rate_failure(errors: int, rows: int, max_rate: float | None, shard: Shard) -> str | None:
+    """Why a run fails for its error rows: more than ``max_rate`` of the shard's ``rows`` (done before
+    included) are errors; None when they are not, or no rate is set."""
+    if max_rate is None or rows == 0 or errors <= max_rate * rows:
+        return None
+    return (f"{errors:,} of the {rows:,} rows of shard {shard} are errors ({100 * errors / rows:.1f}%), more than "
+            f"the {100 * max_rate:g}% allowed (--max-error-rate or output.max_error_rate); the rows are saved, "
+            "each with its error column")
 
 
 def shard_total(reader: InputReader, shard: Shard, limit: int | None = None) -> tuple[int | None, bool]:
@@ -117,9 +130,11 @@ def shard_total(reader: InputReader, shard: Shard, limit: int | None = None) -> 
 class Runner:
     def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
                  retry_errors: bool = False, grace: float = 60.0, reporter: Reporter | None = None,
-                 stop: StopFlag | None = None, lock_wait: float = 0.0, limit: int | None = None):
+                 stop: StopFlag | None = None, lock_wait: float = 0.0, limit: int | None = None,
+                 max_error_rate: float | None = None):
         """``lock_wait``: seconds to wait for the shard's lock when another run holds it. ``limit``
-        (``run --limit``): the shard's first rows only (the job's output dir is the trial one already)."""
+        (``run --limit``): the shard's first rows only (the job's output dir is the trial one already).
+        ``max_error_rate`` (``run --max-error-rate``): instead of ``output.max_error_rate``."""
         self.job = job
         self.shard = shard
         self.engine_factory = engine_factory
@@ -130,6 +145,7 @@ class Runner:
         self.stop = stop or StopFlag()
         self.lock_wait = lock_wait
         self.limit = limit
+        self.max_error_rate = max_error_rate if max_error_rate is not None else job.spec.output.max_error_rate
         self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
         self._text = TextPlan()  # who decodes the outputs' text
 
@@ -178,7 +194,8 @@ class Runner:
             self.reporter.start(plan)
             self.reporter.idle()
             self._merge()
-            return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings)
+            return RunResult("nothing to do", plan, Snapshot(), warnings=reader.warnings,
+                             failure=self._failure(rec.errors_here, rec.done_here))
         started = time.monotonic()
         llm = build_engine(self.engine_factory, job)
         self.reporter.message(f"engine ready in {time.monotonic() - started:.1f}s")
@@ -219,7 +236,11 @@ class Runner:
                 self.reporter.message(f"warning: {w}")
         if status == "complete":
             self._merge()
-        return RunResult(status, plan, snap, self.stop.signal_name, warnings)
+        failure = self._failure(rec.errors_here + snap.errors, rec.done_here + snap.rows)
+        return RunResult(status, plan, snap, self.stop.signal_name, warnings, failure if status == "complete" else None)
+
+    def _failure(self, errors: int, rows: int) -> str | None:
+        return error_rate_failure(errors, rows, self.max_error_rate, self.shard)
 
     def _merge(self) -> None:
         """``output.merge_to``: once no row of any shard is missing, the parts as one file."""
