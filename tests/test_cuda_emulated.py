@@ -323,6 +323,7 @@ def test_prefill(lib, dtype, head_dim):
     [
         (torch.float16, 64, 16, 14, 2, [50, 30, 12], [50, 0, 12], False),  # group 7, an empty query
         (torch.float32, 128, 8, 40, 1, [20, 3], [4, 3], True),  # MQA group 40 > rows per tile
+        (torch.bfloat16, 64, 8, 40, 1, [20, 3], [4, 3], True),  # the same on tensor cores, strided query
         (torch.bfloat16, 96, 32, 4, 4, [130, 70, 1], [70, 33, 1], False),  # MHA, many key tiles
         (torch.float32, 256, 16, 2, 1, [100, 45], [64, 45], False),  # fp32 head_dim 256: 4 rows per warp
     ],
@@ -381,6 +382,24 @@ def test_prefill_unaligned_rows_take_the_cuda_core_kernel(lib):
     launch falls back to the CUDA-core kernel, still right."""
     torch.manual_seed(8)
     run_prefill(lib, torch.float16, 64, 16, 4, 2, [30, 20], [30, 7], strided_query=True, query_pad=4)
+
+
+def test_prefill_below_sm80_takes_the_cuda_core_kernel(lib, monkeypatch):
+    """The tensor-core kernel needs sm_80: on an (emulated) sm_75 the bf16 launch runs the CUDA-core kernel,
+    whose bits differ, on sm_80 and sm_90 the tensor-core one, the same bits on both."""
+    torch.manual_seed(10)
+    key_cache, value_cache, tables, keys, values = paged_sequences([70, 9], 2, 16, 64, torch.bfloat16)
+    queries = [torch.randn(n, 4, 64).to(torch.bfloat16) for n in (70, 9)]
+    outs = {}
+    for major in (7, 8, 9):
+        monkeypatch.setenv("BATCHGEN_EMU_CC_MAJOR", str(major))
+        outs[major] = _prefill_parts(lib, torch.bfloat16, (key_cache, value_cache, tables),
+                                     [(0, 0, queries[0]), (1, 0, queries[1])], 4, 0.125, 0, 0.0)
+    for out in outs.values():
+        for i, n in enumerate((70, 9)):
+            assert_close(out[i], reference(queries[i], keys[i], values[i], list(range(n)), 0.125), torch.bfloat16)
+    assert torch.equal(outs[8][0], outs[9][0]) and torch.equal(outs[8][1], outs[9][1])
+    assert not torch.equal(outs[7][0], outs[9][0])
 
 
 def _prefill_parts(lib, dtype, caches, parts, num_heads, scale, window, cap):

@@ -223,9 +223,10 @@ inline cudaError_t get_device(int* device) {
   return cudaSuccess;
 }
 
-// The emulated device is an sm_90.
+// The emulated device is an sm_90, or of the major version in $BATCHGEN_EMU_CC_MAJOR (read at each call).
 inline cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  const char* major = std::getenv("BATCHGEN_EMU_CC_MAJOR");
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? (major ? std::atoi(major) : 9) : 0;
   return cudaSuccess;
 }
 
