@@ -6,18 +6,19 @@ exit codes are listed in ``batchgen.job.errors``.
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
 from . import __version__
-from .job.errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, JobError, JobInvalid
+from .job.errors import EXIT_ENGINE, EXIT_ERROR, EXIT_INTERRUPTED, JobError, JobInvalid, Problem
 from .job.shard import parse_shard
 from .storage import Location, StorageError, is_url, location
 
@@ -83,8 +84,14 @@ Grace = Annotated[float, typer.Option(
     help="After SIGTERM/SIGINT: seconds to let the requests in flight finish (a second signal drops them).")]
 Force = Annotated[bool, typer.Option(
     "--force", help="Continue an output dir written with another job configuration.")]
+JsonFlag = Annotated[bool, typer.Option(
+    "--json", help="Print one JSON object for scripts instead (its fields: docs/cli.md).")]
 RetryErrors = Annotated[bool, typer.Option(
     "--retry-errors", help="Generate the rows recorded as errors again (after fixing the input or the job).")]
+
+
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False)
 
 
 def _err(text: str) -> None:
@@ -364,6 +371,7 @@ def validate(
     job: JobFile,
     ray: Annotated[bool, typer.Option(
         "--ray", help="Also warn when the output dir looks local to this machine (for batchgen ray).")] = False,
+    as_json: JsonFlag = False,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Check a job file, its model (without loading the weights) and its input files; list every problem."""
@@ -373,18 +381,33 @@ def validate(
 
     try:
         spec = validate_job_file(job, load_factory(engine))
-    except JobInvalid as e:
-        for p in e.problems:
-            _err(str(p))
-        _err(f"{len(e.problems)} problem{'s' if len(e.problems) != 1 else ''} in {job}")
-        raise typer.Exit(e.exit_code) from None
     except JobError as e:
-        _err(f"batchgen: error: {e}")
+        problems = e.problems if isinstance(e, JobInvalid) else [Problem("", str(e))]
+        if as_json:
+            print(_json(_validation(job, problems, [])))
+        elif isinstance(e, JobInvalid):
+            for p in e.problems:
+                _err(str(p))
+            _err(f"{len(e.problems)} problem{'s' if len(e.problems) != 1 else ''} in {job}")
+        else:
+            _err(f"batchgen: error: {e}")
         raise typer.Exit(e.exit_code) from None
     if ray and (local := node_local_warning(spec.output_dir)):
         spec.warnings.append(local)
+    if as_json:
+        print(_json(_validation(job, [], spec.warnings)))
+        return
     _warn(spec.warnings)
     print("ok")
+
+
+VALIDATE_SCHEMA = 1  # the version of ``validate --json``'s layout (docs/cli.md)
+
+
+def _validation(job: Path, problems: list[Problem], warnings: list[str]) -> dict[str, Any]:
+    """``validate --json``'s object: ok, every problem by field, every warning."""
+    return {"schema": VALIDATE_SCHEMA, "job": str(job), "ok": not problems,
+            "problems": [{"field": p.path, "message": p.message} for p in problems], "warnings": warnings}
 
 
 @_command("status", "Show rows done, errors and rows still missing, per shard.")
@@ -394,12 +417,15 @@ def status(
         help="The job's output.dir (a path or an s3:// / gs:// URL), or the job file, whose output.dir is read.")],
     no_input: Annotated[bool, typer.Option(
         "--no-input", help="Do not read the input to count missing rows.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Show rows done, errors and rows still missing, per shard."""
+    from .job.run.status import as_json as status_json
     from .job.run.status import collect, render
 
     with _user_errors():
-        print(render(collect(_status_dir(output_dir), with_input=not no_input)))
+        report = collect(_status_dir(output_dir), with_input=not no_input)
+        print(_json(status_json(report)) if as_json else render(report))
 
 
 @_command("slurm", "Write an sbatch script that runs the job as a Slurm array, one shard per task.")

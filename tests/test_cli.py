@@ -4,6 +4,7 @@ command pointing to its guide, and command-line mistakes exiting 2."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -79,3 +80,39 @@ def test_status_takes_the_job_file_too(tmp_path):
     by_dir, by_job = cli("status", tmp_path / "out"), cli("status", job)
     assert by_job.exit_code == 0 and by_job.stdout == by_dir.stdout
     assert re.search(r"^total\s+1\s+6\s+0\s+0$", by_job.stdout, re.M), by_job.stdout
+
+
+def test_status_json_for_scripts(tmp_path):
+    job = setup_job(tmp_path, rows=6)
+    assert run(job, "--shard", "0/2").exit_code == 0
+    r = cli("status", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["schema"] == 1 and report["output_dir"] == str(tmp_path / "out")
+    assert report["shard_count"] == 2 and [s["shard"] for s in report["shards"]] == ["0/2", "1/2"]
+    first, second = report["shards"]
+    assert first["state"] == "done" and first["missing"] == 0 and first["rows"] == first["input_rows"]
+    assert second["state"] == "not started" and second["rows"] == 0 and second["missing"] == second["input_rows"]
+    total = {"parts": first["parts"], "rows": first["rows"], "errors": 0, "missing": second["missing"]}
+    assert report["total"] == total
+    assert (report["duplicates"], report["input_error"], report["written_twice"]) == (0, None, 0)
+    assert json.loads(cli("status", tmp_path / "out", "--json", "--no-input").stdout)["total"]["missing"] is None
+    missing = cli("status", tmp_path / "nowhere", "--json")
+    assert missing.exit_code == 1 and missing.stdout == "" and "no such output dir" in missing.stderr
+
+
+def test_validate_json_for_scripts(tmp_path):
+    job = setup_job(tmp_path, rows=3)
+    ok = cli("validate", job, "--json", "--engine", FAKE)
+    assert ok.exit_code == 0 and json.loads(ok.stdout) == {
+        "schema": 1, "job": str(job), "ok": True, "problems": [], "warnings": []}
+    bad = setup_job(tmp_path, name="bad.yaml", sampling={"top_p": 5, "max_token": 3})
+    r = cli("validate", bad, "--json", "--engine", FAKE)
+    assert r.exit_code == 1 and r.stderr == ""
+    result = json.loads(r.stdout)
+    assert result["ok"] is False
+    assert {p["field"] for p in result["problems"]} == {"sampling.top_p", "sampling.max_token"}
+    assert any("did you mean 'max_tokens'" in p["message"] for p in result["problems"])
+    gone = cli("validate", tmp_path / "gone.yaml", "--json")
+    assert gone.exit_code == 1 and json.loads(gone.stdout)["problems"] == [
+        {"field": "", "message": f"job file not found: {tmp_path / 'gone.yaml'}"}]

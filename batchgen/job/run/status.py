@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,27 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
             report.input_error = str(e).splitlines()[0]
     report.shards = list(per.values())
     return report
+
+
+STATUS_SCHEMA = 1  # the version of ``as_json``'s layout (docs/cli.md); bumped on a change that breaks a reader
+
+
+def as_json(report: Report) -> dict[str, Any]:
+    """The report for scripts (``status --json``), in the layout docs/cli.md documents."""
+    shards = [{"shard": str(st.shard), "index": st.shard.index, "count": st.shard.count, "parts": st.parts,
+               "rows": st.rows, "errors": st.errors, "input_rows": st.input_rows, "missing": st.missing,
+               "state": st.state} for st in report.shards]
+    known = [st.missing for st in report.shards if st.missing is not None]
+    return {
+        "schema": STATUS_SCHEMA, "output_dir": str(report.out_dir), "config_hash": report.config_hash,
+        "shard_count": report.count, "shards": shards,
+        "total": {"parts": sum(s["parts"] for s in shards), "rows": sum(s["rows"] for s in shards),
+                  "errors": sum(s["errors"] for s in shards),
+                  "missing": sum(known) if len(known) == len(shards) else None},
+        "other_parts": report.other_parts, "written_twice": report.written_twice,
+        "duplicates": report.duplicates, "duplicate_examples": report.duplicate_examples,
+        "input_error": report.input_error,
+    }
 
 
 def render(report: Report) -> str:
