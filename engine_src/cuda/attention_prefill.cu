@@ -450,23 +450,12 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 
   // The warp's rows are block rows warp * kWarpRows + 16 m + (0 .. 15) for M-tile m; this lane holds rows
   // g and g + 8 of each M-tile (the MMA's C layout), their scores and outputs at columns 2t and 2t + 1
-  // of every 8-wide fragment. position -1: past the sequence's rows.
+  // of every 8-wide fragment.
   const int g = lane / 4;
   const int t = lane % 4;
   const int warp_s0 = warp * Config::kWarpRows;  // the warp's first row in query_s
   const int warp_row0 = first_row + warp_s0;
   const bool warp_has_rows = warp_row0 < num_rows;
-  int position[kM][2];
-  int first_key[kM][2];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp_row0 + 16 * m + g + 8 * h;
-      position[m][h] = row < num_rows ? context + row / group : -1;
-      first_key[m][h] = window_begin(position[m][h], p.sliding_window);
-    }
-  }
   // The warp's rows see keys warp_first_key .. warp_last_position; all of them see the keys from
   // warp_last_first_key to warp_first_position (a tile inside that range needs no mask).
   const int warp_first_position = context + warp_row0 / group;
@@ -537,18 +526,34 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
         }
       }
 
-      // Scale to base 2, soft cap, and the causal / window mask where some row does not see some key.
-      const bool masked = key0 + kKeys - 1 > warp_first_position || key0 < warp_last_first_key;
+      // Scale to base 2, soft cap, and the causal / window mask where some row does not see some key
+      // (only then: the comparisons are skipped on tiles every row of the warp sees whole).
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
 #pragma unroll
         for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            const int key = key0 + 8 * j + 2 * t + e % 2;
-            const float s = soft_capped(score[m][j][e] * p.scale_log2, p.soft_cap_log2);
-            score[m][j][e] = masked && (key > position[m][h] || key < first_key[m][h]) ? -INFINITY : s;
+          for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e] * p.scale_log2, p.soft_cap_log2);
+        }
+      }
+      if (key0 + kKeys - 1 > warp_first_position || key0 < warp_last_first_key) {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            // The row's position (-1 past the sequence's rows: it sees nothing) and its first key, worked
+            // out here rather than kept in registers across the loop.
+            const int row = warp_row0 + 16 * m + g + 8 * h;
+            const int position = row < num_rows ? context + row / group : -1;
+            const int first_key = window_begin(position, p.sliding_window);
+#pragma unroll
+            for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+              for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                const int key = key0 + 8 * j + 2 * t + e % 2;
+                if (key > position || key < first_key) score[m][j][e] = -INFINITY;
+              }
+            }
           }
         }
       }
