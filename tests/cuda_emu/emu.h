@@ -106,21 +106,28 @@ inline unsigned char* dynamic_smem() { return S().smem.data(); }
 
 inline void fail(const char* what);
 
-// Warp-collective exchange: this lane's `n` words go into its slot, the warp meets, and the result
-// points at lane 0's slot of the same phase (lane l's at + l * kExchangeWords). The two phases
-// alternate, so one barrier per exchange is enough: a lane can only overwrite a phase's slot after
-// the next exchange's barrier, which every lane reaches after reading this one.
+// Warp-collective exchange: this lane's `n` words (n < kExchangeWords) go into its slot, the warp meets,
+// and the result points at lane 0's slot of the same phase (lane l's at + l * kExchangeWords). The last
+// word of a slot names the operation (`op`): every lane must be at the same one, or the warp diverged
+// (on the GPU, undefined). The two phases alternate, so one barrier per exchange is enough: a lane can
+// only overwrite a phase's slot after the next exchange's barrier, which every lane reaches after reading
+// this one.
 constexpr int kExchangeWords = 8;
 
-inline const uint32_t* exchange(const uint32_t* words, int n) {
+inline const uint32_t* exchange(const uint32_t* words, int n, uint32_t op) {
   auto& s = S();
   const int t = linear_tid();
   const int phase = s.cur->exchange_phase;
   s.cur->exchange_phase ^= 1;
   const size_t warp0 = static_cast<size_t>(t & ~31);
   uint32_t* base = s.exchange.data() + (static_cast<size_t>(phase) * s.threads.size() + warp0) * kExchangeWords;
-  std::memcpy(base + (t & 31) * kExchangeWords, words, n * sizeof(uint32_t));
+  uint32_t* mine = base + (t & 31) * kExchangeWords;
+  std::memcpy(mine, words, n * sizeof(uint32_t));
+  mine[kExchangeWords - 1] = op;
   syncwarp();
+  for (int l = 0; l < 32; ++l) {
+    if (base[l * kExchangeWords + kExchangeWords - 1] != op) fail("a warp's lanes at different collective operations");
+  }
   return base;
 }
 
@@ -150,7 +157,7 @@ inline uint16_t element(const uint32_t* slots, int lane, int reg, int half) {
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: c += a b (layouts in engine_src/cuda/mma.cuh).
 inline void mma_m16n8k16(bool bf16, float c[4], const uint32_t a[4], const uint32_t b[2]) {
   const uint32_t words[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  const uint32_t* slots = exchange(words, 6);
+  const uint32_t* slots = exchange(words, 6, bf16 ? 2 : 1);
   const int lane = linear_tid() & 31;
   const int g = lane >> 2, t = lane & 3;
   for (int i = 0; i < 4; ++i) {
@@ -175,7 +182,7 @@ inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
   if (!in_smem(row, 16)) fail("ldmatrix row address outside dynamic shared memory");
   uint32_t words[4];
   std::memcpy(words, row, 16);
-  const uint32_t* slots = exchange(words, 4);
+  const uint32_t* slots = exchange(words, 4, trans ? 4 : 3);
   const int lane = linear_tid() & 31;
   for (int i = 0; i < 4; ++i) {
     if (!trans) {  // row lane / 4 of matrix i, elements 2 (lane % 4) and the next: one word
