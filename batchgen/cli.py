@@ -376,11 +376,12 @@ def validate(
 ) -> None:
     """Check a job file, its model (without loading the weights) and its input files; list every problem."""
     from .job.engine import load_factory
-    from .job.validate import validate_job_file
+    from .job.validate import check_rows, validate_job_file
     from .storage.mounts import node_local_warning
 
     try:
         spec = validate_job_file(job, load_factory(engine))
+        check_rows(spec)
     except JobError as e:
         problems = e.problems if isinstance(e, JobInvalid) else [Problem("", str(e))]
         if as_json:

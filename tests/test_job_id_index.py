@@ -165,7 +165,7 @@ def test_a_rerun_reads_no_input_row_and_no_id_list(tmp_path, monkeypatch):
         rerun = run(job)
         assert rerun.exit_code == 0 and "nothing to do" in rerun.output, rerun.output
         status = cli("status", tmp_path / "out")
-        assert status.exit_code == 0 and "1 input rows repeat" in status.output, status.output
+        assert status.exit_code == 0 and "1 input row repeats" in status.output, status.output
     assert outputs_by_key(tmp_path / "out") == expected
     write_jsonl(tmp_path / "in.jsonl", prompts(3, start=30), mode="a")  # the file changed: read again
     assert run(job).exit_code == 0

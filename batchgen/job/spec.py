@@ -522,10 +522,28 @@ def read_job_text(path: str | Path) -> str:
         raise JobError(f"cannot read job file {path}: {e}") from None
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping (where PyYAML keeps the last
+    silently): ``sampling: {max_tokens: 0, max_tokens: 8}`` is a mistake, not a choice of 8."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[tuple[str, str], yaml.Node] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            seen = first.setdefault((key_node.tag, key_node.value), key_node)
+            if seen is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key_node.value!r} (first at line {seen.start_mark.line + 1}); "
+                                "give each key once", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def parse_yaml(text: str) -> dict[str, Any]:
-    """The job file as a dict; YAML errors become one problem with line and column."""
+    """The job file as a dict; YAML errors (a key given twice among them) become one problem with line
+    and column."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader: no Python objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

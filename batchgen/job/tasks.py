@@ -45,6 +45,13 @@ class EmbedSpec(BaseModel):
 TASK_SECTIONS: dict[str, type[BaseModel]] = {"score": ScoreSpec, "embed": EmbedSpec}
 
 
+def dimensions_problem(dimensions: int | None, hidden: int | None) -> str | None:
+    """Why ``embed.dimensions`` cannot be served by a model of ``hidden`` dimensions (None: it can, or unknown)."""
+    if dimensions is None or hidden is None or dimensions <= hidden:
+        return None
+    return f"{dimensions} is more than the model's hidden size ({hidden})"
+
+
 def task_options(task: str, section: BaseModel | None) -> dict[str, Any]:
     """The task's options with their defaults filled in (what the config hash covers)."""
     cls = TASK_SECTIONS.get(task)

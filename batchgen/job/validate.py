@@ -4,6 +4,7 @@ checked on its own so one broken section does not hide the problems of another."
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,9 @@ from .adapters import adapter_dir
 from .engine import EngineFactory, config_checker
 from .errors import JobError, JobInvalid, Problem
 from .inputs import InputReader, discover
+from .inputs.jsonl import INFER_LINES
+from .inputs.reader import repeated_ids
+from .inputs.values import CHAT_AS_PROMPT
 from .overrides import Overrides
 from .spec import (
     InputSpec,
@@ -33,6 +37,7 @@ from .spec import (
     spec_problems,
 )
 from .structured import resolve_schema_file
+from .tasks import EmbedSpec, dimensions_problem
 
 
 def validate_job_file(path: str | Path, factory: EngineFactory | None = None,
@@ -67,6 +72,7 @@ def validate_job_dict(raw: dict[str, Any], text: str, base_dir: Path, source: Pa
     if model is not None:
         problems += model_problems(model, base_dir, factory, storage, warnings)
         problems += adapter_problems(model, base_dir, storage, warnings)
+        problems += embed_problems(raw, model, base_dir)
         if sampling is not None and (w := max_tokens_warning(sampling.max_tokens, context_length(model, base_dir),
                                                              model.max_model_len)):
             warnings.append(w)
@@ -277,6 +283,50 @@ def input_problems(inp: InputSpec, base_dir: Path, overrides: dict[str, str], ex
     if warnings is not None:
         warnings += reader.warnings
     return problems
+
+
+def check_rows(job: Job) -> None:
+    """``batchgen validate``'s reading of the rows themselves (a run reads none before it starts, and a
+    rerun none at all): a chat column read as prompts is refused (``JobInvalid``), repeated ids are a
+    warning added to ``job.warnings``."""
+    if problems := chat_prompt_problems(InputReader.for_job(job, read_only=True)):
+        raise JobInvalid(problems)
+    if repeated := duplicate_ids_warning(job):
+        job.warnings.append(repeated)
+
+
+def chat_prompt_problems(reader: InputReader) -> list[Problem]:
+    """A prompt column holding chat messages, seen in the first rows: every row would be an error row."""
+    column = reader.spec.prompt_column
+    if column is None or reader.spec.format == "openai_batch":
+        return []
+    for row in itertools.islice(reader.rows(), INFER_LINES):
+        if row.error and CHAT_AS_PROMPT in row.error:
+            return [Problem("input.prompt_column", f"column {column!r} holds chat messages ({row.where}); "
+                                                   f"set input.messages_column: {column} instead")]
+    return []
+
+
+def duplicate_ids_warning(job: Job) -> str | None:
+    """The input rows repeating an earlier row's id (``batchgen validate``; ``status`` says the same), or
+    None. Reads every id: the id column alone where the format allows."""
+    if job.spec.input.id_key is None:
+        return None
+    count, examples = 0, []
+    for batch in InputReader.for_job(job, read_only=True).id_batches():
+        count += len(batch.duplicates)
+        examples += list(batch.duplicates.values())[:1 - len(examples)]
+    return f"input.id_column: {repeated_ids(count)} (the first: {examples[0]})" if count else None
+
+
+def embed_problems(raw: dict[str, Any], model: ModelSpec | None, base_dir: Path) -> list[Problem]:
+    """``embed.dimensions`` beyond the hidden size in a local model's config.json."""
+    embed = _part(EmbedSpec, raw.get("embed")) if raw.get("task") == "embed" else None
+    if embed is None or model is None:
+        return []
+    hidden = (text_config(model, base_dir) or {}).get("hidden_size")
+    why = dimensions_problem(embed.dimensions, hidden if isinstance(hidden, int) else None)
+    return [Problem("embed.dimensions", f"{why} (its config.json)")] if why else []
 
 
 _SECTIONS = ["", "model", "input", "sampling", "output", "shard", "storage"]

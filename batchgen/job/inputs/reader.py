@@ -36,6 +36,7 @@ from .parquet import ParquetSource
 from .rows import CHAT, COMPLETION, EMBEDDING, BadValue, InputFile, InputId, Record, Row, Source
 from .seen import FirstSeen, row_key
 from .values import (
+    chat_as_prompt,
     check_carried,
     check_inputs,
     check_messages,
@@ -391,6 +392,8 @@ class InputReader:
         chat = row.endpoint == CHAT
         error = check_messages(value) if chat else check_inputs(value) if row.endpoint == EMBEDDING else \
             check_prompt(value)
+        if error and request is None and not chat:
+            error = chat_as_prompt(value, s.source_column) or error
         if error:
             return f"field {row.prompt_field!r}: {error}"
         if s.completion_column:
@@ -424,6 +427,13 @@ class InputReader:
                 return f"field {col!r}: {error}"
             row.carry[col] = v
         return None
+
+
+def repeated_ids(count: int) -> str:
+    """What ``count`` input rows repeating an earlier row's id come to (``validate`` and ``status`` say it)."""
+    rows = "1 input row repeats" if count == 1 else f"{count:,} input rows repeat"
+    return (f"{rows} the id of an earlier row; only the first row of an id is generated, the others are "
+            "error rows")
 
 
 def _chunks(positions: np.ndarray, first: int = 16) -> Iterator[np.ndarray]:

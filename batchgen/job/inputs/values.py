@@ -49,6 +49,16 @@ def check_prompt(v: Any, what: str = "prompt") -> str | None:
     return f"expected a string or a non-empty list of token ids, got {type_name(v)}"
 
 
+CHAT_AS_PROMPT = "chat messages in input.prompt_column"
+
+
+def chat_as_prompt(v: Any, column: str) -> str | None:
+    """The hint for a prompt column holding chat messages (a list of objects with a role), or None."""
+    if not (isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m for m in v)):
+        return None
+    return f"{CHAT_AS_PROMPT}; read this column with input.messages_column: {column} instead"
+
+
 def check_messages(v: Any) -> str | None:
     if v is None:
         return "missing or null"

@@ -15,6 +15,7 @@ import pyarrow as pa
 from ...outputs import CompletionScore, PoolingRequestOutput
 from ..errors import JobError
 from ..inputs import Row
+from ..tasks import dimensions_problem
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ def task_shape(task: str, llm: Any, token_logprobs: bool = False, pooling: str |
         return TaskShape(task, labels=tuple(labels))
     if task == "embed":
         hidden = getattr(llm, "hidden_size", None)
-        if dimensions is not None and hidden is not None and dimensions > hidden:
-            raise JobError(f"embed.dimensions: {dimensions} is more than the model's hidden size ({hidden})")
+        if why := dimensions_problem(dimensions, hidden):
+            raise JobError(f"embed.dimensions: {why}")
         own = getattr(llm, "pooling_config", None)
         if pooling is None and own is not None and own.problem:
             raise JobError(f"embed.pooling: the model's own cannot be followed: {own.problem}; "

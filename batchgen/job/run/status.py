@@ -17,6 +17,7 @@ from ...storage import Location, location
 from ...storage.locks import lock_states
 from ..ids import DoneIds
 from ..inputs import InputReader
+from ..inputs.reader import repeated_ids
 from ..outputs.saved import load_saved_job, read_saved
 from ..outputs.writer import list_parts, part_ids, summarize
 from ..shard import Shard, shard_of
@@ -150,8 +151,7 @@ def render(report: Report) -> str:
         lines.append(f"note: {report.other_parts} parts were written with another shard count "
                      "(their rows count as done)")
     if report.duplicates:
-        lines.append(f"warning: {report.duplicates:,} input rows repeat the id of an earlier row; only the "
-                     "first row of an id is generated, the others are error rows:")
+        lines.append(f"warning: {repeated_ids(report.duplicates)}:")
         lines += [f"  {d}" for d in report.duplicate_examples]
         if report.duplicates > len(report.duplicate_examples):
             lines.append(f"  ... and {report.duplicates - len(report.duplicate_examples):,} more")
