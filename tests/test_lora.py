@@ -127,8 +127,8 @@ def test_lora_rows_do_not_depend_on_their_segment(dtype, kernel):
     """A row's low-rank term is the same alone, in a segment of 37 rows, or beside other adapters' rows; with
     per-segment GEMMs, or with a float32 StackedLoRA and the segmented kernel (what LoRALinear does on CUDA)."""
     from batchgen.layers.linear import Linear
-    from batchgen.lora.checkpoint import Adapter, LoRAWeights
-    from batchgen.lora.layers import LoRABatch, LoRALinear, LoRATarget, Segment, StackedLoRA
+    from batchgen.layers.lora import LoRABatch, LoRALinear, LoRATarget, LoRAWeights, Segment, StackedLoRA
+    from batchgen.lora.checkpoint import Adapter
 
     gen = torch.Generator().manual_seed(0)
     target = LoRATarget(0, 96, {"q_proj": (0, 64), "v_proj": (64, 32), "qkv_proj": (0, 96)})
@@ -163,8 +163,8 @@ def test_lora_rows_do_not_depend_on_their_segment(dtype, kernel):
 def test_stacked_lora_slots_hold_each_pieces_pair(dtype):
     """StackedLoRA's slots, float32 or (in a bf16 model) bf16 pairs for the bf16 dot product, hold each q/k/v
     piece's part of the adapter's pair, zero-padded; loading None empties a slot."""
-    from batchgen.lora.checkpoint import Adapter, LoRAWeights
-    from batchgen.lora.layers import LoRATarget, StackedLoRA, adapter_pair
+    from batchgen.layers.lora import LoRATarget, LoRAWeights, StackedLoRA, adapter_pair
+    from batchgen.lora.checkpoint import Adapter
     from batchgen.ops.reference import unpack_lora_bf16
 
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata
-from batchgen.lora.layers import Segment
+from batchgen.layers.lora import Segment
 from batchgen.lora.manager import LoRAManager
 
 

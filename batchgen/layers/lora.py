@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -27,8 +27,24 @@ from torch import nn
 from batchgen import ops
 from batchgen.layers.linear import PackedLinear, can_pack, linear
 
-if TYPE_CHECKING:
-    from batchgen.lora.checkpoint import Adapter
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One projection's low-rank pair: its delta is x A^T B^T, the adapter's scaling folded into B."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+class AdapterWeights(Protocol):
+    """What the layers read of an adapter: its pairs (batchgen/lora/checkpoint.py's `Adapter` is one, read from
+    a PEFT directory)."""
+
+    modules: dict[tuple[int, str], LoRAWeights]  # (layer, checkpoint module name, e.g. "q_proj") -> weights
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,7 @@ class SlotWeights:
     expand: Callable[[torch.Tensor], torch.Tensor]  # -> [n, out]: block-diagonal over the parts
 
 
-def adapter_pair(adapter: Adapter | None, target: LoRATarget, rows: tuple[int, int] | None = None
+def adapter_pair(adapter: AdapterWeights | None, target: LoRATarget, rows: tuple[int, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`adapter`'s low-rank pair on `target`'s output rows `rows` ((first, count); all by default) as one (A
     [ranks, in], B [count, ranks]): the A of the parts reaching into those rows stacked, their B block-diagonal
@@ -132,7 +148,7 @@ class LoRALinear(nn.Module):
         self.base, self.target, self.batch, self.stacked = base, target, batch, stacked
         self.slots: list[SlotWeights | None] = [None] * num_slots
 
-    def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
+    def load(self, slot: int, adapter: AdapterWeights | None, device: torch.device) -> None:
         """Puts `adapter`'s pairs for this projection into `slot` (None empties it)."""
         if self.stacked is not None:
             self.stacked.load(slot, adapter, device)
@@ -187,7 +203,7 @@ class StackedLoRA:
         padding = (0, 0, 0, self.capacity - a.shape[1])
         return torch.nn.functional.pad(a.float(), padding), torch.nn.functional.pad(b_t.float(), padding)
 
-    def load(self, slot: int, adapter: Adapter | None, device: torch.device) -> None:
+    def load(self, slot: int, adapter: AdapterWeights | None, device: torch.device) -> None:
         """Puts `adapter`'s pairs for this projection into `slot` (None empties it), on the weights' device."""
         for piece, (a, b_t, ranks) in zip(self.pieces, self.weights, strict=True):
             pair = adapter_pair(adapter, self.target, piece)

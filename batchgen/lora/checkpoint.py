@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from batchgen.errors import first_line
+from batchgen.layers.lora import LoRAWeights
 from batchgen.lora.request import LoRARequest
-from batchgen.models.loader import first_line
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -26,18 +27,6 @@ _HEAD_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
 class AdapterError(ValueError):
     """An adapter batchgen cannot apply; its message is one line naming the adapter."""
-
-
-@dataclass(frozen=True)
-class LoRAWeights:
-    """One projection's low-rank pair: its delta is x A^T B^T, the adapter's scaling folded into B."""
-
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank]
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from batchgen.layers.lora import LoRABatch, LoRALinear, StackedLoRA
 from batchgen.lora.checkpoint import Adapter, AdapterError, load_adapter
-from batchgen.lora.layers import LoRABatch, LoRALinear, StackedLoRA
 from batchgen.lora.request import LoRARequest
 
 

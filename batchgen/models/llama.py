@@ -31,8 +31,8 @@ from batchgen.layers.linear import (
     quantize_linears,
     uses_gemm_panels,
 )
+from batchgen.layers.lora import LoRABatch, LoRATarget, StackedLoRA
 from batchgen.layers.rotary import Rope, RotaryEmbedding, rotate
-from batchgen.lora.layers import LoRABatch, LoRATarget, StackedLoRA
 
 
 @dataclass

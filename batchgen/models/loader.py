@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.errors import first_line
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.architectures import (
     NATIVE_ARCHITECTURES,
@@ -68,12 +69,6 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"cannot load the tokenizer of {str(model_dir)!r}: {first_line(e)}") from None
-
-
-def first_line(error: Exception) -> str:
-    """An error's first line (transformers' messages run to many), or its type when empty."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from batchgen.errors import first_line
 from batchgen.storage import StorageOptions, is_url, location
 from batchgen.storage.model_cache import Log, ModelCache, stderr_log
 
@@ -180,7 +181,7 @@ def cached_hub_snapshot(repo_id: str, revision: str | None = None) -> Path | Non
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(), local_files_only=True,
                                       allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
     except HFValidationError as e:
-        raise ModelNotFound(f"{repo_id}: not a local path, nor a valid Hugging Face id ({_first_line(e)})") from None
+        raise ModelNotFound(f"{repo_id}: not a local path, nor a valid Hugging Face id ({first_line(e)})") from None
     except LocalEntryNotFoundError:
         pass
     if hub_offline():
@@ -220,13 +221,13 @@ def hub_snapshot(repo_id: str, revision: str | None = None, log: Log = stderr_lo
                                  ignore_patterns=HUB_SKIP, tqdm_class=None if sys.stderr.isatty() else _log_bar(
                                      f"model {repo_id}", log))
     except HFValidationError as e:
-        raise ModelNotFound(f"{repo_id}: not a local path, nor a valid Hugging Face id ({_first_line(e)})") from None
+        raise ModelNotFound(f"{repo_id}: not a local path, nor a valid Hugging Face id ({first_line(e)})") from None
     except LocalEntryNotFoundError as e:  # the Hub cannot be reached and the cache does not have it
         raise ModelNotFound(_unreachable(repo_id, revision, e.__cause__ or e)) from None
     except HfHubHTTPError as e:
         raise ModelNotFound(_hub_error(repo_id, revision, e)) from None
     except OSError as e:
-        raise ModelNotFound(f"{repo_id}: cannot download it into {hub_cache_dir()}: {_first_line(e)}") from None
+        raise ModelNotFound(f"{repo_id}: cannot download it into {hub_cache_dir()}: {first_line(e)}") from None
     log(f"model {repo_id}: snapshot at {path}")
     return Path(path)
 
@@ -241,18 +242,13 @@ def _hub_error(repo_id: str, revision: str | None, e: Exception) -> str:
                 "(a private one needs HF_TOKEN)")
     if isinstance(e, RevisionNotFoundError):
         return f"{repo_id}: the Hugging Face Hub has no revision {revision!r} of it"
-    return f"{repo_id}: the Hugging Face Hub refused it ({_first_line(e)}); check HF_TOKEN"
+    return f"{repo_id}: the Hugging Face Hub refused it ({first_line(e)}); check HF_TOKEN"
 
 
 def _unreachable(repo_id: str, revision: str | None, e: BaseException) -> str:
     return (f"{repo_id}: no local directory of that name, not in the Hugging Face cache ({hub_cache_dir()}), "
             "and the Hub cannot be reached "
-            f"({type(e).__name__}: {_first_line(e)}); {_fetch_hint(repo_id, revision)}")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+            f"({type(e).__name__}: {first_line(e)}); {_fetch_hint(repo_id, revision)}")
 
 
 def _log_bar(label: str, log: Log) -> type:

@@ -28,7 +28,7 @@ from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
 from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, linear, pack_linears
-from batchgen.lora.layers import LoRATarget
+from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
     ADAPTED_MODEL_TYPES,
     architecture,
