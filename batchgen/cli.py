@@ -26,7 +26,7 @@ from .storage import Location, StorageError, is_url, location
 # "\b" of click keeps a link on one line however narrow the terminal.
 GUIDES = {
     "run": "docs/cli.md", "ray": "docs/ray.md", "run-batch": "docs/openai-batch.md", "merge": "docs/cli.md",
-    "validate": "docs/job-file.md", "status": "docs/cli.md", "slurm": "docs/recipes.md",
+    "validate": "docs/job-file.md", "status": "docs/cli.md", "slurm": "docs/recipes.md", "eval": "docs/evaluation.md",
 }
 
 app = typer.Typer(
@@ -507,6 +507,21 @@ def spread_lora_modules(args: list[str]) -> list[str]:
             values += 1
         out.append(arg)
     return out
+
+
+@app.command("eval", cls=_Command, short_help="Run lm-evaluation-harness on batchgen (lm-eval's own options).",
+             epilog=f"\b\nGuide: {GUIDES['eval']}", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def evaluate(ctx: typer.Context) -> None:
+    """lm-eval's command line with `--model batchgen` unless another --model is given, e.g.
+    `batchgen eval --model_args pretrained=PATH,dtype=bfloat16 --tasks hellaswag --output_path out/`;
+    every option is lm-eval's (`batchgen eval --help` lists them). Needs `pip install lm-eval`."""
+    try:
+        from .integrations.lm_eval import run_cli
+    except ImportError as e:
+        _err(f"batchgen: error: batchgen eval needs lm-evaluation-harness: pip install 'lm-eval>=0.4.13' ({e})")
+        raise typer.Exit(EXIT_ERROR) from None
+    raise typer.Exit(run_cli(list(ctx.args)))
 
 
 def main() -> None:

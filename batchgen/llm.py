@@ -41,7 +41,8 @@ class LLM:
     batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention),
     enable_lora, max_loras, max_lora_rank, max_cpu_loras (LoRA adapters: every batch call takes `lora_request=`,
     one `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
-    quantization ("int8": the layers' projections on int8 compute, CPU and native models only; docs/int8.md).
+    quantization ("int8": the layers' projections on int8 compute, CPU and native models only; docs/int8.md),
+    enforce_eager (CUDA: decode steps run op by op instead of as CUDA graphs captured per batch size; docs/gpu.md).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,
@@ -72,6 +73,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's name for `tokenizer`); None with skip_tokenizer_init."""
         return self.engine.tokenizer
 
     @property

@@ -317,7 +317,8 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("python", "lora"),  # docs/lora.md, run by tests/test_lora.py and tests/test_lora_jobs.py
             ("lora-job", None), ("lora-run-batch", None), ("python", "lora-readme"),
             ("python", "int8"),  # docs/int8.md, run by tests/test_int8_engine.py
-            ("python", "int8-checkpoint")}  # docs/int8.md, run by tests/test_int8_checkpoint.py
+            ("python", "int8-checkpoint"),  # docs/int8.md, run by tests/test_int8_checkpoint.py
+            ("eval", None), ("python", "lm-eval")}  # docs/evaluation.md, run by tests/test_lm_eval.py
 
 
 def test_every_fenced_block_is_run_checked_or_excluded_by_name():
