@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen import ops
+from batchgen.engine.flat_batch import flat_batch
 from batchgen.layers.attention import AttentionMetadata
 from batchgen.layers.lora import Segment
 from batchgen.lora.manager import LoRAManager
@@ -82,23 +84,17 @@ class ModelRunner:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             ops.copy_blocks([k for k, _ in self.device_caches], [v for _, v in self.device_caches], mapping)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.int32, device=self.device)
-
     def _group_ids(self, groups: list[int]) -> torch.Tensor | None:
         """Small ids of the decodes' requests (the scheduler keeps a request's samples side by
         side), or None when no request decodes more than one sample."""
+        if len(set(groups)) == len(groups):
+            return None
         ids: dict[int, int] = {}
         numbered = [ids.setdefault(g, len(ids)) for g in groups]
-        if len(ids) == len(groups):
-            return None
         return torch.tensor(numbered, dtype=torch.int32, device=self.device)
 
-    def _slots(self, block_table: list[int], start: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
+    def _tensor(self, array: np.ndarray | None) -> torch.Tensor | None:
+        return None if array is None else torch.from_numpy(array).to(self.device)
 
     def prepare(self, scheduled, lora_slots: dict[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -112,43 +108,21 @@ class ModelRunner:
                                                                  adapter_slot.get(scheduled[i].seq.lora_id, -1)))
         else:  # no adapter in this step: no per-row slot lookup on the engine's hot path
             order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        first_row = [0] * len(scheduled)
-        decode_tables, decode_lens, decode_groups, prefill_tables, prefill_lens, query_starts = [], [], [], [], [], [0]
-        for i in order:
-            s = scheduled[i]
-            seq, start, n = s.seq, s.start, s.num_new_tokens
-            first_row[i] = len(input_ids)
-            input_ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
-            slots += self._slots(seq.block_table, start, n)
-            if n == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(start + 1)
-                decode_groups.append(id(s.group))
-            else:
-                prefill_tables.append(seq.block_table)
-                prefill_lens.append(start + n)
-                query_starts.append(query_starts[-1] + n)
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
+        rows = [scheduled[i] for i in order]
+        batch = flat_batch(rows, self.block_size)
+        first_row = np.empty(len(scheduled), dtype=np.int64)
+        first_row[order] = batch.first_row
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=self._block_tables(decode_tables) if decode_tables else None,
-            decode_seq_lens=ints(decode_lens) if decode_lens else None,
-            decode_seq_groups=self._group_ids(decode_groups),
-            prefill_block_tables=self._block_tables(prefill_tables) if prefill_tables else None,
-            prefill_seq_lens=ints(prefill_lens) if prefill_lens else None,
-            prefill_query_start_loc=ints(query_starts) if prefill_tables else None,
+            slot_mapping=self._tensor(batch.slot_mapping),
+            num_decode_tokens=batch.num_decodes,
+            decode_block_tables=self._tensor(batch.decode_tables),
+            decode_seq_lens=self._tensor(batch.decode_lens),
+            decode_seq_groups=self._group_ids([id(s.group) for s in rows[:batch.num_decodes]]),
+            prefill_block_tables=self._tensor(batch.prefill_tables),
+            prefill_seq_lens=self._tensor(batch.prefill_lens),
+            prefill_query_start_loc=self._tensor(batch.query_starts),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, meta, first_row
+        return self._tensor(batch.input_ids), self._tensor(batch.positions), meta, first_row.tolist()
 
     @torch.inference_mode()
     def execute(self, out) -> StepOutput:
@@ -164,7 +138,11 @@ class ModelRunner:
             self.lora.batch.segments = lora_segments(out.scheduled, first_row, out.lora_slots)
         hidden = self.model(ids, pos, meta)
         rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decode)
+            picked = hidden
+        else:
+            picked = hidden[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device)] if rows else None
+        logits = self.model.compute_logits(picked) if rows else None
         return StepOutput(logits, hidden, first_row)
 
 
