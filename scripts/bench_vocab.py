@@ -79,9 +79,9 @@ def sampler_rows(rows: int, vocab: int, params: SamplingParams, outputs: int, al
     for r in range(rows):
         tokens = torch.randint(vocab, (64 + outputs,), generator=gen).tolist()
         mask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), generator=gen, dtype=torch.int32)
-        result.append(SamplingRow(params, seed=r, sample_index=0, prompt_token_ids=tokens[:64],
-                                  output_token_ids=tokens[64:], banned_token_ids=[],
-                                  allowed=mask if allowed else None))
+        result.append(SamplingRow.of(params, seed=r, sample_index=0, prompt_token_ids=tokens[:64],
+                                     output_token_ids=tokens[64:], banned_token_ids=[],
+                                     allowed=mask if allowed else None))
     return result
 
 

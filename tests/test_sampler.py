@@ -10,7 +10,7 @@ from batchgen.sampling_params import SamplingParams
 
 
 def row(params: SamplingParams, seed: int = 0, index: int = 0, outputs=(), prompt=(1, 2), banned=()) -> SamplingRow:
-    return SamplingRow(params, seed, index, list(prompt), list(outputs), list(banned))
+    return SamplingRow.of(params, seed, index, list(prompt), list(outputs), list(banned))
 
 
 def test_greedy_is_argmax():

@@ -197,7 +197,7 @@ def test_a_chunk_of_every_kind_samples_each_row_as_alone():
 
 
 def row(params: SamplingParams, outputs=(), prompt=(1, 2), seed: int = 0) -> SamplingRow:
-    return SamplingRow(params, seed, 0, list(prompt), list(outputs), [])
+    return SamplingRow.of(params, seed, 0, list(prompt), list(outputs), [])
 
 
 def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -87,9 +87,9 @@ def test_sampler_masks_exactly_the_constrained_rows(dtype):
     constrained = [i % 2 == 0 for i in range(rows_n)]
 
     def rows(with_masks: bool) -> list[SamplingRow]:
-        return [SamplingRow(params[i], seed=10 + i, sample_index=0, prompt_token_ids=[1, 2], output_token_ids=[3, i],
-                            banned_token_ids=[5] if i % 6 == 0 else [],
-                            allowed=bitmask[i] if with_masks and constrained[i] else None) for i in range(rows_n)]
+        return [SamplingRow.of(params[i], seed=10 + i, sample_index=0, prompt_token_ids=[1, 2],
+                               output_token_ids=[3, i], banned_token_ids=[5] if i % 6 == 0 else [],
+                               allowed=bitmask[i] if with_masks and constrained[i] else None) for i in range(rows_n)]
 
     ours = sample(logits, rows(True)).token_ids
     masked = logits.float().clone()

@@ -29,7 +29,7 @@ from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling
 from batchgen.engine.preflight import plan_model, too_few_blocks
 from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs
 from batchgen.engine.prompts import EncodedPrompt, Prompt, PromptEncoder
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.layers.sampler import SamplingRow, mix_seed, sample
@@ -318,11 +318,13 @@ class LLMEngine:
         self._blamed_in_a_row = 0
         self.scheduler.on_step_done(out)
         now = time.time()
+        sampled: list[ScheduledSeq] = []
         for s in out.scheduled:
-            if s.group.prefill_only and s.end == len(s.seq):
+            if s.samples:
+                sampled.append(s)
+            elif s.group.prefill_only and s.end == len(s.seq):
                 self._requests[s.group.request_id].metrics.first_scheduled_time = now
                 self.scheduler.finish_seq(s.seq, "stop")
-        sampled = [s for s in out.scheduled if s.samples]
         rows: list[SamplingRow] = []
         targets: list[tuple[_Request, Sequence]] = []
         row_of_logits: list[int] = []
@@ -349,11 +351,14 @@ class LLMEngine:
             if len(row_of_logits) != len(sampled):
                 logits = logits[torch.tensor(row_of_logits, device=logits.device)]
             result = sample(logits, rows)
-            for r, (req, seq) in enumerate(targets):
-                self._append(req, seq, result.token_ids[r], result.logprobs[r], result.top_logprobs[r], now)
+            for (req, seq), token, logprob, top in zip(targets, result.token_ids, result.logprobs,
+                                                       result.top_logprobs, strict=True):
+                self._append(req, seq, token, logprob, top, now)
         for req in {req.group.request_id: req for req, _, _ in beam_rows}.values():
             self._beam_step(req, beam_logprobs, now)
-        for request_id in dict.fromkeys(s.group.request_id for s in out.scheduled if s.group.is_finished()):
+        # A group is finished only when every sequence it scheduled is: the cheap test first.
+        done = (s.group.request_id for s in out.scheduled if s.seq.is_finished() and s.group.is_finished())
+        for request_id in dict.fromkeys(done):
             finished.append(self._finish_request(request_id))
         return finished
 
@@ -437,15 +442,11 @@ class LLMEngine:
         self.scheduler.add(req.group)
 
     def _sampling_row(self, req: _Request, seq: Sequence) -> SamplingRow:
-        outputs = seq.output_token_ids
-        banned = self.stopper.banned_tokens(req.params, len(outputs))
+        params, outputs = req.params, len(seq.token_ids) - seq.num_prompt_tokens
+        banned = self.stopper.banned_tokens(params, outputs) if outputs < params.min_tokens else []
         if req.grammar is not None:  # the grammar says when a constrained output may end
             banned = [t for t in banned if t not in self.stopper.eos_token_ids]
-        return SamplingRow(
-            params=req.params, seed=req.seed, sample_index=seq.sample_index,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], output_token_ids=outputs,
-            banned_token_ids=banned,
-        )
+        return SamplingRow(params, req.seed, seq.sample_index, seq.token_ids, seq.num_prompt_tokens, banned)
 
     @staticmethod
     def _beam_logprobs(logits: torch.Tensor | None,
@@ -495,7 +496,7 @@ class LLMEngine:
 
     def _append(self, req: _Request, seq: Sequence, token: int, logprob: float,
                 top: dict[int, float] | None, now: float) -> None:
-        seq.append_token(token)
+        seq.token_ids.append(token)  # Sequence.append_token, without a call per sequence and step
         seq.cumulative_logprob += logprob
         if top is not None:
             seq.logprobs.append(top)

@@ -31,25 +31,25 @@ class StopChecker:
         return eos + list(params.stop_token_ids)
 
     def check(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> StopDecision | None:
-        """Called after a token was appended to `token_ids` (prompt + outputs)."""
-        output = token_ids[num_prompt_tokens:]
-        last = output[-1]
-        if len(output) >= params.min_tokens:
+        """Called after a token was appended to `token_ids` (prompt + outputs), which it reads in place: a copy of
+        the outputs at every step would cost in proportion to their length."""
+        num_outputs, last = len(token_ids) - num_prompt_tokens, token_ids[-1]
+        if num_outputs >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return StopDecision("stop", last)
             if last in params.stop_token_ids:
                 return StopDecision("stop", last)
-            if params.stop and (hit := self._stop_string_in_tail(params, output)):
+            if params.stop and (hit := self._stop_string_in_tail(params, token_ids, num_prompt_tokens)):
                 return StopDecision("stop", hit)
-        if params.max_tokens is not None and len(output) >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return StopDecision("length")
         if len(token_ids) >= self.max_model_len:
             return StopDecision("length")
         return None
 
-    def _stop_string_in_tail(self, params: SamplingParams, output: list[int]) -> str | None:
+    def _stop_string_in_tail(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> str | None:
         longest = max(len(s) for s in params.stop)
-        tail = output[-(longest + _STOP_WINDOW_EXTRA) :]
+        tail = token_ids[max(num_prompt_tokens, len(token_ids) - (longest + _STOP_WINDOW_EXTRA)):]  # outputs only
         skip = params.skip_special_tokens
         text = self.tokenizer.decode(tail, skip_special_tokens=skip)
         before = self.tokenizer.decode(tail[:-1], skip_special_tokens=skip)

@@ -37,12 +37,34 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's effective seed
     sample_index: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    # The prompt then the outputs: the sequence's own list, read in place (a row is made every step, and copying
+    # a long sequence's tokens into it was most of its cost), so it must not change before the row is sampled.
+    token_ids: list[int]
+    num_prompt_tokens: int
     banned_token_ids: list[int]  # e.g. EOS while min_tokens is not reached
     # Structured outputs: the tokens the row's grammar allows, a packed int32 bitmask (bit j of
     # word i allows token 32 i + j); None for an unconstrained row.
     allowed: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, sample_index: int, prompt_token_ids: list[int],
+           output_token_ids: list[int], banned_token_ids: list[int], allowed: torch.Tensor | None = None
+           ) -> SamplingRow:
+        """A row from its prompt and outputs apart."""
+        return cls(params, seed, sample_index, list(prompt_token_ids) + list(output_token_ids), len(prompt_token_ids),
+                   banned_token_ids, allowed)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def edits_logits(self) -> bool:
@@ -125,13 +147,13 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     banned = [(r, row.banned_token_ids) for r, row in enumerate(rows)]
     flat[_seen_positions(logits, banned)[0]] = float("-inf")
     counted = [(r, row.output_token_ids) for r, row in enumerate(rows)
-               if (row.params.presence_penalty or row.params.frequency_penalty) and row.output_token_ids]
+               if (row.params.presence_penalty or row.params.frequency_penalty) and row.num_output_tokens]
     if counted:
         seen, counts = _seen_positions(logits, counted)
         counts = counts.to(logits.dtype)
         flat[seen] -= (per_pair(seen, lambda p: p.frequency_penalty) * counts
                        + per_pair(seen, lambda p: p.presence_penalty) * (counts > 0).to(logits.dtype))
-    repeated = [(r, row.prompt_token_ids + row.output_token_ids) for r, row in enumerate(rows)
+    repeated = [(r, row.token_ids) for r, row in enumerate(rows)
                 if row.params.repetition_penalty != 1.0]
     if repeated:
         seen = _seen_positions(logits, repeated)[0]
@@ -165,7 +187,7 @@ def _selection(t: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
 
 def _uniform(row: SamplingRow) -> float:
     """The row's one uniform number in [0, 1) for this position, from its seed alone."""
-    return (mix_seed(row.seed, row.sample_index, len(row.output_token_ids)) >> 10) / 2.0**53
+    return (mix_seed(row.seed, row.sample_index, row.num_output_tokens) >> 10) / 2.0**53
 
 
 def _draw(work: torch.Tensor, which: list[int], rows: list[SamplingRow]) -> torch.Tensor:
