@@ -257,6 +257,13 @@ class BlockManager:
         past the end of its table, plus copies of shared blocks (when all holders of a block
         write it, the last writer keeps the original). Works for CPU tables too (swap-in)."""
         bs, new = self.block_size, 0
+        if len(writes) == 1 and writes[0][2] - writes[0][1] == 1:  # one decode: a new block, or a copy if shared
+            seq, start, _ = writes[0]
+            table, i = seq.block_table, start // bs
+            if i >= len(table):
+                return 1
+            pool = self._cpu.blocks if seq.seq_id in self._on_cpu else self._device
+            return int(pool[table[i]].ref_count > 1)
         writers: dict[tuple[bool, int], int] = {}
         for seq, start, end in writes:
             on_cpu = seq.seq_id in self._on_cpu
@@ -276,6 +283,10 @@ class BlockManager:
         when the last is full, copies a shared block first (copy-on-write). Returns (src, dst)
         copies for the runner."""
         bs, table, copies = self.block_size, seq.block_table, []
+        if end - start == 1 and start // bs < len(table):  # a decode into a block it holds alone: nothing to do
+            block = self._device[table[start // bs]]
+            if block.ref_count == 1 and block.hash is None:
+                return copies
         for i in range(start // bs, (end - 1) // bs + 1):
             if i == len(table):
                 table.append(self._allocate())
@@ -295,6 +306,13 @@ class BlockManager:
     def mark_computed(self, seq: Sequence, start: int, end: int) -> None:
         """Positions [start, end) of seq now hold K/V: count them, register blocks that got full."""
         bs = self.block_size
+        if end - start == 1:  # a decode: one position in one block
+            i = start // bs
+            filled = end - i * bs
+            self._set_filled(seq.block_table[i], filled)
+            if filled == bs and self.enable_prefix_caching:
+                self._register(seq, i, seq.block_table[i])
+            return
         for i in range(start // bs, (end - 1) // bs + 1):
             block_id = seq.block_table[i]
             filled = min(bs, end - i * bs)

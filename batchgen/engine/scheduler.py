@@ -34,7 +34,7 @@ from batchgen.engine.config import SchedulerConfig, samples_problem
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence and step: slots make it cheaper to build and read
 class ScheduledSeq:
     """Feed seq.token_ids[start:start + num_new_tokens] at positions start.. this step."""
 
@@ -48,7 +48,7 @@ class ScheduledSeq:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.end == len(self.seq.token_ids) and not self.group.prefill_only
+        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids) and not self.group.prefill_only
 
     @property
     def end(self) -> int:
@@ -104,6 +104,7 @@ class Scheduler:
         self._group_of: dict[int, SequenceGroup] = {}  # seq id -> its group
         self._rejected: list[SequenceGroup] = []  # reported by the next schedule()
         self._pending: SchedulerOutput | None = None
+        self._prefilling = False
         self._overtaken: dict[str, int] = {}  # request id -> newer requests admitted while its adapter had no slot
         self._num_swap_preemptions = 0
         self._num_recompute_preemptions = 0
@@ -238,8 +239,12 @@ class Scheduler:
         out = SchedulerOutput(ignored=self._rejected)
         self._rejected = []
         self._tokens_left = self.config.max_num_batched_tokens
+        self._prefilling = False  # whether a running sequence may have a chunk to compute (_decode_writes)
         preempted = self._schedule_decodes(out)
-        self._seqs_left = self.config.max_num_seqs - sum(g.max_num_running_seqs() for g in self.running)
+        # Sequence slots left for swap-ins and admissions (steps 2 and 4); with nothing swapped or waiting, no
+        # step reads them, and the count would cost a call per running request.
+        self._seqs_left = (self.config.max_num_seqs - sum(g.max_num_running_seqs() for g in self.running)
+                           if self.swapped or self.waiting else 0)
         if not preempted:
             self._swap_in(out)
         self._schedule_prefill_chunks(out)
@@ -254,7 +259,7 @@ class Scheduler:
             raise RuntimeError("on_step_done() got an output that is not the last schedule()'s")
         self._pending = None
         for s in out.scheduled:
-            if s.seq.is_finished():
+            if s.seq.status is SequenceStatus.FINISHED:
                 continue  # aborted meanwhile
             assert s.seq.num_computed_tokens == s.start, f"sequence {s.seq.seq_id} moved under the runner"
             s.seq.num_computed_tokens = s.end
@@ -271,14 +276,17 @@ class Scheduler:
     def _decode_writes(self, group: SequenceGroup) -> list[tuple[Sequence, int, int]]:
         writes = []
         for seq in group.unfinished_seqs():
-            left = seq.num_uncomputed_tokens
+            length = len(seq.token_ids)  # not len(seq) nor the properties: this runs for every sequence every step
+            left = length - seq.num_computed_tokens
             if left == 0 and group.beam_width:
                 continue  # a beam whose logits wait for its siblings' (after a preemption)
             if left == 0:
                 raise RuntimeError(f"sequence {seq.seq_id} of request {group.request_id!r} was sampled but "
                                    "got no new token and was not finished")
             if left == 1:
-                writes.append((seq, len(seq) - 1, len(seq)))
+                writes.append((seq, length - 1, length))
+            else:
+                self._prefilling = True
         return writes
 
     def _schedule_decodes(self, out: SchedulerOutput) -> bool:
@@ -289,16 +297,17 @@ class Scheduler:
             group = queue.popleft()
             writes = self._decode_writes(group)
             need = bm.num_blocks_to_write(writes)
-            while need > bm.num_free_device_blocks and queue:
-                self._preempt(queue.pop(), out)
-                preempted = True
             if need > bm.num_free_device_blocks:
-                if kept:
-                    self._preempt(group, out)
+                while need > bm.num_free_device_blocks and queue:
+                    self._preempt(queue.pop(), out)
                     preempted = True
-                else:
-                    self._give_up(group, self._too_big(group, need, "continue"), out.ignored)
-                continue
+                if need > bm.num_free_device_blocks:
+                    if kept:
+                        self._preempt(group, out)
+                        preempted = True
+                    else:
+                        self._give_up(group, self._too_big(group, need, "continue"), out.ignored)
+                    continue
             for seq, _, _ in writes:
                 self._feed(out, group, seq, 1)
             kept.append(group)
@@ -330,7 +339,10 @@ class Scheduler:
                 self._feed(out, group, seq, 1)
 
     def _schedule_prefill_chunks(self, out: SchedulerOutput) -> None:
-        """Step 3: sequences with more than one token to compute (one-token ones decoded already)."""
+        """Step 3: sequences with more than one token to compute (one-token ones decoded already); none when
+        steps 1 and 2 saw none (_decode_writes looks at every running sequence)."""
+        if not self._prefilling:
+            return
         for group in self.running:
             for seq in group.unfinished_seqs():
                 if self._tokens_left == 0:

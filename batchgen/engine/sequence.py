@@ -19,6 +19,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # blocks freed; finish_reason says why
 
 
+_FINISHED = SequenceStatus.FINISHED
+
+
 @dataclass(eq=False)
 class Sequence:
     """Token ids are the prompt followed by the generated tokens.
@@ -127,11 +130,13 @@ class SequenceGroup:
         first = self.seqs[0]
         return first.token_ids[: first.num_prompt_tokens]
 
+    # Both run for every sequence at every step: the status is compared here rather than through
+    # Sequence.is_finished(), a call per sequence.
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        return all(seq.status is _FINISHED for seq in self.seqs)
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished()]
+        return [seq for seq in self.seqs if seq.status is not _FINISHED]
 
     def max_num_running_seqs(self) -> int:
         """Sequences this group will hold on the device: its width before the first fork, the live
