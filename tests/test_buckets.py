@@ -355,7 +355,7 @@ def test_retry_errors_on_a_bucket(tmp_path, bucket, out_format):
     job = setup_job(tmp_path, rows=0, input={"paths": [f"{bucket}/prompts/in.jsonl"], "carry_columns": []},
                     output={"dir": f"{bucket}/out", "rows_per_part": 2, "format": out_format})
     r = run(job)
-    assert r.exit_code == 0 and "6 this run (1 errors)" in r.stdout, r.output
+    assert r.exit_code == 0 and "6 this run (1 error)" in r.stdout, r.output
     make_model(tmp_path / "model", max_model_len=400)  # the fix
     assert "nothing to do" in run(job).stdout
     r = run(job, "--retry-errors")

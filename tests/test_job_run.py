@@ -125,7 +125,7 @@ def test_changed_config_is_refused_unless_forced(tmp_path):
     assert r.exit_code == 1 and "another job configuration" in r.stderr and "--force" in r.stderr
     assert len(r.stderr.splitlines()) == 1  # what changed, named field by field
     assert ('(output.fields: ["finish_reason", "text", "token_counts", "token_ids"] -> ["text"]; '
-            'sampling.stop: None -> ["."]; sampling.temperature: 0.8 -> 0.3; config ') in r.stderr, r.stderr
+            'sampling.stop: null -> ["."]; sampling.temperature: 0.8 -> 0.3; config ') in r.stderr, r.stderr
     r = run(changed, "--force")
     assert r.exit_code == 0 and "2 this run" in r.stdout
     assert len(outputs_by_key(tmp_path / "out")) == 12 * 2
@@ -315,7 +315,7 @@ def test_a_duplicate_appended_later_becomes_an_error_row_once(tmp_path):
     assert run(job).exit_code == 0
     write_jsonl(tmp_path / "in.jsonl", [{"id": "q0001", "prompt": "late copy"}], mode="a")
     r = run(job)
-    assert r.exit_code == 0 and "1 this run (1 errors)" in r.stdout
+    assert r.exit_code == 0 and "1 this run (1 error)" in r.stdout
     assert outputs_by_key(tmp_path / "out")[("in.jsonl:4", 0)][1].startswith(
         "in.jsonl:4 (line 5): field 'id': duplicate id 'q0001', first at in.jsonl line 2")
     assert "nothing to do" in run(job).stdout
@@ -368,7 +368,7 @@ def test_retry_errors_generates_error_rows_again(tmp_path):
     before = outputs_by_key(tmp_path / "out")
     r = run(job, "--retry-errors")  # ...until asked to retry them
     assert r.exit_code == 0, r.output
-    assert "removed 2 error rows of shard 0/1" in r.stdout and "2 this run (1 errors)" in r.stdout
+    assert "removed 2 error rows of shard 0/1" in r.stdout and "2 this run (1 error)" in r.stdout
     after = outputs_by_key(tmp_path / "out")  # still each (id, sample) once
     assert after[("long", 0)][1] is None and after[("long", 1)][1] is None
     assert after[("empty", 0)][1] == "in.jsonl line 7: field 'prompt': empty prompt"

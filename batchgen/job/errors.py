@@ -6,6 +6,7 @@ stderr, never a traceback. Anything else escaping the job layer is a bug (or an 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 EXIT_OK = 0
@@ -38,9 +39,16 @@ class Problem:
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
+def yaml_words(message: str) -> str:
+    """A message of the Python API (``must be an integer >= 1 or None``, ``got None``) in the words of
+    the job file, which writes YAML's ``null``."""
+    return re.sub(r"(\bor |\(got |\bbe )None\b", r"\1null", message)
+
+
 class JobInvalid(JobError):
-    """The job file has one or more problems; all of them are listed."""
+    """The job file has one or more problems; all of them are listed (in YAML's words: ``null``)."""
 
     def __init__(self, problems: list[Problem]):
+        problems = [Problem(p.path, yaml_words(p.message)) for p in problems]
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))

@@ -496,7 +496,8 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else repr(value)
+    """A value as the job file writes it (``null``, ``true``, ``'text'``, ``[1, 2]``), in 60 characters."""
+    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list, bool)) or value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -166,7 +166,7 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
     start = time.monotonic()
     total, exact = InputReader.for_job(job).total_rows()
     plan = Plan(Shard(0, 1), done_before=sum(s.done_before for s in states), total=total, exact=exact,
-                label=f"{workers} Ray workers")
+                label=f"{workers} Ray workers", task=job.spec.task)
     reporter.start(plan)
     pending = list(refs)
     interrupted = False

@@ -17,6 +17,7 @@ from ..outputs.saved import changes_since, read_saved
 from ..shard import Shard
 from ..spec import Job
 from ..validate import context_length, text_config
+from .progress import plural
 from .runner import shard_total
 from .status import collect
 
@@ -139,7 +140,7 @@ def render(plan: DryRun) -> str:
     lines = [f"dry run: nothing is generated or written; shard {plan.shard} of {job.source or 'the job'}",
              f"  output       {job.output_dir}", f"  rows         {_rows_line(plan)}"]
     if plan.errors:
-        read = _count(plan.errors + len(plan.prompt_tokens), "row")
+        read = plural(plan.errors + len(plan.prompt_tokens), "row")
         lines.append(f"  row errors   {plan.errors:,} of the first {read} would be error rows; "
                      f"the first: {plan.first_error}")
     lines.append(f"  prompts      {_prompt_line(plan)}")
@@ -152,15 +153,11 @@ def render(plan: DryRun) -> str:
     return "\n".join(lines)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
-
-
 def _rows_line(plan: DryRun) -> str:
     if plan.total is None:
-        return f"not counted (a large input without a row count); {_count(plan.done, 'row')} done before"
+        return f"not counted (a large input without a row count); {plural(plan.done, 'row')} done before"
     approx = "" if plan.exact else "~"
-    return (f"{approx}{_count(plan.total, 'row')} in the input, {plan.done:,} done before, "
+    return (f"{approx}{plural(plan.total, 'row')} in the input, {plan.done:,} done before, "
             f"{approx}{plan.to_do:,} to do")
 
 
@@ -170,7 +167,7 @@ def _prompt_line(plan: DryRun) -> str:
         return f"none to read ({plan.counted_by})"
     mean = sum(tokens) / len(tokens)
     whole = "" if plan.to_do is None else f"; ~{round(mean * plan.to_do):,} tokens for the rows to do"
-    return (f"{mean:,.1f} tokens a row on average, {max(tokens):,} at most (the first {_count(len(tokens), 'row')}, "
+    return (f"{mean:,.1f} tokens a row on average, {max(tokens):,} at most (the first {plural(len(tokens), 'row')}, "
             f"{plan.counted_by}){whole}")
 
 
@@ -181,7 +178,7 @@ def _output_line(plan: DryRun) -> str:
         "until the context ends (no sampling.max_tokens)"
     total = "" if plan.to_do is None or sampling.max_tokens is None else \
         f"; at most {plan.to_do * width * sampling.max_tokens:,} tokens in all"
-    return f"{_count(width, 'sample')} a row, {per} each{total}"
+    return f"{plural(width, 'sample')} a row, {per} each{total}"
 
 
 def _kv_line(plan: DryRun) -> str | None:

@@ -24,7 +24,8 @@ class Snapshot:
     prompt_tokens: int = 0
     output_tokens: int = 0  # of the rows written
     generated_tokens: int | None = None  # made by the engine so far, rows in flight included
-    in_flight: int = 0
+    in_flight: int = 0  # requests this run gave the engine and has not had back
+    running: int | None = None  # of them, those in the engine's steps (at most max_num_seqs); None: not told
     parts: int = 0
     elapsed: float = 0.0
     kv_cache_usage: float | None = None
@@ -42,10 +43,16 @@ class Plan:
     total: int | None = None  # rows of this shard in the input
     exact: bool = True
     label: str = ""  # what the lines call the run; default "shard i/n"
+    task: str = "generate"  # score, embed and classify sample nothing: their figures are prompt tokens
 
     @property
     def name(self) -> str:
         return self.label or f"shard {self.shard}"
+
+    @property
+    def samples(self) -> bool:
+        """Whether the run makes output tokens (a generation), or only reads prompts."""
+        return self.task == "generate"
 
 
 class Reporter(Protocol):
@@ -108,6 +115,11 @@ def rate(count: float, elapsed: float) -> float:
     return count / elapsed if elapsed > 0 else 0.0
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 part``, ``2 parts``, ``1,000 rows``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def rows_text(plan: Plan, snap: Snapshot) -> str:
     done = plan.done_before + snap.rows
     if plan.total is None:
@@ -130,33 +142,52 @@ def token_rate(snap: Snapshot) -> float:
 def eta(plan: Plan, snap: Snapshot) -> float | None:
     """Seconds left: the output tokens the rows not yet written still need, at the token rate.
 
-    A row's tokens are estimated by the rows written so far (unknown before one is), or by what
-    the rows in flight have made when that is more; what they have made counts as done. Counting
-    tokens rather than finished rows keeps the estimate right while many requests are in flight."""
+    A row's tokens are estimated by the rows written so far (unknown before one is); what the rows
+    in flight have made counts as done, up to that estimate each. Counting tokens rather than
+    finished rows keeps the estimate right while many requests are in flight, and the estimate of
+    a row changes only as rows finish, so the ETA counts down steadily between them. A task that
+    samples nothing (score, embed, classify) is estimated by rows written at their rate."""
     if plan.total is None:
         return None
     left = max(plan.total - plan.done_before - snap.rows, 0)
     if left == 0:
         return 0.0
+    if not plan.samples:
+        return left / rate(snap.rows, snap.elapsed) if snap.rows and snap.elapsed > 0 else None
     finished = snap.rows - snap.errors
     if finished <= 0 or snap.elapsed <= 0 or tokens_made(snap) == 0:
         return None
+    per_row = snap.output_tokens / finished
     in_flight_made = tokens_made(snap) - snap.output_tokens
-    per_row = max(snap.output_tokens / finished, in_flight_made / snap.in_flight if snap.in_flight else 0.0)
     needed = left * per_row - min(in_flight_made, snap.in_flight * per_row)
     return max(needed, 0.0) / token_rate(snap)
+
+
+def rate_text(plan: Plan, snap: Snapshot) -> str:
+    """Output tokens a second, or prompt tokens a second for a task that samples nothing."""
+    if plan.samples:
+        return f"{token_rate(snap):,.1f} out tok/s"
+    return f"{rate(snap.prompt_tokens, snap.elapsed):,.1f} prompt tok/s"
+
+
+def flight_text(snap: Snapshot) -> str:
+    """The requests in the engine's steps (never above max_num_seqs) and those queued behind them."""
+    if snap.running is None:
+        return f"in flight {snap.in_flight}"
+    running = min(snap.running, snap.in_flight)
+    return f"running {running} | queued {snap.in_flight - running}"
 
 
 def status_line(plan: Plan, snap: Snapshot) -> str:
     parts = [plan.name, rows_text(plan, snap)]
     if snap.errors:
         parts.append(f"errors {snap.errors:,}")
-    parts.append(f"{token_rate(snap):,.1f} out tok/s")
+    parts.append(rate_text(plan, snap))
     if snap.kv_cache_usage is not None:
         parts.append(f"kv {100 * snap.kv_cache_usage:.0f}%")
     if snap.preemptions is not None:
         parts.append(f"preemptions {snap.preemptions:,}")
-    parts.append(f"in flight {snap.in_flight}")
+    parts.append(flight_text(snap))
     parts.append(f"elapsed {duration(snap.elapsed)}")
     if plan.total is not None:
         parts.append(f"eta {duration(eta(plan, snap))}")
@@ -166,18 +197,27 @@ def status_line(plan: Plan, snap: Snapshot) -> str:
 def summary(plan: Plan, snap: Snapshot, status: str) -> str:
     hit = ("n/a" if not snap.prefix_cache_queries
            else f"{100.0 * (snap.prefix_cache_hits or 0) / snap.prefix_cache_queries:.1f}%")
-    tokens = snap.prompt_tokens + snap.output_tokens
+    samples = f"{plural(snap.samples, 'sample')}, " if plan.samples else ""
+    preemptions = plural(snap.preemptions, "preemption") if snap.preemptions is not None else "n/a preemptions"
     return "\n".join([
         f"batchgen: {plan.name} {status}",
-        f"  rows         {snap.rows:,} this run ({snap.errors:,} errors), {snap.samples:,} samples, "
-        f"{snap.parts} parts written; {plan.done_before:,} done before",
-        f"  tokens       {snap.prompt_tokens:,} prompt, {snap.output_tokens:,} output",
-        f"  wall time    {duration(snap.elapsed)}; "
-        f"{rate(snap.output_tokens, snap.elapsed):,.1f} output tok/s, "
-        f"{rate(tokens, snap.elapsed):,.1f} tok/s in all",
-        f"  engine       {snap.preemptions if snap.preemptions is not None else 'n/a'} preemptions, "
-        f"prefix cache hit rate {hit}",
+        f"  rows         {snap.rows:,} this run ({plural(snap.errors, 'error')}), {samples}"
+        f"{plural(snap.parts, 'part')} written; {plan.done_before:,} done before",
+        *_token_lines(plan, snap),
+        f"  engine       {preemptions}, prefix cache hit rate {hit}",
     ])
+
+
+def _token_lines(plan: Plan, snap: Snapshot) -> list[str]:
+    """The summary's tokens and their rates: a generation's prompt and output tokens, or the prompt
+    tokens alone of a task that samples nothing (a score row's completion is part of its prompt)."""
+    if not plan.samples:
+        return [f"  tokens       {snap.prompt_tokens:,} prompt (task {plan.task} makes no output tokens)",
+                f"  wall time    {duration(snap.elapsed)}; {rate(snap.prompt_tokens, snap.elapsed):,.1f} prompt tok/s"]
+    tokens = snap.prompt_tokens + snap.output_tokens
+    return [f"  tokens       {snap.prompt_tokens:,} prompt, {snap.output_tokens:,} output",
+            f"  wall time    {duration(snap.elapsed)}; {rate(snap.output_tokens, snap.elapsed):,.1f} output tok/s, "
+            f"{rate(tokens, snap.elapsed):,.1f} tok/s in all"]
 
 
 # ---------------------------------------------------------------------------------- reporters
@@ -245,26 +285,30 @@ class LiveReporter:
         self._live.start()
 
     def _render(self, snap: Snapshot) -> Any:
+        """Three lines, each within the terminal's width (cut with an ellipsis, never wrapped): the bar
+        beside the rows done, the engine's figures, errors and times."""
+        from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
+        from rich.text import Text
 
-        grid = Table.grid(padding=(0, 1))
         done = self.plan.done_before + snap.rows
         total = self.plan.total
-        grid.add_row(ProgressBar(total=float(total) if total else None, completed=float(done), width=40),
-                     rows_text(self.plan, snap))
-        engine = [f"{token_rate(snap):,.1f} out tok/s"]
+        rows = rows_text(self.plan, snap)
+        grid = Table.grid(padding=(0, 1))
+        bar = max(10, min(40, self.console.width - len(rows) - 1))
+        grid.add_row(ProgressBar(total=float(total) if total else None, completed=float(done), width=bar),
+                     Text(rows, no_wrap=True, overflow="ellipsis"))
+        engine = [rate_text(self.plan, snap)]
         if snap.kv_cache_usage is not None:
             engine.append(f"KV cache {100 * snap.kv_cache_usage:.0f}%")
         if snap.preemptions is not None:
             engine.append(f"preemptions {snap.preemptions:,}")
-        engine.append(f"in flight {snap.in_flight}")
-        grid.add_row("", " | ".join(engine))
+        engine.append(flight_text(snap))
         timing = f"errors {snap.errors:,} | elapsed {duration(snap.elapsed)}"
         if total is not None:
             timing += f" | ETA {duration(eta(self.plan, snap))}"
-        grid.add_row("", timing)
-        return grid
+        return Group(grid, *(Text(line, no_wrap=True, overflow="ellipsis") for line in (" | ".join(engine), timing)))
 
     def update(self, snap: Snapshot, force: bool = False) -> None:
         now = time.monotonic()

@@ -184,7 +184,7 @@ class Runner:
         if self.limit is not None:
             self.reporter.message(f"--limit {self.limit:,}: the first {self.limit:,} rows of shard {shard} only, "
                                   f"written to {out_dir} (the job's own output.dir is not touched)")
-        plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact)
+        plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact, task=job.spec.task)
         if rec.retried:
             self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
                                   "their rows are generated again")
@@ -481,5 +481,6 @@ class Runner:
         snap.kv_cache_usage = stats.get("kv_cache_usage")
         snap.generated_tokens = stats.get("output_tokens")  # as they are made; the engine is this run's
         snap.preemptions = stats.get("num_preemptions")
+        snap.running = stats.get("running")
         snap.prefix_cache_hits = stats.get("prefix_cache_hits")
         snap.prefix_cache_queries = stats.get("prefix_cache_queries")
