@@ -69,3 +69,14 @@ def test_repeated_ids_are_a_warning_of_validate(tmp_path):
         "first at in.jsonl line 1; only that row is generated)"]
     result = json.loads(validate(job, "--json").stdout)
     assert result["ok"] and len(result["warnings"]) == 1
+
+
+def test_an_unclosed_bracket_is_named_at_the_line_it_opens(tmp_path):
+    job = setup_job(tmp_path, rows=3)
+    text = job.read_text().replace("  temperature: 0.8\n", "  stop: [END\n  temperature: 0.8\n")
+    job.write_text(text)
+    opened = text.splitlines().index("  stop: [END") + 1
+    r = validate(job)
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 2
+    assert r.stderr.startswith(f"invalid YAML at line {opened + 1}, column 14: expected ',' or ']', but got ':' "
+                               f"(parsing a flow sequence begun at line {opened}, column 9)"), r.stderr

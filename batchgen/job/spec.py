@@ -549,12 +549,24 @@ def parse_yaml(text: str) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         what = getattr(e, "problem", None) or str(e)
-        raise JobInvalid([Problem("", f"invalid YAML{where}: {what}")]) from None
+        raise JobInvalid([Problem("", f"invalid YAML{where}: {what}{_yaml_context(e)}")]) from None
     if raw is None:
         raise JobInvalid([Problem("", "the job file is empty")])
     if not isinstance(raw, dict):
         raise JobInvalid([Problem("", "the job file must be a mapping: model, input, sampling, output, ...")])
     return raw
+
+
+def _yaml_context(e: yaml.YAMLError) -> str:
+    """Where the construct a YAML error is in began, when that is on an earlier line than the error: an
+    unclosed ``[``, ``{`` or quote is found only on a later line."""
+    mark, context = getattr(e, "context_mark", None), getattr(e, "context", None)
+    problem = getattr(e, "problem_mark", None)
+    if mark is None or not context or (problem is not None and problem.line <= mark.line):
+        return ""
+    if "flow" not in context and "quoted" not in context:  # a block's start says nothing new
+        return ""
+    return f" ({context.removeprefix('while ')} begun at line {mark.line + 1}, column {mark.column + 1})"
 
 
 def load_job(path: str | Path) -> Job:
