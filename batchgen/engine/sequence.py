@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.sampling_params import SamplingParams
+from batchgen.tokens import PromptThenOutputs
 
 _fork_ids = itertools.count(1 << 48)  # ids for forked children, far from the engine's own ids
 
@@ -23,7 +24,7 @@ _FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass(eq=False)
-class Sequence:
+class Sequence(PromptThenOutputs):
     """Token ids are the prompt followed by the generated tokens.
 
     num_computed_tokens counts the leading tokens whose K/V is in the cache; the scheduler
@@ -61,14 +62,6 @@ class Sequence:
 
     def __bool__(self) -> bool:  # a sequence object is never falsy, even with no tokens
         return True
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -127,8 +120,7 @@ class SequenceGroup:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        first = self.seqs[0]
-        return first.token_ids[: first.num_prompt_tokens]
+        return self.seqs[0].prompt_token_ids
 
     # Both run for every sequence at every step: the status is compared here rather than through
     # Sequence.is_finished(), a call per sequence.

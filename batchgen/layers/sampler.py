@@ -16,6 +16,7 @@ import torch
 
 from batchgen import ops
 from batchgen.sampling_params import SamplingParams
+from batchgen.tokens import PromptThenOutputs
 
 _MASK64 = (1 << 64) - 1
 
@@ -33,7 +34,7 @@ def mix_seed(*values: int) -> int:
 
 
 @dataclass
-class SamplingRow:
+class SamplingRow(PromptThenOutputs):
     params: SamplingParams
     seed: int  # the request's effective seed
     sample_index: int
@@ -53,18 +54,6 @@ class SamplingRow:
         """A row from its prompt and outputs apart."""
         return cls(params, seed, sample_index, list(prompt_token_ids) + list(output_token_ids), len(prompt_token_ids),
                    banned_token_ids, allowed)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def edits_logits(self) -> bool:
