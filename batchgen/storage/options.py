@@ -21,7 +21,9 @@ class StorageOptions(BaseModel):
     profile: str | None = None  # an AWS profile from ~/.aws/config
     anonymous: bool = False  # public buckets: send no credentials
     lease_seconds: PositiveFloat | None = None  # a bucket shard lock's lifetime without renewal
-    retries: PositiveInt = 5  # attempts for a transient failure (throttling, a dropped connection)
+    retries: PositiveInt = 8  # attempts of a call whose failure is transient (throttling, 5xx, a dropped connection)
+    retry_wait: PositiveFloat = 0.2  # seconds: the first backoff's ceiling, doubled at each retry (full jitter)
+    retry_max_wait: PositiveFloat = 20.0  # seconds: the ceiling of any one backoff
     options: dict[str, Any] = Field(default_factory=dict)  # passed to s3fs / gcsfs as they are
 
     @property

@@ -15,7 +15,9 @@ import glob as globlib
 import hashlib
 import io
 import os
+import random
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +25,14 @@ from functools import wraps
 from pathlib import Path
 from typing import IO, Any
 
+from ..extras import install_hint
 from .options import StorageOptions
 
 # The pip extra that brings each protocol's library.
 EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 READ_BLOCK = 8 << 20  # bytes fetched per request when streaming an object
 LINE_BUFFER = 1 << 20
+CONTENT_MD5 = "batchgen-md5"  # an uploaded object's metadata key: its content's MD5, hex
 
 
 class StorageError(OSError):
@@ -193,17 +197,19 @@ def _fsync(path: Path) -> None:
 
 
 def _mapped(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a cloud library's exception into a ``StorageError`` naming the URL and the cause,
-    leaving the ones callers act on (not found, exists) as they are."""
+    """One call to the store, retried while its failure is transient (``Retries``), and a cloud library's
+    exception turned into a ``StorageError`` naming the URL and the cause, leaving the ones callers act on
+    (not found, exists) as they are."""
 
     @wraps(method)
     def call(self: FsspecStore, path: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, path, *args, **kwargs)
+            return self.retries.run(lambda: method(self, path, *args, **kwargs))
         except (FileNotFoundError, FileExistsError, StorageError):
             raise
         except Exception as e:
-            raise StorageError(f"{self.url(path)}: {describe(e)}") from None
+            tries = f" (still failing after {self.retries.attempts} attempts)" if is_transient(e) else ""
+            raise StorageError(f"{self.url(path)}: {describe(e)}{tries}") from None
 
     return call
 
@@ -227,6 +233,84 @@ def describe(e: BaseException) -> str:
     return f"{name}: {text}"
 
 
+@dataclass(frozen=True)
+class Retries:
+    """Bounded exponential backoff with full jitter: ``attempts`` tries in all, the wait before retry i
+    drawn from [0, min(max_wait, first_wait * 2**i)]. Only a transient failure is retried."""
+
+    attempts: int = 8
+    first_wait: float = 0.2
+    max_wait: float = 20.0
+
+    @classmethod
+    def of(cls, options: StorageOptions) -> Retries:
+        return cls(options.retries, options.retry_wait, options.retry_max_wait)
+
+    def wait(self, retry: int) -> float:
+        return random.uniform(0.0, min(self.max_wait, self.first_wait * 2 ** retry))
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        for retry in range(self.attempts):
+            try:
+                return call()
+            except Exception as e:
+                if retry + 1 >= self.attempts or not is_transient(e):
+                    raise
+            time.sleep(self.wait(retry))
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+# Errors that say nothing about the request itself: the store or the way to it failed for a moment.
+_TRANSIENT_NAMES = frozenset({
+    "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
+    "ResponseStreamingError", "IncompleteReadError", "IncompleteRead", "ProtocolError", "ClientPayloadError",
+    "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError", "ClientConnectorError", "FSTimeoutError",
+    "ResponseParserError", "TransferEncodingError", "ContentLengthError",
+})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "RequestTimeout", "InternalError", "ServiceUnavailable", "BadGateway", "GatewayTimeout",
+})
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a store call that raised ``e`` may succeed if tried again: a 5xx or throttling answer, a
+    connection reset or timeout, a body cut short. A refusal (403, no such bucket, bad credentials), a
+    missing object and a failed condition are not."""
+    for err in _chain(e):
+        if isinstance(err, _PERMANENT):
+            return False
+        status, code = _http_status(err)
+        if status is not None:
+            return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+        if type(err).__name__ in _TRANSIENT_NAMES or isinstance(err, (ConnectionError, TimeoutError)):
+            return True
+    return "reduce your request rate" in str(e) or "SlowDown" in str(e)
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from, outermost first (bounded: a cycle ends it)."""
+    out: list[BaseException] = []
+    err: BaseException | None = e
+    while err is not None and err not in out and len(out) < 16:
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _http_status(err: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and error code of a botocore ``ClientError`` or a gcsfs ``HttpError``."""
+    response = getattr(err, "response", None)
+    if isinstance(response, dict) and "Error" in response:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return (int(status) if status else None), response["Error"].get("Code")
+    code = getattr(err, "code", None)
+    if type(err).__name__ == "HttpError" and isinstance(code, int):
+        return code, None
+    return None, None
+
+
 class FsspecStore(Store):
     """An object store through fsspec. Paths are ``bucket/key``; directories are key prefixes."""
 
@@ -235,14 +319,17 @@ class FsspecStore(Store):
         try:
             import fsspec
 
-            kwargs = {**_retry_kwargs(protocol, options), **options.fsspec_kwargs(protocol)}
-            self.fs = fsspec.filesystem(protocol, **kwargs)
+            kwargs = {**_retry_kwargs(protocol), **options.fsspec_kwargs(protocol)}
+            self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **kwargs)
         except ImportError:
-            raise StorageError(f"{protocol}:// paths need {lib}: pip install 'batchgen[{extra}]'") from None
+            raise StorageError(f"{protocol}:// paths need {lib}: {install_hint(extra, lib)}") from None
         except ValueError as e:
             raise StorageError(f"{protocol}://: {e}") from None
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own loop: the retries are ``self.retries``, around each call
         self.scheme = protocol
         self.options = options
+        self.retries = Retries.of(options)
 
     def _fresh(self, path: str) -> None:
         self.fs.invalidate_cache(path)
@@ -296,38 +383,51 @@ class FsspecStore(Store):
         # fsspec's own readline reads a whole block per line; a BufferedReader finds lines in its
         # buffer and asks the object for the next megabyte only when it runs dry.
         raw = self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
-        return io.BufferedReader(raw, buffer_size=LINE_BUFFER)  # type: ignore[arg-type]
+        return io.BufferedReader(_RetriedReads(raw, self.retries, self.url(path)), buffer_size=LINE_BUFFER)
 
-    @_mapped
     def publish(self, path: str, write: Writer, create_only: bool = False) -> bool:
         fd, name = tempfile.mkstemp(prefix=".batchgen-", suffix=".upload")
         os.close(fd)
         tmp = Path(name)
         try:
-            write(tmp)
             try:
-                self.fs.put_file(str(tmp), path, mode="create" if create_only else "overwrite")
-            except FileExistsError:
-                return self._is_ours(path, tmp)
-            self._fresh(path)
-            return True
+                write(tmp)
+            except StorageError:
+                raise
+            except OSError as e:
+                raise StorageError(f"{self.url(path)}: cannot build it in {tmp.parent}: {e.strerror or e}") from None
+            return self._upload(path, tmp, _md5(tmp), create_only)
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _is_ours(self, path: str, tmp: Path) -> bool:
+    @_mapped
+    def _upload(self, path: str, tmp: Path, digest: Any, create_only: bool) -> bool:
+        """One PUT of ``tmp`` (retried as one call); a create-only PUT refused for an object holding these
+        very bytes (its own first attempt, whose answer was lost) counts as done."""
+        try:
+            self.fs.put_file(str(tmp), path, mode="create" if create_only else "overwrite",
+                             **self._content_tag(digest.hexdigest()))
+        except FileExistsError:
+            return self._is_ours(path, tmp, digest)
+        self._fresh(path)
+        return True
+
+    def _content_tag(self, md5: str) -> dict[str, Any]:
+        """The object's metadata naming its content's MD5 (S3: a multipart upload's ETag is not one)."""
+        return {"Metadata": {CONTENT_MD5: md5}} if self.scheme in ("s3", "s3a") else {}
+
+    def _is_ours(self, path: str, tmp: Path, digest: Any) -> bool:
         """Whether the object a create-only PUT was refused for holds exactly our bytes: a retried
         PUT (after a lost response or a throttled reply) is refused by the object its own first
         attempt created. A single PUT's ETag is the MD5 of its content (hex on S3, base64 in GCS's
-        md5Hash)."""
+        md5Hash); on S3 the object's metadata names it too, multipart or not."""
         self._fresh(path)
-        info = self.info(path)
-        if info.size != tmp.stat().st_size or not info.etag:
+        info = _file_info(self.fs.info(path))
+        if info.size != tmp.stat().st_size:
             return False
-        digest = hashlib.md5(usedforsecurity=False)
-        with open(tmp, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        return info.etag in (digest.hexdigest(), base64.b64encode(digest.digest()).decode())
+        if info.etag in (digest.hexdigest(), base64.b64encode(digest.digest()).decode()):
+            return True
+        return bool(self._content_tag("")) and self.fs.metadata(path).get(CONTENT_MD5) == digest.hexdigest()
 
     @_mapped
     def remove(self, path: str, missing_ok: bool = True) -> None:
@@ -347,6 +447,44 @@ class FsspecStore(Store):
             raise StorageError(f"{self.url(bucket)}: no such bucket (batchgen does not create buckets)") from None
 
 
+class _RetriedReads(io.RawIOBase):
+    """A bucket object's stream whose every read is one retried call: a body cut short or a reset
+    connection is read again from the same offset."""
+
+    def __init__(self, raw: Any, retries: Retries, url: str):
+        self.raw, self.retries, self.url = raw, retries, url
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        at = self.raw.tell()
+
+        def once() -> bytes:
+            self.raw.seek(at)
+            return self.raw.read(len(buffer))
+
+        try:
+            data = self.retries.run(once)
+        except Exception as e:
+            raise StorageError(f"{self.url}: {describe(e)}") from None
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
 def _file_info(entry: dict[str, Any]) -> FileInfo:
     mtime = entry.get("LastModified") or entry.get("mtime") or entry.get("updated") or 0
     if hasattr(mtime, "timestamp"):
@@ -359,9 +497,17 @@ def _file_info(entry: dict[str, Any]) -> FileInfo:
     return FileInfo(int(entry.get("size") or 0), float(mtime), etag.strip('"') if isinstance(etag, str) else None)
 
 
-def _retry_kwargs(protocol: str, options: StorageOptions) -> dict[str, Any]:
-    """Bounded retries with backoff for transient failures (throttling, dropped connections)."""
+def _retry_kwargs(protocol: str) -> dict[str, Any]:
+    """botocore tries each request once: ``Retries`` retries the whole call (one loop, one backoff)."""
     if protocol not in ("s3", "s3a"):
         return {}
-    return {"config_kwargs": {"retries": {"max_attempts": options.retries, "mode": "standard"},
+    return {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"},
                               "connect_timeout": 10, "read_timeout": 60}}
+
+
+def _md5(path: Path) -> hashlib._Hash:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest
