@@ -67,6 +67,7 @@ class EngineConfig:
     max_lora_rank: int = 16  # the largest adapter rank accepted
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: all); the least recently used go
     quantization: str | None = None  # "int8": the layers' projections on int8 compute (docs/int8.md)
+    enforce_eager: bool = False  # CUDA: decode steps launched op by op instead of replayed as CUDA graphs
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -112,3 +113,46 @@ class EngineConfig:
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]
         return problems
+
+
+# vLLM's engine arguments that change nothing batchgen computes or writes (parallelism, logging, compilation,
+# where downloads go): `LLM(...)` accepts them, with one warning naming them, so that code written for vLLM
+# runs as it is.
+VLLM_NO_OPS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend",
+    "disable_custom_all_reduce", "trust_remote_code", "tokenizer_mode", "disable_log_stats", "enable_chunked_prefill",
+    "max_seq_len_to_capture", "compilation_config", "download_dir", "disable_async_output_proc", "use_tqdm_on_load",
+    "max_logprobs", "enable_sleep_mode", "cpu_offload_gb", "hf_token", "max_parallel_loading_workers",
+})
+# vLLM arguments that are no-ops at these values only; any other value would change the output, so it is refused.
+VLLM_DEFAULTS = {"kv_cache_dtype": ("auto",), "load_format": ("auto", "safetensors"), "tokenizer_revision": (None,)}
+
+
+def engine_config(model: str, options: dict) -> tuple[EngineConfig, list[str]]:
+    """`EngineConfig(model, **options)` from options as vLLM's clients pass them: None meaning the default,
+    vLLM-only knobs that change no output dropped (their names returned, for a warning), anything else
+    unknown or a vLLM knob at a value batchgen cannot honour refused as a ConfigError naming it."""
+    import difflib
+    from dataclasses import fields
+
+    known = {f.name for f in fields(EngineConfig)} - {"model"}
+    kept, ignored, problems = {}, [], []
+    for name, value in options.items():
+        if name == "tokenizer" and value not in (None, model):
+            problems.append(ConfigProblem(name, "batchgen uses the model directory's own tokenizer; leave it unset"))
+        elif name in VLLM_DEFAULTS and value not in (*VLLM_DEFAULTS[name], None):
+            allowed = " or ".join(repr(v) for v in VLLM_DEFAULTS[name])
+            problems.append(ConfigProblem(name, f"batchgen supports only {allowed} (got {value!r})"))
+        elif value is None or name in ("tokenizer", *VLLM_DEFAULTS):
+            continue
+        elif name in VLLM_NO_OPS:
+            ignored.append(name)
+        elif name in known:
+            kept[name] = value
+        else:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(ConfigProblem(name, f"not an engine option of batchgen{hint}"))
+    if problems:
+        raise ConfigError(problems)
+    return EngineConfig(model=model, **kept), ignored

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from batchgen.config import ConfigError, ConfigProblem, EngineConfig
+from batchgen.config import ConfigError, ConfigProblem, engine_config
 from batchgen.engine.gc_pacing import fewer_collections
 from batchgen.engine.llm_engine import AnyOutput, AnyParams, LLMEngine
 from batchgen.engine.pooling import PoolingConfig
@@ -24,6 +25,7 @@ from batchgen.storage import StorageOptions
 
 AnyLoRA = LoRARequest | Sequence[LoRARequest | None] | None
 ENCODE_CHUNK = 1024  # prompts encoded in one tokenizer call by the batch API
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -51,7 +53,10 @@ class LLM:
         local = resolve_model(source, storage)
         if source.kind != "local":
             options.setdefault("served_model_name", source.ref)
-        self.engine = LLMEngine(EngineConfig(model=str(local), **options))
+        config, ignored = engine_config(str(local), options)
+        if ignored:
+            logger.warning("batchgen ignores %s: vLLM options that change nothing it computes", ", ".join(ignored))
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @staticmethod
@@ -66,7 +71,7 @@ class LLM:
         if local is None:
             raise ModelNotFound(fetch_note(source))
         try:
-            plan_model(EngineConfig(model=str(local), **options))
+            plan_model(engine_config(str(local), options)[0])
         except ConfigError as e:
             return e.problems
         return []
@@ -290,11 +295,12 @@ def _per_prompt(lora_request: AnyLoRA, num_prompts: int) -> list[LoRARequest | N
     return loras
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (a text, token ids or a conversation) as a list of one; a list of prompts as it is."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
-        return [prompts]
-    return list(prompts)
+def _prompt_list(prompts: Prompt | dict | Sequence[Prompt | dict]) -> list[Prompt]:
+    """One prompt (a text, token ids, a conversation or one of vLLM's prompt dicts) as a list of one, a list of
+    prompts as it is; vLLM's dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`) become their text or ids."""
+    single = isinstance(prompts, (str, dict)) or bool(prompts) and (
+        isinstance(prompts[0], int) or isinstance(prompts[0], dict) and "role" in prompts[0])
+    return [_prompt_of(p) for p in ([prompts] if single else prompts)]
 
 
 def _task(params: PoolingParams | Sequence[PoolingParams], task: str) -> PoolingParams | list[PoolingParams]:
@@ -309,6 +315,8 @@ def _prompt_of(prompt: Prompt | dict) -> Prompt:
     """vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`) as the engine's prompts."""
     if not isinstance(prompt, dict):
         return prompt
+    if prompt.get("multi_modal_data"):
+        raise ValueError("prompt: multi_modal_data (images) is not supported yet: batchgen takes text prompts")
     for key in ("prompt_token_ids", "prompt"):
         if key in prompt:
             return prompt[key]

@@ -1,0 +1,68 @@
+"""vLLM's offline surface as client code calls it (lm-eval's vllm backend, distilabel, curator): engine
+arguments with None for "default" and knobs that do not apply, prompt dicts, `prompts=`/`sampling_params=`
+keywords, `get_tokenizer()`; the same tokens as the plain call."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+from batchgen.config import ConfigError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=64 << 20)
+
+
+def texts(outputs) -> list[str]:
+    return [o.outputs[0].text for o in outputs]
+
+
+def test_vllm_engine_arguments_are_accepted_and_change_nothing(tiny_model_dirs, llm, caplog):
+    """None means the default; parallelism, logging and loading knobs are dropped with one warning naming them."""
+    with caplog.at_level(logging.WARNING, logger="batchgen.llm"):
+        client = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory=64 << 20,
+                     tensor_parallel_size=1, trust_remote_code=True, tokenizer_mode="auto", max_num_seqs=None,
+                     quantization=None, seed=None, enable_lora=None, max_lora_rank=None, disable_log_stats=True,
+                     enforce_eager=True, kv_cache_dtype="auto", load_format="auto", tokenizer=None,
+                     swap_space=1 << 20)
+    (warning,) = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert all(name in warning for name in ("tensor_parallel_size", "trust_remote_code", "tokenizer_mode",
+                                            "disable_log_stats"))
+    prompts = ["The sea is", "One plus one is"]
+    assert texts(client.generate(prompts=prompts, sampling_params=GREEDY, use_tqdm=False)) == \
+        texts(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("options, field, message", [
+    ({"max_num_seq": 4}, "max_num_seq", "did you mean 'max_num_seqs'"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", "supports only 'auto'"),
+    ({"load_format": "dummy"}, "load_format", "supports only 'auto' or 'safetensors'"),
+    ({"tokenizer": "some/other-tokenizer"}, "tokenizer", "own tokenizer"),
+])
+def test_arguments_that_would_change_the_output_are_refused(tiny_model_dirs, options, field, message):
+    with pytest.raises(ConfigError) as e:
+        LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", **options)
+    (problem,) = e.value.problems
+    assert problem.option == field and message in problem.message
+    assert LLM.check_config(str(tiny_model_dirs["llama"]), **options) == [problem]
+
+
+def test_prompt_dicts_and_token_prompts_are_prompts_not_a_conversation(llm):
+    """A list of vLLM prompt dicts is many prompts (it used to be read as one chat conversation)."""
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer
+    ids = tokenizer.encode("One plus one is")
+    want = texts(llm.generate(["The sea is", "One plus one is"], GREEDY, use_tqdm=False))
+    got = texts(llm.generate([{"prompt": "The sea is"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False))
+    assert got == want
+    assert texts(llm.generate({"prompt": "The sea is"}, GREEDY, use_tqdm=False)) == want[:1]
+    (conversation,) = llm.generate([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)
+    assert conversation.prompt_token_ids and conversation.outputs[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "Describe", "multi_modal_data": {"image": [object()]}}, GREEDY, use_tqdm=False)
