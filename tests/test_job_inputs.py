@@ -476,7 +476,7 @@ def test_missing_datasets_library_is_one_line(tmp_path, monkeypatch):
     r = run(job)
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.stderr.strip() == ("batchgen: error: input.dataset: needs the datasets library: "
-                                "pip install 'batchgen[datasets]'")
+                                "pip install 'datasets>=3' (in a clone of batchgen: pip install -e '.[datasets]')")
 
 
 def test_config_hash_holds_the_dataset_identity(tmp_path):

@@ -115,7 +115,8 @@ def test_ray_missing_is_one_line_with_the_install_command(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "ray", None)
     result = cli("ray", job, "--workers", "2")
     assert result.exit_code == 1
-    assert "Ray is not installed; install it with: pip install 'batchgen[ray]'" in result.output
+    assert ("Ray is not installed; install it with: pip install 'ray[data]>=2.40' (in a clone of batchgen: "
+            "pip install -e '.[ray]')") in result.output
 
 
 def test_node_local_output_dirs_are_told_apart(tmp_path):

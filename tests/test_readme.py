@@ -64,6 +64,7 @@ def make_home(root: Path, model_dir: Path) -> Path:
     job_dir.mkdir()
     for m in BLOCK.finditer(ALL):
         if m["kind"] == "file":
+            (job_dir / m["arg"]).parent.mkdir(parents=True, exist_ok=True)  # tasks/capitals.yaml
             (job_dir / m["arg"]).write_text(m["body"], encoding="utf-8")
     return home
 
@@ -208,6 +209,30 @@ def test_python_api_example(home):
     assert first.strip() and len(eval(samples)) == 4  # one text per sample of the chat
 
 
+def test_lora_guide_makes_the_adapters_its_examples_name(home):
+    """docs/lora.md's adapters are made by its own snippet, where its examples look for them."""
+    pytest.importorskip("peft")
+    from batchgen.lora.checkpoint import read_config
+    from batchgen.lora.request import LoRARequest
+
+    proc = bash(f"{shlex.quote(sys.executable)} - <<'PY'\n{block('python', 'lora-make')}PY", home)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("sql-lora", "chat-lora"):
+        assert f"~/adapters/{name}" in PAGES["docs/lora.md"]
+        read_config(LoRARequest(name, 1, str(home / "adapters" / name)))  # a PEFT adapter batchgen takes
+
+
+def test_no_page_or_message_sends_a_clone_to_a_package_index():
+    """batchgen is installed from its clone: an extra is `pip install -e '.[s3]'` there, never
+    `pip install 'batchgen[s3]'`; `aws s3 cp` to another store needs --endpoint-url."""
+    from batchgen.extras import install_hint
+
+    sources = [*PAGES.values(), *(p.read_text(encoding="utf-8") for p in (REPO / "batchgen").rglob("*.py"))]
+    assert not any("install 'batchgen[" in text for text in sources)
+    assert install_hint("s3", "s3fs") == "pip install 's3fs>=2025.7' (in a clone of batchgen: pip install -e '.[s3]')"
+    assert "aws s3 cp --endpoint-url" in PAGES["docs/buckets.md"]
+
+
 def test_pandas_recipe(home):
     pytest.importorskip("pandas")
     script = f"batchgen run job.yaml >/dev/null\n{shlex.quote(sys.executable)} - <<'PY'\n{block('python', 'pandas')}PY"
@@ -315,7 +340,7 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("task-data", "embed_requests.jsonl"), ("task-job", "score"), ("task-job", "embed"),
             ("task-job", "classify"), ("run-batch-embeddings", None), ("python", "ray-data"),
             ("python", "lora"),  # docs/lora.md, run by tests/test_lora.py and tests/test_lora_jobs.py
-            ("lora-job", None), ("lora-run-batch", None), ("python", "lora-readme"),
+            ("lora-job", None), ("lora-run-batch", None), ("python", "lora-readme"), ("python", "lora-make"),
             ("python", "int8"),  # docs/int8.md, run by tests/test_int8_engine.py
             ("python", "int8-checkpoint"),  # docs/int8.md, run by tests/test_int8_checkpoint.py
             ("eval", None), ("python", "lm-eval")}  # docs/evaluation.md, run by tests/test_lm_eval.py

@@ -22,6 +22,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from ..extras import install_hint
 from ..job.errors import EXIT_ENGINE, EXIT_INTERRUPTED, EXIT_OK, JobError
 from ..job.inputs import InputReader
 from ..job.outputs.formats import format_of
@@ -39,7 +40,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise JobError("Ray is not installed; install it with: pip install 'batchgen[ray]'") from None
+        raise JobError(f"Ray is not installed; install it with: {install_hint('ray', 'ray[data]')}") from None
     return ray
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ...extras import install_hint
 from ..errors import JobError
 from ..spec import DatasetSpec, resolve_path
 from .arrow import BATCH_ROWS, batch_records
@@ -64,7 +65,8 @@ def _datasets() -> Any:
     try:
         import datasets
     except ImportError:
-        raise DatasetProblem("input.dataset", "needs the datasets library: pip install 'batchgen[datasets]'") from None
+        hint = install_hint("datasets", "datasets")
+        raise DatasetProblem("input.dataset", f"needs the datasets library: {hint}") from None
     return datasets
 
 
