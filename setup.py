@@ -11,6 +11,7 @@ import platform
 
 import torch
 from setuptools import setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -59,4 +60,19 @@ else:
         extra_link_args=link_flags,
     )
 
-setup(ext_modules=[extension], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+
+
+class BuildPyWithGuides(build_py):
+    """Ships README.md and docs/*.md in the package (batchgen/docs/), so `batchgen docs TOPIC` prints
+    them where batchgen is installed without its clone."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, "batchgen", "docs")
+        self.mkpath(target)
+        for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+            self.copy_file(path, os.path.join(target, os.path.basename(path)))
+
+
+setup(ext_modules=[extension],
+      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithGuides})

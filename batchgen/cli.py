@@ -27,12 +27,14 @@ from .storage import Location, StorageError, is_url, location
 GUIDES = {
     "run": "docs/cli.md", "ray": "docs/ray.md", "run-batch": "docs/openai-batch.md", "merge": "docs/cli.md",
     "validate": "docs/job-file.md", "status": "docs/cli.md", "slurm": "docs/recipes.md", "eval": "docs/evaluation.md",
+    "docs": "docs/cli.md",
 }
 
 app = typer.Typer(
     name="batchgen",
     help="Offline LLM batch generation: a job file in, Parquet parts out; resumable and shardable.",
-    epilog="\b\nGuide: README.md, then docs/ (one guide per topic)\nCommands, options and exit codes: docs/cli.md",
+    epilog="\b\nGuide: README.md, then docs/ (one guide per topic; batchgen docs lists them, batchgen docs TOPIC "
+           "prints one)\nCommands, options and exit codes: docs/cli.md (batchgen docs cli)",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -50,8 +52,12 @@ class _Command(TyperCommand):
 
 
 def _command(name: str, short_help: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """``app.command`` with a whole line for the command list and the guide below its help."""
-    return app.command(name, cls=_Command, short_help=short_help, epilog=f"\b\nGuide: {GUIDES[name]}")
+    """``app.command`` with a whole line for the command list and the guide below its help: its path in
+    a clone, and the ``batchgen docs`` command that prints it wherever batchgen is installed."""
+    guide = GUIDES[name]
+    topic = Path(guide.partition("#")[0]).stem
+    return app.command(name, cls=_Command, short_help=short_help,
+                       epilog=f"\b\nGuide: {guide} (batchgen docs {topic})")
 
 
 def _show_version(value: bool) -> None:
@@ -459,6 +465,26 @@ def slurm(
                             cpus_per_task=cpus_per_task, mem=mem, max_parallel=max_parallel)
         path = write_script(spec, job.resolve(), opts, out)
         print(f"wrote {path}; submit with: sbatch {path}")
+
+
+@_command("docs", "List the guides, or print one: batchgen docs cli.")
+def docs(
+    topic: Annotated[str | None, typer.Argument(
+        metavar="TOPIC", show_default=False,
+        help="The guide to print: its file's name without .md (cli, job-file, buckets, ...; readme).")] = None,
+) -> None:
+    """List the guides (README.md and docs/*.md, shipped with batchgen), or print the one named."""
+    from .guides import guide_files, guide_text, title
+
+    if topic is None:
+        for name, path in guide_files().items():
+            print(f"{name:<20} {title(path)}")
+        return
+    try:
+        print(guide_text(topic), end="")
+    except LookupError as e:
+        _err(f"batchgen: error: {e.args[0]}")
+        raise typer.Exit(EXIT_ERROR) from None
 
 
 def _output_dir(text: str) -> Location:

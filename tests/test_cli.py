@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
 from jobkit import FAKE, REPO, cli, run, setup_job
 
-from batchgen import __version__
+from batchgen import __version__, guides
 from batchgen.cli import GUIDES, app
 
-COMMANDS = ["run", "ray", "run-batch", "merge", "validate", "status", "slurm"]
+COMMANDS = ["run", "ray", "run-batch", "merge", "validate", "status", "slurm", "eval", "docs"]
 
 
 def _commands() -> dict[str, Any]:
@@ -42,7 +43,7 @@ def test_version_and_help_exit_0():
     assert set(_commands()) == set(COMMANDS)
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("name", [c for c in COMMANDS if c != "eval"])  # eval passes -h on to lm-eval's own help
 def test_each_command_has_a_plain_usage_help_for_every_option_and_its_guide(name):
     r = cli(name, "-h")
     assert r.exit_code == 0, r.output
@@ -56,7 +57,7 @@ def test_each_command_has_a_plain_usage_help_for_every_option_and_its_guide(name
         if param.param_type_name == "option" and not param.is_flag:
             assert param.metavar, f"{name} {param.opts[0]} shows its type instead of what it takes"
     page, _, anchor = GUIDES[name].partition("#")
-    assert f"Guide: {GUIDES[name]}" in r.stdout
+    assert f"Guide: {GUIDES[name]} (batchgen docs {Path(page).stem})" in r.stdout
     assert (REPO / page).is_file(), GUIDES[name]
     assert not anchor or anchor in _anchors((REPO / page).read_text(encoding="utf-8")), GUIDES[name]
 
@@ -116,3 +117,22 @@ def test_validate_json_for_scripts(tmp_path):
     gone = cli("validate", tmp_path / "gone.yaml", "--json")
     assert gone.exit_code == 1 and json.loads(gone.stdout)["problems"] == [
         {"field": "", "message": f"job file not found: {tmp_path / 'gone.yaml'}"}]
+
+
+def test_docs_lists_the_guides_and_prints_one(tmp_path, monkeypatch):
+    listed = cli("docs")
+    assert listed.exit_code == 0
+    assert re.search(r"^cli +The command line$", listed.stdout, re.M)
+    assert re.search(r"^readme +batchgen$", listed.stdout, re.M) and "troubleshooting" in listed.stdout
+    assert cli("docs", "cli").stdout == (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert cli("docs", "Buckets.md").stdout.startswith("# Buckets")
+    wrong = cli("docs", "clii")
+    assert wrong.exit_code == 1 and wrong.stderr == (
+        "batchgen: error: no guide 'clii' (did you mean 'cli'?); `batchgen docs` lists them\n")
+    assert "batchgen docs lists them" in cli("-h").stdout
+    shipped = tmp_path / "docs"  # an installed wheel's copy (setup.py's build_py) wins over a clone's
+    shipped.mkdir()
+    (shipped / "cli.md").write_text("# The command line, shipped\n")
+    monkeypatch.setattr(guides, "PACKAGED", shipped)
+    assert cli("docs").stdout == "cli                  The command line, shipped\n"
+    assert cli("docs", "cli").stdout == "# The command line, shipped\n"
