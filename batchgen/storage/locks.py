@@ -32,15 +32,43 @@ _LEASE = re.compile(r"^(?P<name>.+)\.lease\.(?P<gen>\d{10})$")
 
 
 class LockHeld(StorageError):
-    """Another process holds the lock; the message names it."""
+    """Another process holds the lock; the message names it. For a lease: the seconds ``expires_in`` and
+    the ``generation`` held, and whether the holder runs on this host (``here``: then it is alive)."""
+
+    def __init__(self, message: str, expires_in: float | None = None, generation: int = 0, here: bool = False):
+        super().__init__(message)
+        self.expires_in, self.generation, self.here = expires_in, generation, here
 
 
 class LockLost(StorageError):
     """This process held a lease and another run has taken it over."""
 
 
+_HOLDER = re.compile(r"^pid (?P<pid>\d+) on (?P<host>\S+)$")
+
+
 def holder_text() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def holder_here(holder: str) -> int | None:
+    """The pid of a holder (``holder_text``) on this host; None for one elsewhere."""
+    m = _HOLDER.match(holder)
+    return int(m.group("pid")) if m and m.group("host") == socket.gethostname() else None
+
+
+def holder_gone(holder: str) -> bool:
+    """Whether a lock's holder is a process of this host that is not running any more."""
+    pid = holder_here(holder)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # running, as another user
+        return False
+    return False
 
 
 @dataclass
@@ -48,6 +76,19 @@ class LockState:
     name: str  # the lock's name (without a lease's generation)
     mtime: float
     held: bool
+    lease: Lease | None = None  # a bucket lock's newest lease
+
+    @property
+    def note(self) -> str | None:
+        """What a held lease says of its holder, where that is more than "running": ``stale (holder ... is
+        not running)`` for a holder of this host that is gone, ``lease expires in Ns`` for one elsewhere."""
+        if not self.held or self.lease is None:
+            return None
+        if holder_gone(self.lease.holder):
+            return f"stale (holder {self.lease.holder} is not running)"
+        if holder_here(self.lease.holder) is not None:
+            return None
+        return f"lease expires in {max(0.0, self.lease.expires - time.time()):.0f}s"
 
 
 class Lock:
@@ -90,7 +131,8 @@ def lock_states(directory: Location) -> list[LockState]:
     for name, state in states.items():
         if not directory.is_local:
             top = _leases(directory / name, files)
-            state.held = bool(top) and _read_lease(top[-1][1]).live
+            state.lease = _read_lease(top[-1][1]) if top else None
+            state.held = state.lease is not None and state.lease.live
     return sorted(states.values(), key=lambda s: s.mtime)
 
 
@@ -189,6 +231,7 @@ class LeaseLock(Lock):
         self.gen = 0
         self.expires = 0.0
         self.lost: str | None = None
+        self.took_over: str | None = None  # why a live lease was taken over (its holder is gone)
         self.token = uuid.uuid4().hex  # makes every lease object's bytes this holder's own
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -212,16 +255,25 @@ class LeaseLock(Lock):
             found = _leases(self.loc)
             top = found[-1][0] if found else 0
             if found:
-                lease = _read_lease(found[-1][1])
-                if lease.live:
-                    left = lease.expires - time.time()
-                    raise LockHeld(f"{lease.holder}; its lease expires in {left:.0f}s unless renewed")
+                self._check_holder(_read_lease(found[-1][1]), top)
             if self._create(top + 1):
                 self._prune(found)
                 self._thread = threading.Thread(target=self._renew, name="batchgen-lease", daemon=True)
                 self._thread.start()
                 return self
         raise LockHeld("other runs are taking the lease at the same time")
+
+    def _check_holder(self, lease: Lease, generation: int) -> None:
+        """Raise ``LockHeld`` if the lease's holder may still be writing: its lease is live, and it is
+        not a process of this host that is gone (a killed run's lease is taken over at once)."""
+        if not lease.live:
+            return
+        if holder_gone(lease.holder):
+            self.took_over = f"{lease.holder} is not running"
+            return
+        left = lease.expires - time.time()
+        raise LockHeld(f"{lease.holder}; its lease expires in {left:.0f}s unless renewed", left, generation,
+                       holder_here(lease.holder) is not None)
 
     def _prune(self, older: list[tuple[int, Location]]) -> None:
         for _, loc in older:

@@ -166,7 +166,7 @@ class Runner:
             out_dir.prepare_dir()
         except OSError as e:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
-        lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait)
+        lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait, self.reporter.message)
         try:
             with engine_steps(self.reporter):
                 return self._run_locked(reader, lock)

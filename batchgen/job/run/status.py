@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...storage import Location, location
-from ...storage.locks import lock_states
+from ...storage.locks import LockState, lock_states
 from ..ids import DoneIds
 from ..inputs import InputReader
 from ..inputs.reader import repeated_ids
@@ -36,11 +36,12 @@ class ShardStatus:
     missing: int | None = None
     running: bool = False
     started: bool = False
+    lease: str | None = None  # a held bucket lease, where "running" would say too much (LockState.note)
 
     @property
     def state(self) -> str:
         if self.running:
-            return "running"
+            return self.lease or "running"
         if self.missing == 0:
             return "done"
         return "incomplete" if self.started else "not started"
@@ -64,11 +65,11 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
     job = load_saved_job(out_dir)
     saved = read_saved(out_dir) or {}
     parts = list_parts(out_dir)
-    lock_shards: dict[Shard, bool] = {}  # shard -> running now, oldest lock first
+    lock_shards: dict[Shard, LockState] = {}  # oldest lock first
     for state in lock_states(out_dir / LOCK_DIR):
         m = LOCK_RE.match(state.name)
         if m:
-            lock_shards[Shard(int(m.group(1)), int(m.group(2)))] = state.held
+            lock_shards[Shard(int(m.group(1)), int(m.group(2)))] = state
     # The shard count of the newest run decides how missing rows are split.
     count = (list(lock_shards)[-1].count if lock_shards
              else max((pt.shard.count for pt in parts), default=1))
@@ -87,10 +88,11 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
         st.errors += index.errors
         st.started = True
     report.written_twice = done.twice
-    for sh, held in lock_shards.items():
+    for sh, state in lock_shards.items():
         if sh.count == count:
             per[sh.index].started = True
-            per[sh.index].running = held
+            per[sh.index].running = state.held
+            per[sh.index].lease = state.note
     if with_input:
         try:
             reader = InputReader.for_job(job)
