@@ -76,6 +76,16 @@ class _Request:
 MAX_BLAMED_IN_A_ROW = 3
 
 
+def _cache_line(lazy: bool) -> str:
+    """The start-up line about the KV cache (MiB, blocks, block size, swap MiB to fill in): on CPU the cache
+    and the swap space are ceilings, taking memory only as blocks are first written; on CUDA both are
+    taken whole at start."""
+    if lazy:
+        return ("KV cache: reserving up to %d MiB (%d blocks of %d tokens; memory is taken as blocks are first "
+                "written), swap space up to %d MiB")
+    return "KV cache: allocating %d MiB (%d blocks of %d tokens), swap space %d MiB"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -103,9 +113,8 @@ class LLMEngine:
         shape = plan.cache_shape
         num_device_blocks = self._num_device_blocks(shape)
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block
-        logger.info("allocating the KV cache: %d blocks of %d tokens (%d MiB), swap space %d MiB",
-                    num_device_blocks, config.block_size, num_device_blocks * shape.bytes_per_block >> 20,
-                    num_cpu_blocks * shape.bytes_per_block >> 20)
+        logger.info(_cache_line(self.device.type == "cpu"), num_device_blocks * shape.bytes_per_block >> 20,
+                    num_device_blocks, config.block_size, num_cpu_blocks * shape.bytes_per_block >> 20)
         self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device, self.lora)
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=config.block_size,

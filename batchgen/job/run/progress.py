@@ -72,7 +72,7 @@ def make_reporter(interval: float, stream: IO[str] | None = None) -> Reporter:
 @contextmanager
 def engine_steps(reporter: Reporter) -> Iterator[None]:
     """While it lasts, what the engine logs at INFO (its start-up steps: loading weights,
-    allocating the KV cache, compiling a grammar) is one line each of ``reporter``, on a terminal
+    the KV cache, compiling a grammar) is one line each of ``reporter``, on a terminal
     and in logs alike, so a slow start shows what it is waiting for."""
     logger = logging.getLogger("batchgen")
     handler = _ToReporter(reporter)
