@@ -154,19 +154,20 @@ class ParquetParts:
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         schema = schema.with_metadata({k.encode(): v.encode() for k, v in meta.items()})
         table = pa.Table.from_pylist(records, schema=schema)
-        create_part(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        create_part(path, lambda tmp: pq.write_table(table, tmp, compression="zstd", write_page_checksum=True))
 
     def keys(self, path: Location) -> pa.Table:
         try:
-            return pq.read_table(path.arrow_source(), columns=["id", "num_samples", "error"])
+            return pq.read_table(path.arrow_source(), columns=["id", "num_samples", "error"],
+                                 page_checksum_verification=True)
         except (OSError, pa.ArrowException) as e:
-            raise JobError(f"cannot read part {path}: {e}; move it away if it is not a batchgen part") from None
+            raise _unreadable(path, e) from None
 
     def drop_errors(self, path: Location) -> int:
         try:
-            table = pq.read_table(path.arrow_source())
+            table = pq.read_table(path.arrow_source(), page_checksum_verification=True)
         except (OSError, pa.ArrowException) as e:
-            raise JobError(f"cannot read part {path}: {e}") from None
+            raise _unreadable(path, e) from None
         errors = table.num_rows - table.column("error").null_count
         if errors == 0:
             return 0
@@ -175,7 +176,7 @@ class ParquetParts:
             ids = pc.unique(kept.column("id")).to_pylist()
             meta = {**_decoded(kept.schema.metadata), **index_meta(ids, 0, kept.num_rows)}
             kept = kept.replace_schema_metadata(meta)
-            write_whole(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd"))
+            write_whole(path, lambda tmp: pq.write_table(kept, tmp, compression="zstd", write_page_checksum=True))
         else:
             remove_file(path)
         return errors
@@ -184,13 +185,13 @@ class ParquetParts:
         try:
             return _decoded(pq.read_schema(path.arrow_source()).metadata)
         except (OSError, pa.ArrowException) as e:
-            raise JobError(f"cannot read part {path}: {e}") from None
+            raise _unreadable(path, e) from None
 
     def read_index(self, path: Location, size: int) -> tuple[dict[str, str], PartIndex | None]:
         try:
             footer = pq.read_metadata(path.arrow_source())
         except (OSError, pa.ArrowException) as e:
-            raise JobError(f"cannot read part {path}: {e}") from None
+            raise _unreadable(path, e) from None
         meta = _decoded(footer.metadata)
         return meta, _index(meta, META_ROWS, footer.num_rows)
 
@@ -293,6 +294,10 @@ class JsonlParts:
 
     def read_index(self, path: Location, size: int) -> tuple[dict[str, str], PartIndex | None]:
         meta = read_meta(path)
+        written = meta.get(META_BYTES)
+        if written is not None and written != str(size):
+            raise UnreadablePart(f"part {path} is {size:,} bytes, {int(written):,} when it was written: "
+                                 "truncated or torn")
         return meta, _index(meta, META_BYTES, size)
 
     @staticmethod
@@ -315,10 +320,10 @@ class JsonlParts:
             try:
                 obj = json.loads(line)
             except ValueError:
-                raise JobError(f"cannot read part {path}: line {n} is not JSON; move the part away "
-                               "if it is not a batchgen part") from None
+                raise UnreadablePart(f"cannot read part {path}: line {n} is not JSON (corrupt, or not a "
+                                     "batchgen part)") from None
             if not isinstance(obj, dict):
-                raise JobError(f"cannot read part {path}: line {n} is not a JSON object")
+                raise UnreadablePart(f"cannot read part {path}: line {n} is not a JSON object")
             yield at, line, obj
 
 
@@ -338,6 +343,17 @@ class OpenAIBatchParts(JsonlParts):
 
 class PartExists(JobError):
     """A part of this name exists already: another run is writing the same shard."""
+
+
+class UnreadablePart(JobError):
+    """A part that is not whole: truncated, torn or corrupt (its footer, a line, its size, a page checksum)."""
+
+
+def _unreadable(path: Location, e: BaseException) -> JobError:
+    """A Parquet part that cannot be read: corrupt (``UnreadablePart``), or the store failed (``JobError``)."""
+    if isinstance(e, pa.ArrowException):
+        return UnreadablePart(f"cannot read part {path}: {str(e).splitlines()[0]} (truncated or corrupt)")
+    return JobError(f"cannot read part {path}: {e}")
 
 
 def create_part(path: Location, write: Any) -> None:

@@ -37,9 +37,10 @@ from ..ids import DoneIds
 from ..inputs import Row
 from ..shard import Shard
 from ..structured import parsed_json
-from .formats import ParquetParts, PartFormat, PartIndex, format_of, index_meta
+from .formats import ParquetParts, PartFormat, PartIndex, UnreadablePart, format_of, index_meta, meta_path
 from .task_rows import TaskShape, task_rows, task_schema_columns
 
+CORRUPT_DIR = ".corrupt"  # where parts that are not whole are set aside (hidden: readers skip it)
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})-(\d{6})\.(parquet|jsonl)$")
 META_HASH = "batchgen.config_hash"
 
@@ -162,6 +163,7 @@ class Recovered:
     next_seq: int = 0
     parts: int = 0
     retried: int = 0  # error rows removed so that their rows are generated again
+    set_aside: list[str] = field(default_factory=list)  # one line per corrupt part moved to CORRUPT_DIR
 
 
 def read_part(path: Location | Path) -> tuple[pa.Table, int]:
@@ -224,16 +226,23 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
         same_count = part.shard.count == shard.count
         if same_count and part.shard.index != shard.index:
             continue
-        meta, indexed = format_of(part.path).read_index(part.path, part.info.size)
+        if same_count:
+            rec.next_seq = max(rec.next_seq, part.seq + 1)  # a set-aside part's name is not used again
+        try:
+            meta, indexed = format_of(part.path).read_index(part.path, part.info.size)
+            index = indexed or index_from_rows(part.path)
+        except UnreadablePart as e:
+            if not same_count:
+                raise
+            rec.set_aside.append(f"{e}; set aside as {set_aside(part.path)}, its rows are generated again")
+            continue
         old = meta.get(META_HASH, "?")
         if old != config_hash and not force:
             raise JobError(
                 f"{part.path.name} in {out_dir} was written by another job configuration (config {old}, "
                 f"this job {config_hash}); use a new output.dir, or pass --force to keep its rows and "
                 "do the rest with the new configuration")
-        index = indexed or index_from_rows(part.path)
         if same_count:
-            rec.next_seq = max(rec.next_seq, part.seq + 1)
             if retry_errors and index.errors:
                 rec.retried += drop_error_rows(part.path)
                 if not part.path.exists():
@@ -244,6 +253,21 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
         rec.done_here += len(index) if same_count else sum(map(shard.owns, index.ids))
         rec.errors_here += index.errors if same_count else 0
     return rec
+
+
+def set_aside(part: Location) -> Location:
+    """Move a part that is not whole (and a JSONL part's sidecar) into ``CORRUPT_DIR``, never deleting it;
+    where it went."""
+    aside_dir = part.parent / CORRUPT_DIR
+    aside_dir.prepare_dir()
+    for path in (part, meta_path(part)):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        (aside_dir / path.name).publish_bytes(data)
+        path.remove()
+    return aside_dir / part.name
 
 
 def drop_error_rows(path: Location | Path) -> int:

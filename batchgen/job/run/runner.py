@@ -185,6 +185,8 @@ class Runner:
             self.reporter.message(f"--limit {self.limit:,}: the first {self.limit:,} rows of shard {shard} only, "
                                   f"written to {out_dir} (the job's own output.dir is not touched)")
         plan = Plan(shard, done_before=rec.done_here, total=total, exact=exact, task=job.spec.task)
+        for line in rec.set_aside:
+            self.reporter.message(f"warning: {line}")
         if rec.retried:
             self.reporter.message(f"--retry-errors: removed {rec.retried:,} error rows of shard {shard}; "
                                   "their rows are generated again")

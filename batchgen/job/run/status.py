@@ -18,6 +18,7 @@ from ...storage.locks import LockState, lock_states
 from ..ids import DoneIds
 from ..inputs import InputReader
 from ..inputs.reader import repeated_ids
+from ..outputs.formats import UnreadablePart
 from ..outputs.saved import load_saved_job, read_saved
 from ..outputs.writer import list_parts, part_ids, summarize
 from ..shard import Shard, shard_of
@@ -58,6 +59,7 @@ class Report:
     duplicates: int = 0  # input rows repeating the id of an earlier row
     duplicate_examples: list[str] = field(default_factory=list)  # the first few, as error messages
     input_error: str | None = None
+    corrupt: list[str] = field(default_factory=list)  # parts that are not whole, one line each
 
 
 def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
@@ -77,7 +79,11 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
     per = {i: ShardStatus(Shard(i, count)) for i in range(count)}
     done = DoneIds()
     for part in parts:
-        index = summarize(part.path, part.info.size)[1]
+        try:
+            index = summarize(part.path, part.info.size)[1]
+        except UnreadablePart as e:
+            report.corrupt.append(str(e))
+            continue
         done.add_part(None, partial(part_ids, part.path), index.hashes)
         if part.shard.count != count:
             report.other_parts += 1
@@ -132,7 +138,7 @@ def as_json(report: Report) -> dict[str, Any]:
                   "missing": sum(known) if len(known) == len(shards) else None},
         "other_parts": report.other_parts, "written_twice": report.written_twice,
         "duplicates": report.duplicates, "duplicate_examples": report.duplicate_examples,
-        "input_error": report.input_error,
+        "input_error": report.input_error, "corrupt_parts": report.corrupt,
     }
 
 
@@ -159,6 +165,8 @@ def render(report: Report) -> str:
             lines.append(f"  ... and {report.duplicates - len(report.duplicate_examples):,} more")
     if report.written_twice:
         lines.append(f"warning: {report.written_twice} ids appear in more than one part")
+    lines += [f"warning: {c}; the next run of its shard sets it aside and generates its rows again"
+              for c in report.corrupt]
     if report.input_error:
         lines.append(f"note: cannot read the input to count missing rows: {report.input_error}")
     return "\n".join(lines)
