@@ -5,14 +5,16 @@ a local run."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 
 import pytest
 from bucketkit import bucket_outputs
-from jobkit import batchgen_cmd, subprocess_env
+from jobkit import batchgen_cmd, kill_at_random_moments, subprocess_env
 from s3_faults import FaultProxy
 from test_buckets import bucket_job, local_reference
 
+from batchgen.storage import location
 from batchgen.storage.options import StorageOptions
 from batchgen.storage.stores import Retries, is_transient
 
@@ -60,6 +62,31 @@ def test_a_mix_of_faults_at_12_percent_of_requests(tmp_path, bucket, s3_server):
         assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr, again.stderr
         assert len(proxy.faults) >= 4, proxy.faults
     assert bucket_outputs(f"{bucket}/out") == expected
+
+
+def test_sigkill_rounds_on_top_of_a_12_percent_mix(tmp_path, bucket, s3_server):
+    """Killed at random moments while the store fails in flight; each rerun takes the killed run's lease over
+    at once (same host) and no transient fault ends one: every (id, sample) once, the text of a local run."""
+    rows = 200
+    expected = local_reference(tmp_path, rows)
+    job = bucket_job(tmp_path / "b", bucket, rows=rows, storage=STORAGE)
+    out = location(f"{bucket}/out")
+
+    def parts() -> int:
+        return sum(1 for p in out.list_files() if p.name.startswith("part-"))
+
+    def check() -> None:
+        done = bucket_outputs(str(out))  # no (id, sample) twice at any point
+        assert all(expected[k] == v for k, v in done.items())
+
+    with FaultProxy(s3_server.endpoint, rate=0.12, seed=5757, delay=0.2) as proxy:
+        env = subprocess_env(AWS_ENDPOINT_URL=proxy.endpoint, FAKE_LLM_STEP_SLEEP="0.004")
+        kills = kill_at_random_moments(job, env, parts, random.Random(57), rounds=5, anywhere=0.3, after_kill=check)
+        final = run_through(proxy, job)
+        assert final.returncode == 0, final.stderr
+        assert len(proxy.faults) >= 4, proxy.faults
+    assert kills >= 2
+    assert bucket_outputs(str(out)) == expected
 
 
 def test_a_permanent_refusal_is_not_retried(tmp_path, bucket, s3_server):
