@@ -80,3 +80,16 @@ def test_an_unclosed_bracket_is_named_at_the_line_it_opens(tmp_path):
     assert r.exit_code == 1 and len(r.stderr.splitlines()) == 2
     assert r.stderr.startswith(f"invalid YAML at line {opened + 1}, column 14: expected ',' or ']', but got ':' "
                                f"(parsing a flow sequence begun at line {opened}, column 9)"), r.stderr
+
+
+def test_a_missing_or_misnamed_input_bucket_says_so(tmp_path, bucket):
+    """docs/buckets.md: a bucket that is not there is "no such bucket", for the input as for the output."""
+    cases = (("s3://no-such-input-bucket-56/prompts/*.jsonl", "s3://no-such-input-bucket-56: no such bucket"),
+             (f"{bucket}/nothing/*.jsonl", f"no input file matches '{bucket}/nothing/*.jsonl'"))
+    for where, said in cases:
+        job = setup_job(tmp_path, rows=3, input={"paths": [where]})
+        r = validate(job)
+        assert r.exit_code == 1 and r.stderr.splitlines()[0].startswith(f"input.paths[0]: {said}"), r.stderr
+    misnamed = setup_job(tmp_path, rows=3, input={"paths": ["s3://Not_A_Bucket/prompts/a.jsonl"]})
+    r = validate(misnamed)
+    assert r.exit_code == 1 and "s3://Not_A_Bucket: no such bucket" in r.stderr, r.stderr

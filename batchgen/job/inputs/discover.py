@@ -50,8 +50,7 @@ def discover(spec: InputSpec, base_dir: Path | Location, exclude: Location | Non
         if exclude is not None:
             matches = [p for p in matches if not p.is_under(exclude)]
         if not matches:
-            shown = str(location(pattern, base, storage))
-            problems.append(Problem(f"input.paths[{i}]", f"no input file matches {shown!r}"))
+            problems.append(Problem(f"input.paths[{i}]", _no_match(location(pattern, base, storage))))
         for p in matches:
             if p in seen:
                 continue
@@ -66,6 +65,17 @@ def discover(spec: InputSpec, base_dir: Path | Location, exclude: Location | Non
     if len(formats) > 1:
         problems.append(Problem("input.paths", f"all input files must have one format; found {', '.join(formats)}"))
     return files, problems
+
+
+def _no_match(pattern: Location) -> str:
+    """Why nothing matches ``pattern``: its bucket is not there (or cannot be named so), as the store
+    says; else no file matches."""
+    if not pattern.is_local:
+        try:
+            pattern.prepare_dir()  # creates nothing: asks whether the bucket exists
+        except OSError as e:
+            return str(e)
+    return f"no input file matches {str(pattern)!r}"
 
 
 def _matches(full: Location) -> list[Location]:
