@@ -67,6 +67,8 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.faults: Counter[str] = Counter()
         self.statuses: Counter[int] = Counter()
+        self.kinds_seen: Counter[str] = Counter()  # requests by S3 kind (request_kind): LIST, GET, PUT, ...
+        self.lease_requests = 0  # of them, the ones on lease objects (``.locks/``)
         self.requests = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -100,6 +102,8 @@ class FaultProxy:
         """The fault for this request, if any (counted)."""
         with self._lock:
             self.requests += 1
+            self.kinds_seen[request_kind(method, path)] += 1
+            self.lease_requests += "/.locks/" in path
             kind = self._scripted(method, path, create_only) or self._drawn(method)
             if kind:
                 self.faults[kind] += 1
@@ -146,6 +150,15 @@ class FaultProxy:
         if self._thread.is_alive():
             self.server.shutdown()
         self.server.server_close()
+
+
+def request_kind(method: str, path: str) -> str:
+    """What S3 bills a request as: LIST (a GET of a bucket, path style), else its method."""
+    url = urlsplit(path)
+    bucket_and_key = url.path.lstrip("/").split("/", 1)
+    if method == "GET" and (len(bucket_and_key) < 2 or not bucket_and_key[1] or "list-type" in url.query):
+        return "LIST"
+    return method
 
 
 def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:

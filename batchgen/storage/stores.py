@@ -334,20 +334,27 @@ class FsspecStore(Store):
     def _fresh(self, path: str) -> None:
         self.fs.invalidate_cache(path)
 
+    # fsspec's exists/isdir/isfile answer False for any error, a throttled request's included: these ask
+    # info, whose transient errors are retried, and read "not there" from FileNotFoundError alone.
     @_mapped
     def exists(self, path: str) -> bool:
-        self._fresh(path)
-        return bool(self.fs.exists(path))
+        return self._kind(path) is not None
 
     @_mapped
     def is_dir(self, path: str) -> bool:
-        self._fresh(path)
-        return bool(self.fs.isdir(path))
+        return self._kind(path) == "directory"
 
     @_mapped
     def is_file(self, path: str) -> bool:
+        return self._kind(path) == "file"
+
+    def _kind(self, path: str) -> str | None:
+        """"file", "directory", or None where nothing is there."""
         self._fresh(path)
-        return bool(self.fs.isfile(path))
+        try:
+            return str(self.fs.info(path).get("type"))
+        except FileNotFoundError:
+            return None
 
     @_mapped
     def info(self, path: str) -> FileInfo:
