@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import time
 
 import pytest
 from bucketkit import bucket_outputs
@@ -86,6 +87,37 @@ def test_sigkill_rounds_on_top_of_a_12_percent_mix(tmp_path, bucket, s3_server):
         assert final.returncode == 0, final.stderr
         assert len(proxy.faults) >= 4, proxy.faults
     assert kills >= 2
+    assert bucket_outputs(str(out)) == expected
+
+
+def test_a_holder_cut_off_from_its_lease_longer_than_the_lease_stops_writing(tmp_path, bucket, s3_server):
+    """Every renewal refused (500) from the first part on: past its lease the run stops before its next part,
+    in one line, so no other run can take the shard over while it writes; a rerun finishes the job."""
+    rows = 600
+    expected = local_reference(tmp_path, rows)
+    job = bucket_job(tmp_path / "b", bucket, rows=rows,
+                     storage={"lease_seconds": 2, "retries": 2, "retry_wait": 0.05, "retry_max_wait": 0.1})
+    out = location(f"{bucket}/out")
+    with FaultProxy(s3_server.endpoint) as proxy:
+        env = subprocess_env(AWS_ENDPOINT_URL=proxy.endpoint, FAKE_LLM_STEP_SLEEP="0.02")
+        proc = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(p.name.startswith("part-") for p in out.list_files()):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.05)
+            proxy.add("error500", method="PUT", key=r"\.lease\.", times=10_000)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1 and "this run stops writing" in stderr and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    done = bucket_outputs(str(out))
+    assert 0 < len(done) < len(expected) and all(expected[k] == v for k, v in done.items())
+    final = subprocess.run(batchgen_cmd("run", job), env=subprocess_env(), capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
     assert bucket_outputs(str(out)) == expected
 
 
