@@ -295,7 +295,7 @@ def _chain(e: BaseException) -> list[BaseException]:
     err: BaseException | None = e
     while err is not None and err not in out and len(out) < 16:
         out.append(err)
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return out
 
 
