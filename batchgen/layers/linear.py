@@ -47,8 +47,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """Whether `weight` packs: into batchgen's bf16 GEMM panels, or oneDNN's layout, whose bf16 kernels need
+    AVX-512 (or AVX-NE-CONVERT): on an AVX2-only processor a bf16 weight stays as it is (torch's linear)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
+        uses_gemm_panels(weight) or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 MAX_PANEL_DEPTH = 5120  # two panels of 48 outputs x this many inputs fill a 1 MiB L2; see uses_gemm_panels
