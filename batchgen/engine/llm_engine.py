@@ -23,6 +23,7 @@ import torch
 from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.beam_search import BeamSearch
 from batchgen.engine.config import SchedulerConfig
+from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
 from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
@@ -115,7 +116,11 @@ class LLMEngine:
         num_cpu_blocks = config.swap_bytes // shape.bytes_per_block
         logger.info(_cache_line(self.device.type == "cpu"), num_device_blocks * shape.bytes_per_block >> 20,
                     num_device_blocks, config.block_size, num_cpu_blocks * shape.bytes_per_block >> 20)
-        self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device, self.lora)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            max_blocks = -(-self.max_model_len // config.block_size)
+            graphs = DecodeGraphs(model, self.device, config.max_num_seqs, max_blocks)
+        self.runner = ModelRunner(model, shape, num_device_blocks, num_cpu_blocks, self.device, self.lora, graphs)
         self.scheduler = Scheduler(SchedulerConfig(
             block_size=config.block_size,
             num_device_blocks=num_device_blocks,

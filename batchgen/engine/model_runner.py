@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from batchgen import ops
+from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.flat_batch import flat_batch
 from batchgen.layers.attention import AttentionMetadata
 from batchgen.layers.lora import Segment
@@ -49,8 +50,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: CacheShape, num_device_blocks: int, num_cpu_blocks: int,
-                 device: torch.device, lora: LoRAManager | None = None):
+                 device: torch.device, lora: LoRAManager | None = None, graphs: DecodeGraphs | None = None):
         self.model, self.shape, self.device, self.lora = model, shape, device, lora
+        self.graphs = graphs  # decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py), or None
         self.block_size = shape.block_size
         pin = device.type == "cuda"
         # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
@@ -136,7 +138,10 @@ class ModelRunner:
         ids, pos, meta, first_row = self.prepare(out.scheduled, out.lora_slots)
         if self.lora is not None:
             self.lora.batch.segments = lora_segments(out.scheduled, first_row, out.lora_slots)
-        hidden = self.model(ids, pos, meta)
+        if self.graphs is not None and not out.lora_slots and self.graphs.fits(meta, ids.shape[0]):
+            hidden = self.graphs.forward(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)
         rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
         if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decode)
             picked = hidden
