@@ -227,3 +227,18 @@ def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
     for row in (mixed, parallel):
         assert row["steps"] > 0 and row["roofline_s"] > 0 and row["output_tok_s"] > 0
         assert row["gpu_busy_share"] is None  # measured on CUDA only
+
+
+def test_eval_bench_quick_pass(tiny_model_dirs, tmp_path, capsys):
+    """scripts/bench_eval.py with lm-eval's hf backend and batchgen on the tiny model: one JSON line each with
+    its wall time and request count, the same requests for both, and the ratio line."""
+    spec = importlib.util.spec_from_file_location("bench_eval", BENCH.parent / "bench_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_eval"] = module
+    spec.loader.exec_module(module)
+    rows = module.main(["--model", str(tiny_model_dirs["llama"]), "--docs", "2", "--dtype", "float32",
+                        "--backends", "hf,batchgen", "--json", str(tmp_path / "eval.json")])
+    assert [r["backend"] for r in rows] == ["hf", "batchgen"]
+    assert rows[0]["requests"] == rows[1]["requests"] == 2 * (4 + 1 + 1)
+    assert all(r["seconds"] > 0 for r in rows)
+    assert "batchgen:" in capsys.readouterr().out
