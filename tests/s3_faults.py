@@ -74,6 +74,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.server = http.server.ThreadingHTTPServer((HOST, 0), _handler(self))
         self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # type: ignore[method-assign]  # clients hang up
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self._timer = threading.Timer(lifetime, self.close)
         self._timer.daemon = True
