@@ -80,6 +80,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name): `llm.llm_engine.model_config.max_model_len` as vLLM's clients read it."""
+        return self.engine
+
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's name for `tokenizer`); None with skip_tokenizer_init."""
         return self.engine.tokenizer

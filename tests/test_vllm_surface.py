@@ -57,6 +57,7 @@ def test_prompt_dicts_and_token_prompts_are_prompts_not_a_conversation(llm):
     """A list of vLLM prompt dicts is many prompts (it used to be read as one chat conversation)."""
     tokenizer = llm.get_tokenizer()
     assert tokenizer is llm.tokenizer
+    assert llm.llm_engine.model_config.max_model_len == 1024  # the tiny model's max_position_embeddings
     ids = tokenizer.encode("One plus one is")
     want = texts(llm.generate(["The sea is", "One plus one is"], GREEDY, use_tqdm=False))
     got = texts(llm.generate([{"prompt": "The sea is"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False))

@@ -55,6 +55,15 @@ AnyOutput = RequestOutput | PoolingRequestOutput | CompletionScore
 logger = logging.getLogger(__name__)  # start-up steps at INFO; `batchgen run` shows them
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model as the engine runs it, under vLLM's names."""
+
+    model: str
+    max_model_len: int
+    dtype: torch.dtype
+
+
 @dataclass
 class _Request:
     group: SequenceGroup
@@ -290,6 +299,11 @@ class LLMEngine:
             kind = "a classification head" if self.class_labels is not None else "no language-model head"
             raise ValueError(f"model: {what} needs a language-model head, and this model has {kind}; "
                              "it can embed" + (" and classify" if self.class_labels is not None else ""))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """What vLLM's clients read as `llm.llm_engine.model_config` (lm-eval: its max_model_len)."""
+        return ModelConfig(self.config.model, self.max_model_len, self.dtype)
 
     @property
     def grammars(self) -> GrammarBackend:

@@ -118,7 +118,7 @@ class BatchgenLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.llm.engine.max_model_len
+        return self.llm.llm_engine.model_config.max_model_len
 
     @property
     def max_gen_toks(self) -> int:
