@@ -4,7 +4,15 @@ from torch import nn
 
 from batchgen import _C, ops
 from batchgen.layers import linear as linear_module
-from batchgen.layers.linear import Linear, PackedLinear, PackedSiluAndMul, gather_panels, linear, pack_linears
+from batchgen.layers.linear import (
+    Linear,
+    PackedLinear,
+    PackedSiluAndMul,
+    gather_panels,
+    linear,
+    onednn_bf16,
+    pack_linears,
+)
 
 # With AMX, oneDNN picks its kernels by the number of rows in ranges (see layers/linear.py): bf16
 # oneDNN rows and unpacked F.linear rows depend on the batch there, and the engine uses neither.
@@ -14,7 +22,9 @@ ONEDNN_AMX_REASON = "oneDNN's AMX kernels round rows by batch size; the engine d
 # (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
 # and into oneDNN's layout elsewhere; both are tested here, the latter by refusing the panels.
 LAYOUTS = [(torch.float32, "onednn"),
-           pytest.param(torch.bfloat16, "onednn", marks=pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON)),
+           pytest.param(torch.bfloat16, "onednn", marks=[
+               pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON),
+               pytest.mark.skipif(not onednn_bf16(), reason="oneDNN's bf16 needs AVX-512 (an AVX2-only CPU here)")]),
            pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
                not ops.has_gemm_bf16(), reason="no AVX512-BF16 here"))]
 
@@ -101,6 +111,10 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
 
     path = tiny_model_dirs[arch]
     model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
+    if not (ops.has_gemm_bf16() or onednn_bf16()):  # an AVX2-only CPU: bf16 weights stay torch's linear
+        assert not [name for name, m in model.named_modules() if isinstance(m, (PackedLinear, PackedSiluAndMul))]
+        assert model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16()).dtype == torch.bfloat16
+        return
     assert not [name for name, m in model.named_modules() if isinstance(m, Linear)]
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
     head = model.lm_head if model.lm_head is not None else model._tied_head

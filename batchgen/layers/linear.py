@@ -46,13 +46,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _on_min_rows(lambda rows: F.linear(rows, weight, bias), x)
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 here: it needs AVX-512 (or AVX-NE-CONVERT), and raises on an AVX2-only CPU."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` packs: into batchgen's bf16 GEMM panels, or oneDNN's layout, whose bf16 kernels need
-    AVX-512 (or AVX-NE-CONVERT): on an AVX2-only processor a bf16 weight stays as it is (torch's linear)."""
+    """Whether `weight` packs, into batchgen's bf16 GEMM panels or oneDNN's layout; on an AVX2-only processor a
+    bf16 weight stays as it is (torch's linear)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
-        uses_gemm_panels(weight) or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        uses_gemm_panels(weight) or onednn_bf16()))
 
 
 MAX_PANEL_DEPTH = 5120  # two panels of 48 outputs x this many inputs fill a 1 MiB L2; see uses_gemm_panels
