@@ -100,6 +100,19 @@ def smollm2_dir():
     return ensure_smollm2()
 
 
+@pytest.fixture(autouse=True)
+def _kernel_table_restored():
+    """Each test ends with the kernel table it started with: an engine may switch it (bf16 on an avx2-only
+    processor takes the scalar table, see llm_engine.avoid_bf16_on_avx2), and the next test must not inherit
+    that."""
+    from batchgen import _C
+
+    active = _C.cpu_isa()
+    yield
+    if _C.cpu_isa() != active:
+        _C.set_cpu_isa(active)
+
+
 @pytest.fixture
 def cpu_isas():
     """Every instruction set the CPU kernels were built for; the one active before the test is
