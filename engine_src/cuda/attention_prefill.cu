@@ -313,19 +313,24 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   }
 }
 
-template <typename T, int HEAD_DIM>
-cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
-  using Config = PrefillConfig<T, HEAD_DIM>;
-  if (Config::kSmemBytes > kDefaultSmemLimit) {
-    // Opting in is per device and cheap, so it is done on every launch.
-    const cudaError_t err = cudaFuncSetAttribute(paged_attention_prefill_kernel<T, HEAD_DIM>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(Config::kSmemBytes));
+// Launches a prefill kernel over (tile, kv head) with `smem_bytes` of dynamic shared memory, opting in past the
+// default 48 KB (per device and cheap, so it is done on every launch).
+inline cudaError_t launch_over_tiles(void (*kernel)(PrefillParams), const PrefillParams& p, int64_t num_tiles,
+                                     int threads, size_t smem_bytes, cudaStream_t stream) {
+  if (smem_bytes > kDefaultSmemLimit) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(p.num_kv_heads));
-  paged_attention_prefill_kernel<T, HEAD_DIM><<<grid, kPrefillThreads, Config::kSmemBytes, stream>>>(p);
+  kernel<<<grid, threads, smem_bytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
+  return launch_over_tiles(paged_attention_prefill_kernel<T, HEAD_DIM>, p, num_tiles, kPrefillThreads,
+                           PrefillConfig<T, HEAD_DIM>::kSmemBytes, stream);
 }
 
 
@@ -654,16 +659,8 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 
 template <typename T, int HEAD_DIM>
 cudaError_t launch_prefill_tc(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
-  using Config = TcConfig<T, HEAD_DIM>;
-  if (Config::kSmemBytes > kDefaultSmemLimit) {
-    const cudaError_t err = cudaFuncSetAttribute(paged_attention_prefill_tc_kernel<T, HEAD_DIM>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(Config::kSmemBytes));
-    if (err != cudaSuccess) return err;
-  }
-  const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(p.num_kv_heads));
-  paged_attention_prefill_tc_kernel<T, HEAD_DIM><<<grid, kTcThreads, Config::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_over_tiles(paged_attention_prefill_tc_kernel<T, HEAD_DIM>, p, num_tiles, kTcThreads,
+                           TcConfig<T, HEAD_DIM>::kSmemBytes, stream);
 }
 
 // The tensor-core kernel needs sm_80 (mma.sync with bf16, cp.async) and 16-byte aligned rows: query and
