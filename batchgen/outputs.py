@@ -8,6 +8,38 @@ from dataclasses import dataclass, field
 from batchgen.lora.request import LoRARequest
 
 
+class Logprob(float):
+    """One token's log-probability at one position, as vLLM's `Logprob`: `.logprob`, `.rank` (1-based, among
+    the whole vocabulary at that position: 1 + how many tokens score higher, ties counted as vLLM does) and
+    `.decoded_token` (the token's text alone; None when the request does not detokenize).
+
+    It is a float too, so code that reads these dicts as token id -> float (sums, `max(d, key=d.get)`, the
+    Parquet and JSON writers, lm-eval's `getattr(lp, "logprob", lp)`) reads it unchanged."""
+
+    __slots__ = ("rank", "decoded_token")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+# Per position: token id -> its Logprob (the chosen or actual token, and the top k).
+LogprobDict = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -15,7 +47,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort"; None while unfinished
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: top-k token id -> logprob
+    logprobs: list[LogprobDict] | None = None  # per generated token: the sampled token and the top k
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     valid: bool | None = None  # structured outputs: a whole string of the grammar; None if unconstrained
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
@@ -40,8 +72,8 @@ class RequestOutput:
     error: str | None = None  # set when the request could not be served (e.g. prompt too long)
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per token a dict of token id ->
-    # logprob with the token itself and the top k (vLLM's shape, floats for its Logprob objects)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Logprob with the token itself and the top k (vLLM's shape)
+    prompt_logprobs: list[LogprobDict | None] | None = None
     lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field); None: the base model
 
 

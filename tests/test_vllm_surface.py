@@ -67,3 +67,39 @@ def test_prompt_dicts_and_token_prompts_are_prompts_not_a_conversation(llm):
     assert conversation.prompt_token_ids and conversation.outputs[0].token_ids
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "Describe", "multi_modal_data": {"image": [object()]}}, GREEDY, use_tqdm=False)
+
+
+def test_prompt_logprobs_as_lm_eval_reads_them(llm):
+    """lm-eval's loglikelihood call: the actual token and the top-ranked one at each position, each a Logprob
+    with its logprob, its 1-based rank among the vocabulary and (when detokenizing) its text."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The sea is blue and the sky is")
+    scoring = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], scoring, use_tqdm=False)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for token, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert token in entry and 1 <= len(entry) <= 2
+        best = max(entry, key=lambda t: entry[t].logprob)
+        assert entry[best].rank == 1 and entry[token].rank >= 1
+        assert (entry[token].rank == 1) == (token == best)
+        assert entry[token].decoded_token is None  # detokenize=False, as vLLM
+        assert float(entry[token]) == entry[token].logprob <= 0
+    (named,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, prompt_logprobs=0, max_tokens=1),
+                            use_tqdm=False)
+    for token, entry, scored in zip(ids[1:], named.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+        assert list(entry) == [token] and entry[token].decoded_token == tokenizer.decode([token])
+        assert (entry[token].logprob, entry[token].rank) == (scored[token].logprob, scored[token].rank)
+
+
+def test_a_rank_counts_the_tokens_scoring_higher(llm):
+    """Sampled tokens' logprobs carry ranks too: with top 3, a random sample's own rank says where it stood."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, logprobs=3)
+    (out,) = llm.generate(["The sea is"], params, use_tqdm=False)
+    sample = out.outputs[0]
+    for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+        assert sorted(lp.rank for t, lp in entry.items() if t != token or lp.rank <= 3)[:3] == [1, 2, 3]
+        ordered = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert all(a.logprob >= b.logprob for a, b in zip(ordered, ordered[1:]))
+        assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
+    assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(sample.token_ids,
+                                                                                       sample.logprobs)))

@@ -28,7 +28,7 @@ from batchgen.engine.host_memory import release_freed_memory, retain_freed_memor
 from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
 from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
 from batchgen.engine.preflight import plan_model, too_few_blocks
-from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs
+from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs, name_tokens
 from batchgen.engine.prompts import EncodedPrompt, Prompt, PromptEncoder
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
@@ -567,6 +567,7 @@ class LLMEngine:
             return self._score_output(req)
         completions = self._sample_completions(req) if req.beams is None else self._beam_completions(req)
         prompt_logprobs = req.reader.vllm_list() if req.reader is not None and group.error is None else None
+        self._name_logprob_tokens(req.params, prompt_logprobs, *(c.logprobs for c in completions))
         return RequestOutput(group.request_id, req.prompt, prompt_ids, completions, True, group.error, req.metrics,
                              prompt_logprobs, req.lora_request)
 
@@ -598,6 +599,12 @@ class LLMEngine:
             out.token_logprobs = list(reader.chosen) if params.token_logprobs else None
             out.top_logprobs = list(reader.top) if params.logprobs is not None else None
         return out
+
+    def _name_logprob_tokens(self, params: SamplingParams, *positions: list | None) -> None:
+        """The decoded_token of each Logprob, where the request detokenizes (vLLM leaves it None otherwise)."""
+        if self.tokenizer is not None and getattr(params, "detokenize", True):
+            for p in positions:
+                name_tokens(p, self.tokenizer)
 
     def _text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
         if not (output and self.tokenizer and getattr(params, "detokenize", True)):  # beams always detokenize

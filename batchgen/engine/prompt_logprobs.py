@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from batchgen import ops
+from batchgen.layers.sampler import top_entry, vocab_ranks
+from batchgen.outputs import Logprob, LogprobDict
 
 # Rows of logits made at once: 32 x a 152k vocabulary (Qwen) is 19 MB of float32. On SmolLM2 (49k) a
 # 4,096-token prompt's logprobs grew a fresh process's peak RSS by 8-29 MiB at 32 rows, 76-104 MiB at 64
@@ -41,7 +44,7 @@ class PromptLogprobs:
     first: int
     k: int | None = None
     chosen: list[float] = field(default_factory=list)  # logprob of token first + i
-    top: list[dict[int, float]] = field(default_factory=list)  # when k is set: top k and the chosen token
+    top: list[LogprobDict] = field(default_factory=list)  # when k is set: top k and the chosen token
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= len(self.token_ids):
@@ -67,9 +70,9 @@ class PromptLogprobs:
         self.chosen.clear()
         self.top.clear()
 
-    def vllm_list(self) -> list[dict[int, float] | None]:
+    def vllm_list(self) -> list[LogprobDict | None]:
         """vLLM's `RequestOutput.prompt_logprobs`: None for the first prompt token, then per token a dict
-        of token id -> logprob holding the token itself and the top k."""
+        of token id -> Logprob holding the token itself and the top k."""
         return [None] + list(self.top)
 
 
@@ -99,19 +102,24 @@ class LogprobBatch:
         rows = [r for w in self._wanted for r in w.rows]
         targets = torch.tensor([t for w in self._wanted for t in w.targets], dtype=torch.long, device=hidden.device)
         k = max((w.reader.k or 0 for w in self._wanted), default=0)
+        ranked = any(w.reader.k is not None for w in self._wanted)  # the dicts hold Logprobs with ranks
         picked = hidden[torch.tensor(rows, device=hidden.device)]
-        chosen, top_ids, top_values = [], [], []
+        chosen, ranks, top_ids, top_values = [], [], [], []
         for start in range(0, len(rows), LOGIT_ROWS):
             logits = compute_logits(picked[start:start + LOGIT_ROWS])
             _, log_total = ops.argmax_logsumexp(logits)
             log_total = log_total.to(logits.device)
             span = targets[start:start + LOGIT_ROWS]
-            chosen.append(logits.gather(1, span[:, None]).squeeze(1).float() - log_total)
+            target_logits = logits.gather(1, span[:, None])
+            chosen.append(target_logits.squeeze(1).float() - log_total)
+            if ranked:
+                ranks.append(vocab_ranks(logits, target_logits))
             if k:
                 values, ids = logits.topk(k, dim=-1)
                 top_ids.append(ids)
                 top_values.append(values.float() - log_total[:, None])
         chosen_list = torch.cat(chosen).tolist()
+        rank_list = torch.cat(ranks).tolist() if ranked else None
         ids_list = torch.cat(top_ids).tolist() if k else None
         values_list = torch.cat(top_values).tolist() if k else None
         i = 0
@@ -120,7 +128,19 @@ class LogprobBatch:
             reader.chosen += chosen_list[i:i + n]
             if reader.k is not None:
                 for j in range(i, i + n):
-                    entry = dict(zip(ids_list[j][:reader.k], values_list[j][:reader.k], strict=True)) if k else {}
-                    entry[w.targets[j - i]] = chosen_list[j]
+                    entry = top_entry(ids_list[j][:reader.k], values_list[j][:reader.k]) if k else {}
+                    entry[w.targets[j - i]] = Logprob(chosen_list[j], rank_list[j])
                     reader.top.append(entry)
             i += n
+
+
+
+def name_tokens(positions: list[LogprobDict | None] | None, tokenizer: Any) -> None:
+    """Sets each Logprob's `decoded_token` to its token's text alone (vLLM's: the token decoded by itself),
+    decoding each distinct token once."""
+    texts: dict[int, str] = {}
+    for entry in positions or ():
+        for token, logprob in (entry or {}).items():
+            if token not in texts:
+                texts[token] = tokenizer.decode([token])
+            logprob.decoded_token = texts[token]

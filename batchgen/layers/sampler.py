@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from batchgen import ops
+from batchgen.outputs import Logprob, LogprobDict
 from batchgen.sampling_params import SamplingParams
 from batchgen.tokens import PromptThenOutputs
 
@@ -65,7 +66,7 @@ class SamplingRow(PromptThenOutputs):
 class SampledTokens:
     token_ids: list[int]
     logprobs: list[float]  # of the chosen token under the model's distribution
-    top_logprobs: list[dict[int, float] | None]
+    top_logprobs: list[LogprobDict | None]
 
 
 def _editable_copy(logits: torch.Tensor, which: list[int], rows: list[SamplingRow]) -> torch.Tensor:
@@ -232,7 +233,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
         log_totals.append(log_total)
     token_ids = torch.cat(chosen).tolist()
     chosen_logprobs = torch.cat(logprobs).tolist()
-    top: list[dict[int, float] | None] = [None] * len(rows)
+    top: list[LogprobDict | None] = [None] * len(rows)
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
     if wanted:
         # The most likely tokens straight from the logits (log_softmax keeps their order), then
@@ -240,9 +241,28 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
         k = min(max(1, *(rows[r].params.logprobs for r in wanted)), logits.shape[1])
         values, indices = ops.top_k(logits, k, _selection(logits, wanted))
         values = values - torch.cat(log_totals)[wanted, None]
+        ranks = _chosen_ranks(logits, wanted, token_ids)
         for i, r in enumerate(wanted):
             n = rows[r].params.logprobs
-            entry = dict(zip(indices[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-            entry[token_ids[r]] = chosen_logprobs[r]
+            entry = top_entry(indices[i, :n].tolist(), values[i, :n].tolist())
+            entry[token_ids[r]] = Logprob(chosen_logprobs[r], ranks[i])
             top[r] = entry
     return SampledTokens(token_ids, chosen_logprobs, top)
+
+
+def _chosen_ranks(logits: torch.Tensor, wanted: list[int], token_ids: list[int]) -> list[int]:
+    """The sampled token's rank in the model's distribution (before bans and penalties) of each wanted row."""
+    picked = logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
+    chosen = torch.tensor([token_ids[r] for r in wanted], dtype=torch.long, device=logits.device)
+    return vocab_ranks(picked, picked.gather(1, chosen[:, None])).tolist()
+
+
+def vocab_ranks(logits: torch.Tensor, token_logits: torch.Tensor) -> torch.Tensor:
+    """Each row's token's 1-based rank in its row of logits ([rows, 1] beside [rows, vocab]): the tokens
+    scoring at least as high, itself included (vLLM's count, so a tie ranks below its equals)."""
+    return (logits >= token_logits).sum(dim=-1)
+
+
+def top_entry(ids: list[int], values: list[float]) -> dict[int, Logprob]:
+    """The top k of one position, best first: ranks 1..k."""
+    return {token: Logprob(value, rank) for rank, (token, value) in enumerate(zip(ids, values, strict=True), 1)}
