@@ -161,7 +161,10 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: AnyLoRA = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text or token ids); outputs come back in input order."""
+        """Generates for every prompt; outputs come back in input order. A prompt is a text, token ids, vLLM's
+        `{"prompt": text}` or `{"prompt_token_ids": ids}`, or, for a vision-language model, `{"prompt": text,
+        "multi_modal_data": {"image": image or [images]}}` (PIL images; a text without the model's image
+        placeholder gets one per image in front of it; docs/vision.md)."""
         return self._run(_prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(
@@ -171,7 +174,10 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: AnyLoRA = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates. A message's content may be
+        a list of OpenAI content parts: `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url":
+        {"url": ...}}` (a path, bucket or data: URL, loaded with `batchgen.images.load_image`) or `{"type":
+        "image", "image": <PIL image>}` (vision-language models; docs/vision.md)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run(list(conversations), sampling_params, use_tqdm, lora_request=lora_request)
@@ -252,7 +258,7 @@ class LLM:
         single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) or (
             prompts and isinstance(prompts[0], dict) and "role" in prompts[0])
         prompts = [prompts] if single else list(prompts)
-        outputs = self._run([_prompt_of(p) for p in prompts], params, use_tqdm, lora_request=lora_request)
+        outputs = self._run(prompts, params, use_tqdm, lora_request=lora_request)
         return [BeamSearchOutput.of(out) for out in outputs]
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, desc: str = "generating",
@@ -302,10 +308,10 @@ def _per_prompt(lora_request: AnyLoRA, num_prompts: int) -> list[LoRARequest | N
 
 def _prompt_list(prompts: Prompt | dict | Sequence[Prompt | dict]) -> list[Prompt]:
     """One prompt (a text, token ids, a conversation or one of vLLM's prompt dicts) as a list of one, a list of
-    prompts as it is; vLLM's dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`) become their text or ids."""
+    prompts as it is (PromptEncoder.normalize reads each one's shape)."""
     single = isinstance(prompts, (str, dict)) or bool(prompts) and (
         isinstance(prompts[0], int) or isinstance(prompts[0], dict) and "role" in prompts[0])
-    return [_prompt_of(p) for p in ([prompts] if single else prompts)]
+    return [prompts] if single else list(prompts)
 
 
 def _task(params: PoolingParams | Sequence[PoolingParams], task: str) -> PoolingParams | list[PoolingParams]:
@@ -314,15 +320,3 @@ def _task(params: PoolingParams | Sequence[PoolingParams], task: str) -> Pooling
         if not isinstance(p, PoolingParams) or p.task != task:
             raise ValueError(f"pooling_params: {task} takes PoolingParams(task={task!r}), got {p!r}")
     return params
-
-
-def _prompt_of(prompt: Prompt | dict) -> Prompt:
-    """vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`) as the engine's prompts."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if prompt.get("multi_modal_data"):
-        raise ValueError("prompt: multi_modal_data (images) is not supported yet: batchgen takes text prompts")
-    for key in ("prompt_token_ids", "prompt"):
-        if key in prompt:
-            return prompt[key]
-    raise ValueError(f"prompt: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")

@@ -2,8 +2,9 @@
 
 Blocks are reference-counted: forked samples share their parent's blocks, and with prefix caching,
 full blocks are shared across requests by content. A full block's key is a hash of its parent
-block's key and its own token ids (a first block's parent: its LoRA adapter, see prefix_root); a
-lookup verifies the stored token ids and parent key, so a hash collision can never hand out wrong
+block's key and its own content: its token ids, and the content hashes of the images whose tokens it
+holds (block_content; a first block's parent: its LoRA adapter, see prefix_root); a lookup verifies the
+stored content and parent key, so a hash collision can never hand out wrong
 K/V. A cached block whose last holder lets go stays findable ("evictable") until its slot is needed:
 fresh allocations take never-cached free blocks first, then evict the least recently freed cached
 block. Sequences free their blocks last block first, so a prefix outlives its tails. Never-cached
@@ -29,7 +30,7 @@ class Block:
     num_filled: int = 0  # leading slots whose K/V has been computed
     hash: int | None = None  # set once the block is full and registered for prefix caching
     parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: tuple | None = None  # its content (block_content)
 
 
 @dataclass(kw_only=True)
@@ -61,6 +62,17 @@ class BlockStats:
 
 def block_key(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def block_content(seq: Sequence, index: int, block_size: int) -> tuple:
+    """What block `index` of seq's K/V depends on besides its parent: its token ids, and with images the content
+    hashes of those whose tokens fall in it (two images give their tokens the same ids)."""
+    start, end = index * block_size, (index + 1) * block_size
+    tokens = tuple(seq.token_ids[start:end])
+    if seq.multi_modal is None:
+        return tokens
+    images = seq.multi_modal.block_extra_key(start, end)
+    return (*tokens, ("images", images)) if images else tokens
 
 
 def prefix_root(seq: Sequence) -> int | None:
@@ -177,10 +189,10 @@ class BlockManager:
     # --- prefix caching ---------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Content keys of seq's first num_blocks full blocks, extending seq.block_hashes."""
-        bs, hashes, tokens = self.block_size, seq.block_hashes, seq.token_ids
+        bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_key(hashes[-1] if i else prefix_root(seq), tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(block_key(hashes[-1] if i else prefix_root(seq), block_content(seq, i, bs)))
         return hashes
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -199,7 +211,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self._device[block_id]
-            if block.parent_hash != parent or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
+            if block.parent_hash != parent or block.token_ids != block_content(seq, i, bs):
                 break  # a hash collision: the stored block holds other tokens
             hits.append(block_id)
             parent = key
@@ -212,7 +224,7 @@ class BlockManager:
             return  # already registered, or the same content sits in another block
         bs, key = self.block_size, hashes[index]
         block.hash, block.parent_hash = key, hashes[index - 1] if index else prefix_root(seq)
-        block.token_ids = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+        block.token_ids = block_content(seq, index, bs)
         self._by_hash[key] = block_id
 
     # --- sequences --------------------------------------------------------------------------

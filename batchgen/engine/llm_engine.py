@@ -37,6 +37,7 @@ from batchgen.layers.sampler import SamplingRow, mix_seed, sample
 from batchgen.lora.manager import LoRAManager
 from batchgen.lora.request import LoRARequest
 from batchgen.models.loader import load_model, load_tokenizer
+from batchgen.models.vision.processing import load_preprocessor
 from batchgen.outputs import (
     ClassificationOutput,
     CompletionOutput,
@@ -133,7 +134,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             release_freed_memory()
         self.vocab_size = model.vocab_size
-        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size)
+        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size,
+                                     load_preprocessor(plan.model_dir, plan.hf_config, self.tokenizer))
         self.has_lm_head = getattr(model, "has_lm_head", True)
         self.class_labels: list[str] | None = getattr(model, "class_labels", None)  # a classifier's, else None
         self.pooling_config = read_pooling_config(plan.model_dir)
@@ -248,14 +250,15 @@ class LLMEngine:
         beams = BeamSearch(params, self.stopper) if isinstance(params, BeamSearchParams) else None
         if beams is not None:
             params = beams.params.sampling_params
-        text, token_ids = self.prompts.encode(prompt)
+        encoded = self.prompts.encode_prompt(prompt)
+        text, token_ids = encoded.text, encoded.token_ids
         self.prompts.checked_token_ids("stop_token_ids", params.stop_token_ids, allow_empty=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
         grammar = self._grammar_for(params)
         arrival = next(self._arrivals)
         seed = params.seed if params.seed is not None else mix_seed(self.config.seed, arrival)
-        seq = Sequence(next(self._seq_ids), token_ids)
+        seq = Sequence(next(self._seq_ids), token_ids, multi_modal=encoded.multi_modal)
         if grammar is not None:
             grammar.add(seq.seq_id)
         group = SequenceGroup(request_id, arrival, params, [seq], beam_width=beams.params.beam_width if beams else 0)
@@ -472,7 +475,8 @@ class LLMEngine:
     def _restart(self, request_id: str) -> None:
         """Puts a request into the scheduler from its prompt again, as a new arrival."""
         req = self._requests[request_id]
-        seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids, lora_id=req.group.lora_id)
+        seq = Sequence(next(self._seq_ids), req.group.prompt_token_ids, lora_id=req.group.lora_id,
+                       multi_modal=req.group.seqs[0].multi_modal)
         req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width,
                                   prefill_only=req.group.prefill_only)
         req.stop_reasons.clear()

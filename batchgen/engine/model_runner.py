@@ -17,6 +17,7 @@ from batchgen.engine.flat_batch import flat_batch
 from batchgen.layers.attention import AttentionMetadata
 from batchgen.layers.lora import Segment
 from batchgen.lora.manager import LoRAManager
+from batchgen.models.vision.inputs import MultiModalRow
 
 
 @dataclass
@@ -138,7 +139,10 @@ class ModelRunner:
         ids, pos, meta, first_row = self.prepare(out.scheduled, out.lora_slots)
         if self.lora is not None:
             self.lora.batch.segments = lora_segments(out.scheduled, first_row, out.lora_slots)
-        if self.graphs is not None and not out.lora_slots and self.graphs.fits(meta, ids.shape[0]):
+        images = multi_modal_rows(out.scheduled, first_row) if getattr(self.model, "takes_images", False) else []
+        if images:
+            hidden = self.model(ids, pos, meta, images)
+        elif self.graphs is not None and not out.lora_slots and self.graphs.fits(meta, ids.shape[0]):
             hidden = self.graphs.forward(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)
@@ -149,6 +153,13 @@ class ModelRunner:
             picked = hidden[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device)] if rows else None
         logits = self.model.compute_logits(picked) if rows else None
         return StepOutput(logits, hidden, first_row)
+
+
+def multi_modal_rows(scheduled, first_row: list[int]) -> list[MultiModalRow]:
+    """The step's sequences with images, for a vision-language model (which embeds their image tokens and, with
+    M-RoPE, positions them)."""
+    return [MultiModalRow(first_row[i], s.start, s.num_new_tokens, s.seq.multi_modal)
+            for i, s in enumerate(scheduled) if s.seq.multi_modal is not None]
 
 
 def lora_segments(scheduled, first_row: list[int], lora_slots: dict[int, int]) -> list[Segment]:

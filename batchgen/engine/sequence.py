@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.models.vision.inputs import MultiModalInputs
 from batchgen.sampling_params import SamplingParams
 from batchgen.tokens import PromptThenOutputs
 
@@ -49,6 +50,8 @@ class Sequence(PromptThenOutputs):
     extra: dict[str, Any] = field(default_factory=dict)
     keep_hidden_from: int | None = None
     lora_id: int = 0  # the LoRA adapter it runs with (LoRARequest.lora_int_id); 0: the base model
+    # A vision-language prompt's images (shared by the request's samples); None: a text prompt.
+    multi_modal: MultiModalInputs | None = field(default=None, repr=False)
     # Content hashes of the leading full blocks (prefix caching); kept by the block manager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
 
@@ -86,6 +89,7 @@ class Sequence(PromptThenOutputs):
             logprobs=list(self.logprobs),
             extra=dict(self.extra),
             lora_id=self.lora_id,
+            multi_modal=self.multi_modal,
             block_hashes=list(self.block_hashes),
         )
 

@@ -18,6 +18,9 @@ NATIVE_ARCHITECTURES = {
     "Phi3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    # vision-language models: a native decoder under the family's vision part (models/vision/)
+    "LlavaForConditionalGeneration": "vision",
+    "Qwen2VLForConditionalGeneration": "vision",
 }
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {

@@ -191,8 +191,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.angles(positions)
+        return self.decode(self.embed_tokens(input_ids), self.rotary.angles(positions), meta)
+
+    def decode(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm over input embeddings `x` ([num_tokens, hidden]) rotated by `rope` (a
+        vision-language model brings its own of both: image embeddings at image tokens, M-RoPE angles)."""
+        residual, positions = None, rope.positions
         lora = {"lora_segments": self.lora_batch.table()} if self.lora_batch and self.lora_batch.segments else {}
         if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()):
             attn = self.attention_layers()

@@ -71,9 +71,10 @@ def load_tokenizer(model_dir: Path):
         raise ValueError(f"cannot load the tokenizer of {str(model_dir)!r}: {first_line(e)}") from None
 
 
-def native_config(hf_config, max_model_len: int | None = None) -> LlamaConfig:
-    """The native model's config (a GemmaConfig for the Gemma family); a classifier's has its labels."""
-    arch = decoder_architecture(hf_config)
+def native_config(hf_config, max_model_len: int | None = None, arch: str | None = None) -> LlamaConfig:
+    """The native model's config (a GemmaConfig for the Gemma family); a classifier's has its labels. `arch`:
+    the decoder's architecture where the config does not name it (a vision-language model's text config)."""
+    arch = arch or decoder_architecture(hf_config)
     family = NATIVE_ARCHITECTURES.get(arch)
     if family is None:
         raise ValueError(f"architecture {arch!r} has no native implementation")
@@ -124,7 +125,7 @@ def missing_weights(model_dir: Path) -> str | None:
     return f"model directory {str(model_dir)!r} has no *.safetensors files"
 
 
-def _checkpoint_tensors(model_dir: Path):
+def checkpoint_tensors(model_dir: Path):
     from safetensors import safe_open
 
     if missing := missing_weights(model_dir):
@@ -143,6 +144,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     `for_lora`: packed for LoRA layers, `quantization`: "int8" or None (native models only, see
     LlamaForCausalLM.pack_weights); a checkpoint quantized ahead (models/quantized.py) runs in its mode whatever
     `quantization` says (preflight refuses a contradiction)."""
+    if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) == "vision":
+        from batchgen.models.vision.loader import load_vision_model
+
+        return load_vision_model(model_dir, hf_config, dtype, device, max_model_len, for_lora, quantization)
     if model_impl == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 
@@ -150,21 +155,29 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     return _load_native(model_dir, hf_config, dtype, device, max_model_len, for_lora, quantization)
 
 
-def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, for_lora: bool = False, quantization: str | None = None) -> LlamaForCausalLM:
-    cfg = native_config(hf_config, max_model_len)
+def empty_native(cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
+                 weight_scales: dict | None = None) -> LlamaForCausalLM:
+    """The native model of `cfg`, its weights uninitialised (`weight_scales`: an int8 checkpoint's
+    `quantized_projections`, which get places of their own)."""
     model_class = GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
     with torch.device("meta"):  # no random init of parameters the checkpoint overwrites (~1.7 s for 135M)
         model = model_class(cfg).to(dtype)
-    prequantized = checkpoint_quantization(hf_config)
-    if prequantized:  # the int8 values go into the weights; their scales need a place of their own
-        add_weight_scales(model, quantized_projections(model_dir))
+    if weight_scales is not None:
+        add_weight_scales(model, weight_scales)
     model.to_empty(device=device)
     for rotary in model.modules():
         if isinstance(rotary, RotaryEmbedding):
             rotary.reset_table()
-    model.load_weights(int8_checkpoint_tensors(_checkpoint_tensors(model_dir)) if prequantized
-                       else _checkpoint_tensors(model_dir))
+    return model
+
+
+def _load_native(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, for_lora: bool = False, quantization: str | None = None) -> LlamaForCausalLM:
+    cfg = native_config(hf_config, max_model_len)
+    prequantized = checkpoint_quantization(hf_config)
+    model = empty_native(cfg, dtype, device, quantized_projections(model_dir) if prequantized else None)
+    model.load_weights(int8_checkpoint_tensors(checkpoint_tensors(model_dir)) if prequantized
+                       else checkpoint_tensors(model_dir))
     model.eval().requires_grad_(False)
     if prequantized:
         dequantize_heads(model)

@@ -1,0 +1,64 @@
+"""What a prompt's images become before the engine sees them, and what a step hands the model.
+
+`MultiModalInputs` is made once per prompt on the reader's thread (models/vision/processing.py): the
+processor's pixel values of each image, where its tokens sit in the prompt, a hash of its content and,
+for M-RoPE models, the prompt's 3-section positions. A step gives the model one `MultiModalRow` per
+scheduled sequence that has images; the model computes an image's embeddings once per request (kept in
+`MultiModalInputs.features` until the prefill has passed the image) and slices them for each chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a prompt, preprocessed: its tokens are prompt positions [start, start + length)."""
+
+    pixel_values: torch.Tensor  # as the model's image processor gave it, for this image alone
+    start: int
+    length: int
+    content_hash: int  # of the pixel values: what the prefix cache keys the image's blocks by
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patches in time, height, width
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(eq=False)
+class MultiModalInputs:
+    """The images of one prompt (in prompt order) and, for M-RoPE models, the prompt's positions."""
+
+    images: list[ImageInput]
+    mrope_positions: torch.Tensor | None = None  # int64 [3, prompt tokens]
+    rope_delta: int = 0  # M-RoPE: a token at index i >= the prompt's length sits at position i + rope_delta
+    # image index -> its embeddings [length, hidden], computed once for the request's prefill
+    features: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return 0 if self.mrope_positions is None else self.mrope_positions.shape[1]
+
+    def block_extra_key(self, start: int, end: int) -> tuple[int, ...]:
+        """The content hashes of the images whose tokens fall in positions [start, end): what a KV block of
+        those positions depends on besides its tokens (and its parent block)."""
+        return tuple(image.content_hash for image in self.images if image.start < end and image.end > start)
+
+    def drop_features_before(self, position: int) -> None:
+        """Forgets the embeddings of images wholly before `position` (their prefill is done)."""
+        for index in [i for i in self.features if self.images[i].end <= position]:
+            del self.features[index]
+
+
+@dataclass(frozen=True)
+class MultiModalRow:
+    """A scheduled sequence with images: batch rows [row, row + count) hold its positions [start, start + count)."""
+
+    row: int
+    start: int
+    count: int
+    inputs: MultiModalInputs

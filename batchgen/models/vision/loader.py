@@ -1,0 +1,38 @@
+"""Builds a vision-language model from a Hugging Face directory: the native decoder from the text config, the
+family's vision part from transformers' own modules, the checkpoint's tensors into both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.models.loader import checkpoint_tensors, empty_native, native_config
+from batchgen.models.vision.llava import LlavaModel
+from batchgen.models.vision.model import VisionLanguageModel
+from batchgen.models.vision.qwen2_vl import Qwen2VLModel
+
+FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel}
+# The native decoder of a text config's model type.
+DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM"}
+
+
+def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                      for_lora: bool = False, quantization: str | None = None) -> VisionLanguageModel:
+    text = hf_config.get_text_config()
+    arch = DECODERS.get(text.model_type)
+    if arch is None:
+        raise ValueError(f"model: batchgen has no native decoder for {hf_config.model_type}'s text model "
+                         f"{text.model_type!r} (native: {', '.join(DECODERS)})")
+    if quantization:
+        raise ValueError("quantization: int8 compute is not available for vision-language models yet")
+    language_model = empty_native(native_config(text, max_model_len, arch), dtype, device)
+    with torch.device(device):
+        model = FAMILIES[hf_config.model_type](hf_config, language_model)
+    model.to(dtype)  # the vision part; the decoder is in `dtype` already
+    model.load_weights(checkpoint_tensors(model_dir))
+    model.eval().requires_grad_(False)
+    model.pack_weights(for_lora)
+    return model

@@ -1,0 +1,126 @@
+"""A prompt's images through the model's own image processor (transformers'), on the reader's thread: pixel
+values, each image's placeholder token expanded to as many image tokens as the model gives it embeddings, a
+content hash per image, and M-RoPE positions where the model has them.
+
+A family says three things: its placeholder (the text one image stands as in a prompt), how many tokens an
+image's pixel values take, and (Qwen2-VL) the prompt's 3-section positions. The image token of every family
+here is its placeholder token repeated, so the expansion works on token ids: the tokenizer's batched call
+stays one call."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.models.vision.inputs import ImageInput, MultiModalInputs
+
+
+def content_hash(pixel_values: torch.Tensor) -> int:
+    """A 63-bit hash of an image's preprocessed pixels (and their shape): equal images, equal hashes, whatever
+    their file format or path was."""
+    digest = hashlib.blake2b(str(tuple(pixel_values.shape)).encode(), digest_size=8)
+    digest.update(pixel_values.detach().contiguous().cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+class ImagePreprocessor:
+    """The model's image processor and its placeholder expansion (see the module's docstring)."""
+
+    placeholder: str  # what one image stands as in a prompt's text
+
+    def __init__(self, model_dir: Path, hf_config: Any, tokenizer: Any):
+        from transformers import AutoImageProcessor
+
+        self.hf_config = hf_config
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.image_token_id: int = hf_config.image_token_id
+        self.placeholder_token = tokenizer.convert_ids_to_tokens(self.image_token_id) if tokenizer else None
+
+    def split(self, processed: Any, count: int) -> list[tuple[torch.Tensor, tuple[int, int, int] | None, int]]:
+        """Per image: (its pixel values, its grid or None, its number of image tokens)."""
+        raise NotImplementedError
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[torch.Tensor | None, int]:
+        """M-RoPE models: the prompt's [3, len] positions and its rope delta; others: (None, 0)."""
+        return None, 0
+
+    def expand(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
+        """`token_ids` with each placeholder token replaced by its image's tokens, and the images' inputs. A
+        one-line ValueError when the placeholders and the images differ in number."""
+        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(slots) != len(images):
+            raise ValueError(f"prompt: {len(slots)} image placeholder(s) ({self.placeholder_token!r}) in the text "
+                             f"for {len(images)} image(s)")
+        pieces = self.split(self.image_processor(images=images, return_tensors="pt"), len(images))
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        last = 0
+        for slot, (pixels, grid, length) in zip(slots, pieces, strict=True):
+            out += token_ids[last:slot]
+            inputs.append(ImageInput(pixels, len(out), length, content_hash(pixels), grid))
+            out += [self.image_token_id] * length
+            last = slot + 1
+        out += token_ids[last:]
+        mrope, delta = self.positions(out, inputs)
+        return out, MultiModalInputs(inputs, mrope, delta)
+
+
+class LlavaPreprocessor(ImagePreprocessor):
+    """LLaVA: one image, one crop, one token per vision patch (and the CLS token with the "full" strategy)."""
+
+    placeholder = "<image>"
+
+    def split(self, processed, count):
+        vision = self.hf_config.vision_config
+        length = (vision.image_size // vision.patch_size) ** 2
+        if self.hf_config.vision_feature_select_strategy == "full":
+            length += 1
+        pixels = processed["pixel_values"]
+        return [(pixels[i:i + 1], None, length) for i in range(count)]
+
+
+class Qwen2VLPreprocessor(ImagePreprocessor):
+    """Qwen2-VL: an image is a grid of 14x14 patches (its size follows the image's), merged 2x2 into one token."""
+
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, model_dir, hf_config, tokenizer):
+        super().__init__(model_dir, hf_config, tokenizer)
+        self.merge = hf_config.vision_config.spatial_merge_size
+
+    def split(self, processed, count):
+        grids = [tuple(int(x) for x in g) for g in processed["image_grid_thw"]]
+        sizes = [t * h * w for t, h, w in grids]
+        pixels = torch.split(processed["pixel_values"], sizes)
+        return [(p, g, n // self.merge**2) for p, g, n in zip(pixels, grids, sizes, strict=True)]
+
+    def positions(self, token_ids, images):
+        """Text tokens count up by one in all three sections; an image's tokens take (its first position, row,
+        column) from where the text before it stopped, and the text after it goes on from the image's widest
+        side (Qwen2-VL's `get_rope_index`, for still images)."""
+        parts, position, index = [], 0, 0
+        for image in images:
+            text = image.start - index
+            parts.append(torch.arange(position, position + text).expand(3, -1))
+            position += text
+            _, h, w = (g // m for g, m in zip(image.grid_thw, (1, self.merge, self.merge), strict=True))
+            rows = torch.arange(h).repeat_interleave(w)
+            cols = torch.arange(w).repeat(h)
+            parts.append(torch.stack([torch.zeros_like(rows), rows, cols]) + position)
+            position += max(h, w)
+            index = image.end
+        parts.append(torch.arange(position, position + len(token_ids) - index).expand(3, -1))
+        mrope = torch.cat(parts, dim=1)
+        return mrope, int(mrope.max()) + 1 - len(token_ids)
+
+
+PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor}
+
+
+def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
+    """The image preprocessor of a vision-language model (None for a text model)."""
+    family = PREPROCESSORS.get(getattr(hf_config, "model_type", ""))
+    return None if family is None else family(model_dir, hf_config, tokenizer)

@@ -1,0 +1,85 @@
+"""Tiny random vision-language models (LLaVA with a CLIP tower, Qwen2-VL) saved with the tiny tokenizer, its
+image tokens added, an image processor config and a chat template that renders image parts; and the
+transformers reference (greedy `generate`) that batchgen's outputs must match."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import _tiny_tokenizer, save_random_model
+from PIL import Image
+
+TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)
+QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def chat_template(placeholder: str) -> str:
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + placeholder +
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_llava(path, seed: int = 0):
+    """LLaVA: a 2-layer CLIP tower on 32x32 crops of 8x8 patches (16 image tokens an image), a Llama decoder."""
+    import transformers as tf
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = chat_template("<image>")
+    vision = tf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=32, patch_size=8, projection_dim=64)
+    text = tf.LlamaConfig(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                            vision_feature_layer=-2)
+    save_random_model(path, tf.LlavaForConditionalGeneration, config, tok, seed)
+    LlavaImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
+def build_qwen2_vl(path, seed: int = 0):
+    """Qwen2-VL: a 2-block vision transformer on 14x14 patches merged 2x2 (4 to 16 tokens an image), a Qwen2
+    decoder with M-RoPE sections [16, 8, 8]."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
+    tok.chat_template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    text = dict(TEXT, vocab_size=len(tok), rope_parameters={"rope_type": "default", "mrope_section": [16, 8, 8],
+                                                            "rope_theta": 10000.0},
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(depth=2, embed_dim=64, hidden_size=256, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id)
+    save_random_model(path, tf.Qwen2VLForConditionalGeneration, config, tok, seed)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
+    return path
+
+
+def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
+
+
+def hf_greedy(model, encoded, max_new_tokens: int) -> list[int]:
+    """transformers' greedy output for an `EncodedPrompt` (its expanded token ids and images)."""
+    ids = torch.tensor([encoded.token_ids])
+    kwargs = {}
+    if encoded.multi_modal is not None:
+        images = encoded.multi_modal.images
+        kwargs["pixel_values"] = torch.cat([i.pixel_values for i in images])
+        if images[0].grid_thw is not None:
+            kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
+            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
