@@ -27,6 +27,7 @@ import base64
 import binascii
 import io
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,8 @@ def _read(text: str, base: Location | Path | str | None, storage: StorageOptions
         loc = location(text, base, storage)
     except OSError as e:  # a store the storage layer cannot open (a missing library)
         raise ImageError(f"{shown}: {e}") from None
+    if not loc.is_local and ".." in loc.path.split("/"):  # a path relative to a bucket file's directory
+        loc = Location(loc.store, posixpath.normpath(loc.path))
     where = "" if str(loc) == text else f" (looked for {loc})"
     try:
         with loc.open_read() as f:

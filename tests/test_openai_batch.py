@@ -124,7 +124,7 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
         "req.jsonl:6": "req.jsonl:6 (line 7): field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",
         "badn": "req.jsonl line 8: field 'body.n': must be an integer >= 1",
         "toplp": "req.jsonl line 9: field 'body.top_logprobs': needs \"logprobs\": true",
-        "image": "req.jsonl line 10: field 'body.messages': message [0].content: only text parts",
+        "image": "req.jsonl line 10: field 'body.messages': model model takes no images",
         "batch": "req.jsonl line 11: field 'body.prompt': one prompt per line",
         "get": "req.jsonl line 12: field 'method': must be POST",
     }

@@ -35,7 +35,7 @@ from pydantic import (
 
 from ..engine.config import samples_problem
 from ..models.resolve import ModelSource, model_source
-from ..sampling_params import BeamSearchParams, SamplingParams
+from ..sampling_params import PYTHON_ONLY, BeamSearchParams, SamplingParams
 from ..storage import Location, StorageOptions, location
 from .adapters import LORA_COLUMN, JobAdapter, resolve_adapters
 from .errors import JobError, JobInvalid, Problem
@@ -161,6 +161,23 @@ class InputSpec(_Section):
     lora_column: str | None = None  # the LoRA adapter each row runs with (a model.lora_modules name; null: base)
     carry_columns: list[str] = Field(default_factory=list)
     check_model: bool = False  # openai_batch: a request whose body.model is not model.name is an error row
+    images_column: str | None = None  # each row's image, or list of images, for a vision-language model
+    max_image_size: int | str = "64MiB"  # an encoded image larger than this is the row's error
+    max_image_pixels: PositiveInt = 64_000_000  # an image with more pixels is the row's error (bombs)
+    image_memory: int | str = "4GiB"  # decoded images held at once (read ahead and in the engine), about
+
+    @field_validator("max_image_size", "image_memory")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        from ..config import parse_bytes
+
+        try:
+            size = parse_bytes(v, "size")
+        except ValueError:
+            raise ValueError(f"{v!r} is not a size (bytes, or with a unit: '64MiB', '2GB')") from None
+        if size <= 0:
+            raise ValueError("must be more than 0 bytes")
+        return v
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -175,7 +192,7 @@ class InputSpec(_Section):
             raise ValueError("format applies to input.paths; a dataset has its own")
         if self.format == "openai_batch":
             given = [k for k in ("id_column", "prompt_column", "messages_column", "completion_column",
-                                 "lora_column") if getattr(self, k)]
+                                 "lora_column", "images_column") if getattr(self, k)]
             if given:
                 raise ValueError(f"format openai_batch reads custom_id and the body's messages or prompt; "
                                  f"remove {', '.join(given)}")
@@ -262,8 +279,9 @@ class _SamplingBase(_Section):
 def _sampling_fields() -> dict[str, Any]:
     hints = typing.get_type_hints(SamplingParams)
     out: dict[str, Any] = {}
+    names = SamplingParams.field_names()
     for f in dataclasses.fields(SamplingParams):
-        if not f.init:
+        if f.name not in names:
             continue
         ann = {"stop": list[str] | None, "structured_outputs": StructuredOutputsSpec | None}.get(f.name, hints[f.name])
         out[f.name] = (ann, f.default)
@@ -431,7 +449,7 @@ class Job:
             "model": {"path": self.model_source.identity, "revision": s.model.revision, "dtype": s.model.dtype,
                       "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl,
                       "quantization": s.model.quantization},
-            "input": s.input.model_dump(exclude={"paths"}),
+            "input": s.input.model_dump(exclude={"paths", "image_memory"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
             "task": {"name": s.task, **task_options(s.task, getattr(s, s.task, None))},
@@ -478,7 +496,9 @@ _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None,
                    ("sampling", "length_penalty"): 1.0, ("sampling", "early_stopping"): False,
                    ("sampling", "prompt_logprobs"): None, ("input", "completion_column"): None,
                    ("task", "name"): "generate", ("sampling", "lora"): None, ("input", "lora_column"): None,
-                   ("sampling", "detokenize"): True}
+                   ("sampling", "detokenize"): True, ("sampling", "spaces_between_special_tokens"): True,
+                   ("input", "images_column"): None,
+                   ("input", "max_image_size"): "64MiB", ("input", "max_image_pixels"): 64_000_000}
 _LATER_SECTIONS = frozenset({"task"})  # left out of the hash when all their fields are at their defaults
 
 
@@ -609,10 +629,19 @@ def spec_problems(raw: dict[str, Any]) -> list[Problem]:
     if output is not None:
         problems += output_format_problems(output, carry)
     problems += task_problems(raw)
+    problems += image_problems(raw)
     problems += lora_problems(model, sampling, raw.get("input"))
     if sampling is not None and output is not None and raw.get("task", "generate") == "generate":
         problems += prompt_logprobs_problems(sampling, output)
     return problems
+
+
+def image_problems(raw: dict[str, Any]) -> list[Problem]:
+    """Images are prompts to generate from: a task that scores, embeds or classifies takes none."""
+    inp, task = raw.get("input"), raw.get("task", "generate")
+    if isinstance(inp, dict) and inp.get("images_column") and task != "generate":
+        return [Problem("input.images_column", f"images are read for task generate only, not {task}")]
+    return []
 
 
 def lora_problems(model: ModelSpec | None, sampling: Any, inp: Any) -> list[Problem]:
@@ -720,7 +749,9 @@ def sampling_problems(spec: Any) -> list[Problem]:
         if spec.max_tokens is None:
             problems.append(Problem("sampling.max_tokens", "a beam search needs max_tokens"))
     for key in spec.overrides:
-        if key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
+        if key in PYTHON_ONLY:
+            problems.append(Problem(f"sampling.overrides.{key}", PYTHON_ONLY[key]))
+        elif key not in names and key not in OVERRIDE_KEYS and key not in BEAM_FIELDS:
             hint = suggest(key, [*names, *OVERRIDE_KEYS])
             problems.append(Problem(f"sampling.overrides.{key}", f"not a sampling field{hint}"))
     return problems
@@ -759,6 +790,8 @@ def _problem(err: Any) -> Problem:
     kind = err["type"]
     if kind == "missing":
         return Problem(_loc_text(loc), "required field is missing")
+    if kind == "extra_forbidden" and loc[0] == "sampling" and str(loc[-1]) in PYTHON_ONLY:
+        return Problem(_loc_text(loc), PYTHON_ONLY[str(loc[-1])])
     if kind == "extra_forbidden":
         hint = suggest(str(loc[-1]), _field_names_at(loc[:-1]))
         return Problem(_loc_text(loc), f"unknown field{hint}")

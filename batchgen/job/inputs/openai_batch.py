@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...sampling_params import SamplingParams
+from .image_values import clean_content, content_problem
 from .rows import CHAT, COMPLETION, EMBEDDING
 
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING}
@@ -94,7 +95,9 @@ def parse_request(obj: dict[str, Any]) -> BatchRequest:
 
 
 def _prompt(endpoint: str, value: Any) -> Any:
-    """Chat content given as a list of text parts becomes one string (parts joined by newlines)."""
+    """Chat content given as a list of text parts becomes one string (parts joined by newlines); a list
+    with image parts (``image_url``: a data URL, a path or a bucket URL) stays a list, its images loaded
+    when the row is prepared (``job/images.py``)."""
     if endpoint == COMPLETION:
         if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
             raise RequestError("field 'body.prompt': one prompt per line (a list of strings is a batch)")
@@ -105,14 +108,9 @@ def _prompt(endpoint: str, value: Any) -> Any:
     for i, m in enumerate(value):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"field 'body.messages': message [{i}].content: only text parts are "
-                                       f"supported, got {kind or type(part).__name__!r}")
-                texts.append(part["text"])
-            m = {**m, "content": "\n".join(texts)}
+            if why := content_problem(i, content):
+                raise RequestError(f"field 'body.messages': {why}")
+            m = {**m, "content": clean_content(content)}
         out.append(m)
     return out
 

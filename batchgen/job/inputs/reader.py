@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Container, Iterator, Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .discover import discover
 from .hf_dataset import DatasetSource
 from .id_batches import IdBatch, InputIds, RowsAt, column_ids
 from .id_index import INDEX_DIR, IndexDir, IndexedBatch
+from .image_values import image_list
 from .jsonl import INFER_LINES, JsonlSource, infer_kinds
 from .kinds import KIND_TYPES, coerce
 from .parquet import ParquetSource
@@ -105,7 +107,7 @@ class InputReader:
         """Columns read for the id, the prompt or an override: carried as read for that."""
         s = self.spec
         return {c for c in (s.id_key, s.prompt_column, s.messages_column, s.completion_column, s.lora_column,
-                            *self.overrides.values()) if c}
+                            s.images_column, *self.overrides.values()) if c}
 
     # ----------------------------------------------------------------------------- checks, schema
 
@@ -121,6 +123,8 @@ class InputReader:
                 cols.append(("input.completion_column", s.completion_column))
             if s.lora_column:
                 cols.append(("input.lora_column", s.lora_column))
+            if s.images_column:
+                cols.append(("input.images_column", s.images_column))
         cols += [(f"sampling.overrides.{k}", v) for k, v in self.overrides.items()]
         cols += [(f"input.carry_columns[{i}]", c) for i, c in enumerate(s.carry_columns)]
         return cols
@@ -138,7 +142,7 @@ class InputReader:
         a warning.
         """
         problems: list[Problem] = []
-        required = {self.spec.id_key, self.spec.source_column, self.spec.completion_column}
+        required = {self.spec.id_key, self.spec.source_column, self.spec.completion_column, self.spec.images_column}
         for f in self.files:
             source = self._source(f)
             try:
@@ -318,7 +322,7 @@ class InputReader:
 
     def _row(self, f: InputFile, record: Record, row_id: str, id_error: str | None) -> Row:
         where = f.place_for(record, row_id)
-        row = Row(id=row_id, where=where)
+        row = Row(id=row_id, where=where, image_base=_image_base(f))
         row.error = record.error or id_error or self._fill(row, record.values or {})
         if row.error:
             row.error = f"{where}: {row.error}"
@@ -412,6 +416,10 @@ class InputReader:
             if error := self._fill_lora(row, decode(record.get(s.lora_column))):
                 return error
         row.prompt = clean_messages(value) if chat else value
+        if s.images_column:
+            row.images, error = image_list(record.get(s.images_column))
+            if error:
+                return f"field {s.images_column!r}: {error}"
         for key, col in self.overrides.items():
             v = decode(record.get(col))
             if isinstance(v, BadValue):
@@ -427,6 +435,16 @@ class InputReader:
                 return f"field {col!r}: {error}"
             row.carry[col] = v
         return None
+
+
+@lru_cache(maxsize=64)
+def _image_base(f: InputFile) -> Location | None:
+    """Where a row's relative image paths are read from: its input file's directory (a local dataset's own)."""
+    if f.path is not None:
+        return f.path.parent
+    if f.dataset is not None and Path(f.dataset.path).is_dir():
+        return Location.local_path(f.dataset.path)
+    return None
 
 
 def repeated_ids(count: int) -> str:

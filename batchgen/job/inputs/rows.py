@@ -143,3 +143,5 @@ class Row:
     options: dict[str, Any] = field(default_factory=dict)  # an OpenAI request's own (echo, dimensions, ...)
     lora: str | None = None  # the LoRA adapter the row names (None: the base model)
     lora_field: str = ""  # where the row chose its model (input.lora_column, body.model); "": sampling.lora's
+    images: list[Any] = field(default_factory=list)  # input.images_column's values, read but not decoded yet
+    image_base: Location | None = None  # where relative image paths are read from: the input file's directory

@@ -73,6 +73,10 @@ def check_messages(v: Any) -> str | None:
             x = decode(m.get(key))
             if isinstance(x, BadValue):
                 return f"message [{i}].{key}: {x.why}"
+            if key == "content" and isinstance(x, list):
+                if why := _parts_problem(i, x):
+                    return why
+                continue
             if not isinstance(x, str) or (key == "role" and not x):
                 return f"message [{i}].{key}: expected a string, got {type_name(x)}"
             if not encodable(x):
@@ -80,9 +84,21 @@ def check_messages(v: Any) -> str | None:
     return None
 
 
+def _parts_problem(i: int, parts: list[Any]) -> str | None:
+    """Message ``i``'s content as a list of OpenAI parts (text, images): ``image_values`` checks it
+    (imported here, since it uses this module's helpers)."""
+    from .image_values import content_problem
+
+    return content_problem(i, parts)
+
+
 def clean_messages(v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Drop null keys (Parquet structs have every field) and decode bytes."""
-    return [{k: decode(x) for k, x in m.items() if x is not None} for m in v]
+    """Drop null keys (Parquet structs have every field) and decode bytes; content parts of text alone
+    become one string (``image_values.clean_content``)."""
+    from .image_values import clean_content
+
+    return [{k: clean_content(x) if k == "content" else decode(x) for k, x in m.items() if x is not None}
+            for m in v]
 
 
 def check_carried(v: Any) -> str | None:

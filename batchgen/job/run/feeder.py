@@ -20,6 +20,7 @@ from ..inputs import Row
 from ..requests import EngineRequest
 
 CHUNK_ROWS = 128  # rows prepared together (one tokenizer call for their prompts)
+IMAGE_CHUNK_ROWS = 8  # the same for rows with images: their decoding is what takes the time
 CHUNKS_AHEAD = 4  # background: chunks prepared before the loop asks for them
 
 
@@ -30,6 +31,7 @@ class PreparedRow:
     row: Row
     requests: list[EngineRequest] = field(default_factory=list)
     error: str | None = None
+    image_bytes: int = 0  # what the decoded images in its requests hold
 
 
 Prepare = Callable[[list[Row]], list[PreparedRow]]
@@ -44,10 +46,15 @@ class _Chunk:
 
 class RowFeeder:
     def __init__(self, rows: Iterator[Row], prepare: Prepare, *, chunk: int = CHUNK_ROWS,
-                 background: bool = False):
+                 background: bool = False, ahead_bytes: int | None = None):
+        """``ahead_bytes`` (background): decoded images prepared and not taken yet, at most about this
+        much (one chunk more when none is ahead)."""
         self._rows = rows
         self._prepare = prepare
         self._chunk = chunk
+        self._ahead_limit = ahead_bytes
+        self._ahead = 0  # image bytes of the rows prepared and not taken
+        self._room = threading.Condition()
         self._ready: deque[PreparedRow] = deque()
         self._ended = False  # no more chunks will come
         self._error: BaseException | None = None  # what ended them, raised after the rows before it
@@ -58,10 +65,11 @@ class RowFeeder:
             self._thread = threading.Thread(target=self._fill, name="batchgen-rows", daemon=True)
             self._thread.start()
 
-    def take(self, n: int, wait: bool = True) -> list[PreparedRow]:
+    def take(self, n: int, wait: bool = True, max_bytes: int | None = None) -> list[PreparedRow]:
         """Up to ``n`` prepared rows, in input order. In the background, only the chunks ready now, unless
-        ``wait`` and none is: then the next one, waited for. Raises what reading or preparing raised once
-        the rows before it are taken."""
+        ``wait`` and none is: then the next one, waited for. ``max_bytes``: the rows' decoded images hold no
+        more than this (None: no bound, and at least the first row). Raises what reading or preparing
+        raised once the rows before it are taken."""
         while len(self._ready) < n and not self._ended:
             chunk = self._next_chunk(block=wait and not self._ready)
             if chunk is None:
@@ -71,7 +79,29 @@ class RowFeeder:
         if not self._ready and self._error is not None:
             error, self._error = self._error, None
             raise error
-        return [self._ready.popleft() for _ in range(min(n, len(self._ready)))]
+        taken: list[PreparedRow] = []
+        size = 0
+        while self._ready and len(taken) < n:
+            size += self._ready[0].image_bytes
+            if max_bytes is not None and size > max_bytes:
+                break
+            taken.append(self._ready.popleft())
+        self._release(sum(p.image_bytes for p in taken))
+        return taken
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._room:
+                self._ahead -= nbytes
+                self._room.notify_all()
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Background: holds a prepared chunk back while the images ahead are over ``ahead_bytes``."""
+        with self._room:
+            while (self._ahead_limit is not None and self._ahead > 0 and self._ahead + nbytes > self._ahead_limit
+                   and not self._closing.is_set()):
+                self._room.wait(0.1)
+            self._ahead += nbytes
 
     @property
     def done(self) -> bool:
@@ -115,6 +145,7 @@ class RowFeeder:
             except BaseException as e:  # preparing failed: the loop raises it
                 chunk = _Chunk([], e, last=True)
             last = chunk.last
+            self._wait_for_room(sum(p.image_bytes for p in chunk.rows))
             while not self._closing.is_set():
                 try:
                     self._queue.put(chunk, timeout=0.1)

@@ -23,9 +23,11 @@ from typing import Any
 
 from ... import __version__
 from ...engine.gc_pacing import fewer_collections
+from ...images import ImageError
 from ...outputs import RequestOutput
 from ..engine import EngineFactory, build_engine
 from ..errors import EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
+from ..images import RowImages, has_images, image_memory, takes_images
 from ..inputs import InputReader, Row, ignored_summary
 from ..inputs.rows import EMBEDDING
 from ..outputs import saved
@@ -40,7 +42,7 @@ from ..requests import RequestBuilder
 from ..shard import Shard
 from ..spec import Job
 from ..validate import max_tokens_warning
-from .feeder import PreparedRow, RowFeeder
+from .feeder import CHUNK_ROWS, IMAGE_CHUNK_ROWS, PreparedRow, RowFeeder
 from .lock import ShardLock
 from .progress import Plan, Reporter, Snapshot, engine_steps, make_reporter
 
@@ -84,6 +86,7 @@ class PendingRow:
 
     row: Row
     outputs: list[Any]
+    image_bytes: int = 0  # what its decoded images hold (they stay in the engine until it finishes)
 
     @property
     def complete(self) -> bool:
@@ -148,6 +151,8 @@ class Runner:
         self.max_error_rate = max_error_rate if max_error_rate is not None else job.spec.output.max_error_rate
         self._records: SampleRows | ResponseLines = SampleRows()  # what a finished or failed row becomes
         self._text = TextPlan()  # who decodes the outputs' text
+        self._images: RowImages | None = None  # how rows get their images (None: the model takes none)
+        self._image_bytes = 0  # decoded images of the rows in flight
 
     def run(self) -> RunResult:
         with self.stop.installed():
@@ -283,6 +288,11 @@ class Runner:
                           pooling=embed and embed.pooling, dimensions=embed and embed.dimensions)
 
     def _check_engine(self, llm: Any) -> None:
+        """Refuses, before any row, a model the job's inputs do not fit: images for a text-only model, chat
+        messages for one without a chat template."""
+        if self.job.spec.input.images_column and not takes_images(llm):
+            raise JobError(f"input.images_column: model {getattr(llm, 'model_name', '?')} takes no images (not a "
+                           "vision-language model); use one that does, or remove input.images_column")
         if self.job.spec.input.messages_column is None:
             return
         tok = getattr(llm, "tokenizer", None)
@@ -298,11 +308,17 @@ class Runner:
         in_flight: dict[str, tuple[PendingRow, int]] = {}
         counter = itertools.count()
         builder = RequestBuilder(self.job.spec, self.job.adapters, detokenize=self._text.engine_decodes)
+        self._images = RowImages.for_job(self.job.spec) if takes_images(llm) else None
+        images_column = self.job.spec.input.images_column is not None
+        memory = image_memory(self.job.spec.input)
         # Reading ahead on a thread pays only where a core is free of the engine's compute: on a CPU engine
         # using every core it took turns with the engine's threads and was ~2% slower (scripts/PERF.md).
+        # Images are decoded ahead on that thread whatever the engine: reading and decoding them is slow.
         feeder = RowFeeder(rows, lambda chunk: self._prepare(chunk, builder, getattr(llm, "encode_batch", None)),
-                           background=bool(getattr(llm, "spare_core", False)))
+                           background=bool(getattr(llm, "spare_core", False)) or images_column,
+                           chunk=IMAGE_CHUNK_ROWS if images_column else CHUNK_ROWS, ahead_bytes=memory // 4)
         max_in_flight = self.job.max_in_flight
+        self._image_bytes = 0  # of the rows in flight
         exhausted = False
         deadline: float | None = None
         last_flush = start
@@ -328,7 +344,9 @@ class Runner:
                         last_flush = now
                 else:
                     if not exhausted and len(in_flight) < max_in_flight and not self.stop.requested:
-                        for prepared in feeder.take(max_in_flight - len(in_flight), wait=not in_flight):
+                        budget = None if not in_flight else max(0, memory - self._image_bytes)
+                        for prepared in feeder.take(max_in_flight - len(in_flight), wait=not in_flight,
+                                                    max_bytes=budget):
                             self._admit(llm, prepared, next(counter), in_flight, writer, snap)
                         exhausted = feeder.done
                     if not in_flight:
@@ -401,7 +419,19 @@ class Runner:
             return PreparedRow(row, error=f"{row.where}: {e}")
         row.top_logprobs = getattr(requests[0].params, "logprobs", None)  # a beam search has none
         row.lora = requests[0].lora.lora_name if requests[0].lora is not None else None
-        return PreparedRow(row, requests)
+        if not has_images(row):
+            return PreparedRow(row, requests)
+        if self._images is None:
+            return PreparedRow(row, error=f"{row.where}: field {row.prompt_field!r}: model "
+                                          f"{self.job.model_name} takes no images (not a vision-language model)")
+        try:
+            loaded = self._images.prompt(row)
+        except ImageError as e:
+            return PreparedRow(row, error=str(e))
+        finally:
+            row.images = []  # the encoded bytes are not needed again
+        requests[0].prompt = loaded.prompt  # images come with generate requests, one per row
+        return PreparedRow(row, requests, image_bytes=loaded.nbytes)
 
     def _admit(self, llm: Any, prepared: PreparedRow, n: int, in_flight: dict[str, tuple[PendingRow, int]],
                writer: PartWriter, snap: Snapshot) -> None:
@@ -409,7 +439,7 @@ class Runner:
         if prepared.error is not None:
             self._record_error(row, prepared.error, writer, snap)
             return
-        pending = PendingRow(row, [None] * len(requests))
+        pending = PendingRow(row, [None] * len(requests), prepared.image_bytes)
         added: list[str] = []
         for i, request in enumerate(requests):
             request_id = f"r{n}" if len(requests) == 1 else f"r{n}.{i}"
@@ -426,6 +456,7 @@ class Runner:
                 return
             added.append(request_id)
             in_flight[request_id] = (pending, i)
+        self._image_bytes += pending.image_bytes
 
     def _request_error(self, row: Row, i: int, num_requests: int, error: Exception) -> str:
         """A row's error for its request ``i`` that the engine refused."""
@@ -452,6 +483,7 @@ class Runner:
         pending.outputs[i] = out
         if not pending.complete:
             return
+        self._image_bytes -= pending.image_bytes
         row, outputs = pending.row, pending.outputs
         for i, done in enumerate(outputs):
             why = done.error or (None if getattr(done, "outputs", True) else "the engine returned no samples")
