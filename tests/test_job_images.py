@@ -49,8 +49,9 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def image_job(root, input_: dict, **overrides) -> object:
-    make_model(root / "model")
+def image_job(root, input_: dict, vision: bool = True, **overrides) -> object:
+    """A job file over ``root``'s files with a fake model dir (a vision-language one's config unless not ``vision``)."""
+    make_model(root / "model", **({"vision_config": {"model_type": "fake"}} if vision else {}))
     spec = job_dict(input={"paths": ["in.jsonl"], "id_column": "id", "prompt_column": "prompt",
                            "carry_columns": [], **input_},
                     sampling={"n": 1, "temperature": 0.0, "max_tokens": 4}, **overrides)
@@ -223,13 +224,33 @@ def test_openai_batch_image_parts(tmp_path):
 
 
 def test_a_text_only_model_is_refused_before_any_row(tmp_path):
+    """By validate, from a local model's config.json; by the run, from the loaded engine (a model fetched first)."""
     write_parquet(tmp_path / "in.parquet", pa.table({"id": ["a"], "prompt": ["p"],
                                                      "image": pa.array([png(0)], pa.binary())}))
+    job = image_job(tmp_path, {"paths": ["in.parquet"], "images_column": "image"}, vision=False)
+    for command in ("validate", "run"):
+        result = cli(command, job, "--engine", VLM)
+        assert result.exit_code == 1, result.output
+        assert ("input.images_column: model model takes no images: its config.json has no vision_config (not a "
+                "vision-language model)") in result.output
     job = image_job(tmp_path, {"paths": ["in.parquet"], "images_column": "image"})
     result = cli("run", job, "--engine", "fake_llm:FakeLLM")
     assert result.exit_code == 1
     assert "input.images_column: model model takes no images (not a vision-language model)" in result.output
     assert not list((tmp_path / "out").glob("part-*"))
+
+
+def test_validate_knows_the_image_fields(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "p", "image": "x.png"}])
+    job = image_job(tmp_path, {"image_column": "image", "max_image_size": "lots"})
+    result = cli("validate", job, "--engine", VLM)
+    assert result.exit_code == 1
+    assert "input.image_column: unknown field (did you mean 'images_column'?)" in result.output
+    assert "input.max_image_size: 'lots' is not a size (bytes, or with a unit: '64MiB', '2GB')" in result.output
+    job = image_job(tmp_path, {"images_column": "picture"})
+    result = cli("validate", job, "--engine", VLM)
+    assert result.exit_code == 1
+    assert "input.images_column: column 'picture' not found in in.jsonl (columns: id, image, prompt)" in result.output
 
 
 def test_image_parts_for_a_text_only_model_are_row_errors(tmp_path):
@@ -277,3 +298,38 @@ def test_sigkill_mid_run_then_resume_each_row_once(tmp_path):
                                                 if x])
     (tmp_path / "ref" / "pics").symlink_to(tmp_path / "pics")
     assert {k: r["text"] for k, r in run_vlm(reference).items()} == {k: r["text"] for k, r in resumed.items()}
+
+
+# ------------------------------------------------------------------------------------------ memory bounds
+
+
+def test_the_feeder_bounds_decoded_images_ahead_and_taken():
+    """Read ahead: prepared chunks wait while the images ahead are over ``ahead_bytes``; taken: no more than
+    ``max_bytes`` (and at least the first row when there is no bound)."""
+    import threading
+
+    from batchgen.job.run.feeder import PreparedRow, RowFeeder
+
+    prepared: list[int] = []
+    lock = threading.Lock()
+
+    def prepare(rows):
+        with lock:
+            prepared.extend(rows)
+        return [PreparedRow(r, image_bytes=100) for r in rows]
+
+    feeder = RowFeeder(iter(range(40)), prepare, chunk=2, background=True, ahead_bytes=450)
+    deadline = time.monotonic() + 10
+    while len(prepared) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(prepared) <= 6  # 4 rows (400 bytes) ahead, one more chunk prepared and held back
+    first = feeder.take(10, max_bytes=250)
+    assert [p.row for p in first] == [0, 1]
+    assert [p.row for p in feeder.take(10, max_bytes=0)] == []
+    assert [p.row for p in feeder.take(1, max_bytes=None)] == [2]
+    got = [2]
+    while not feeder.done:
+        got += [p.row for p in feeder.take(3)]
+    assert [0, 1, *got] == list(range(40))
+    feeder.close()

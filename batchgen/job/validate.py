@@ -73,6 +73,7 @@ def validate_job_dict(raw: dict[str, Any], text: str, base_dir: Path, source: Pa
         problems += model_problems(model, base_dir, factory, storage, warnings)
         problems += adapter_problems(model, base_dir, storage, warnings)
         problems += embed_problems(raw, model, base_dir)
+        problems += image_model_problems(raw, model, base_dir)
         if sampling is not None and (w := max_tokens_warning(sampling.max_tokens, context_length(model, base_dir),
                                                              model.max_model_len)):
             warnings.append(w)
@@ -230,9 +231,9 @@ def context_length(model: ModelSpec, base_dir: Path) -> int | None:
     return limit if isinstance(limit, int) else None
 
 
-def text_config(model: ModelSpec, base_dir: Path) -> dict[str, Any] | None:
-    """A local model's config.json (its ``text_config`` for a vision-language model), read as JSON;
-    None for a model the run fetches first, or one whose config does not read (a problem of model.path)."""
+def model_config(model: ModelSpec, base_dir: Path) -> dict[str, Any] | None:
+    """A local model's config.json, read as JSON; None for a model the run fetches first, or one whose config
+    does not read (a problem of model.path)."""
     source = model_source(model.path, base_dir, model.revision)
     if source.kind != "local":
         return None
@@ -240,9 +241,28 @@ def text_config(model: ModelSpec, base_dir: Path) -> dict[str, Any] | None:
         config = json.loads((Path(source.ref) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
+    return config if isinstance(config, dict) else None
+
+
+def text_config(model: ModelSpec, base_dir: Path) -> dict[str, Any] | None:
+    """``model_config``, or its ``text_config`` for a vision-language model."""
+    config = model_config(model, base_dir)
+    if config is None:
         return None
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def image_model_problems(raw: dict[str, Any], model: ModelSpec, base_dir: Path) -> list[Problem]:
+    """``input.images_column`` for a local model whose config.json has no ``vision_config``: a text-only model
+    (a model the run fetches first is checked by the run, once loaded)."""
+    inp = raw.get("input")
+    if not (isinstance(inp, dict) and inp.get("images_column")):
+        return []
+    config = model_config(model, base_dir)
+    if config is None or config.get("vision_config") is not None:
+        return []
+    return [Problem("input.images_column", f"model {model.path} takes no images: its config.json has no "
+                                           "vision_config (not a vision-language model)")]
 
 
 def max_tokens_warning(max_tokens: int | None, limit: int | None, asked: int | None) -> str | None:
