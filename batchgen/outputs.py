@@ -61,6 +61,11 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
 
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to first being scheduled (vLLM's field)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:

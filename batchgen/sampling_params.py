@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from batchgen.structured.params import StructuredOutputsParams
+
+LogitsProcessor = Callable[..., Any]  # returns the row's logits (a torch.Tensor)
+
+
+# SamplingParams fields that only Python code can give, and what a job file is told instead.
+PYTHON_ONLY = {"logits_processors": "Python callables cannot be given in a job file; pass "
+                                    "SamplingParams(logits_processors=[...]) to LLM.generate in Python instead"}
+
+
+def processor_arity(fn: object) -> int | None:
+    """How many arguments a logits processor takes (2: generated ids and logits; 3: the prompt's ids first),
+    as vLLM tells them apart; None for something that is not a callable of two or three arguments."""
+    if not callable(fn):
+        return None
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) if not any(p.kind == p.VAR_POSITIONAL for p in params) else 2
 
 
 @dataclass
@@ -29,6 +52,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     detokenize: bool = True  # False: outputs carry token ids and an empty text (vLLM's meaning)
+    spaces_between_special_tokens: bool = True  # kept special tokens spaced from the text (slow tokenizers; vLLM's)
+    # Python callables (generated_ids, logits) -> logits or (prompt_ids, generated_ids, logits) -> logits, applied
+    # in order to each sample's own row of logits (a float32 vector) before it is sampled: the slow path, per row.
+    # Not in job files (a callable has no YAML form).
+    logits_processors: list[LogitsProcessor] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +64,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logits_processors = list(self.logits_processors or []) or None
         try:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         except (ValueError, TypeError) as e:
@@ -82,6 +111,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
+        for fn in self.logits_processors or ():
+            if processor_arity(fn) not in (2, 3):
+                raise bad("logits_processors", "each must be a callable (generated_ids, logits) -> logits or "
+                                               "(prompt_ids, generated_ids, logits) -> logits")
 
     @property
     def greedy(self) -> bool:
@@ -93,7 +126,8 @@ class SamplingParams:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.init]
+        """The fields a job file or a request body can set (not PYTHON_ONLY's)."""
+        return [f.name for f in fields(cls) if f.init and f.name not in PYTHON_ONLY]
 
 
 @dataclass

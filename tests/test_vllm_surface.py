@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import yaml
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import ConfigError
@@ -103,3 +104,89 @@ def test_a_rank_counts_the_tokens_scoring_higher(llm):
         assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
     assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(sample.token_ids,
                                                                                        sample.logprobs)))
+
+
+def test_logits_processors_edit_their_own_row_only(llm):
+    """vLLM's per-request Python processors, both forms: a processor that bans a token sees that sample's
+    generated ids and its own row of logits; the other requests of the same call come out as they would alone."""
+    tokenizer = llm.get_tokenizer()
+    prompts = ["The sea is", "One plus one is", "The sky is"]
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    banned = plain[1].outputs[0].token_ids[0]
+    seen: list[list[int]] = []
+
+    def ban(generated_ids, logits):
+        seen.append(list(generated_ids))
+        logits[banned] = float("-inf")
+        return logits
+
+    def ban_with_prompt(prompt_ids, generated_ids, logits):
+        assert list(prompt_ids) == tokenizer.encode("One plus one is")
+        return ban(generated_ids, logits)
+
+    for processor in (ban, ban_with_prompt):
+        seen.clear()
+        edited = SamplingParams(temperature=0, max_tokens=6, logits_processors=[processor])
+        outs = llm.generate(prompts, [GREEDY, edited, GREEDY], use_tqdm=False)
+        tokens = outs[1].outputs[0].token_ids
+        assert banned not in tokens and tokens != plain[1].outputs[0].token_ids
+        assert seen == [tokens[:i] for i in range(len(tokens))]  # one call per step, its own sample's ids
+        assert texts([outs[0], outs[2]]) == texts([plain[0], plain[2]])
+
+
+def test_a_logits_processor_that_changes_nothing_changes_nothing(llm):
+    """The slow path gives the same tokens as the fast one when the processor leaves the logits as they are,
+    greedy and seeded, with logprobs (the model's own, before processors, as before bans and penalties)."""
+    for params in (SamplingParams(temperature=0, max_tokens=6, logprobs=1),
+                   SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=6, logprobs=1)):
+        plain = llm.generate(["The sea is"], params, use_tqdm=False)[0]
+        params.logits_processors = [lambda ids, logits: logits]
+        slow = llm.generate(["The sea is"], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in slow.outputs] == [c.token_ids for c in plain.outputs]
+        assert [c.logprobs for c in slow.outputs] == [c.logprobs for c in plain.outputs]
+
+
+def test_logits_processors_must_be_callables_of_two_or_three_arguments():
+    with pytest.raises(ValueError, match="logits_processors: each must be a callable"):
+        SamplingParams(logits_processors=["my_module:ban"])
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams(logits_processors=[lambda logits: logits])
+
+
+def test_spaces_between_special_tokens_with_special_tokens_kept(llm):
+    """lm-eval's generate_until keeps special tokens and asks for no spaces between them; the tiny model's tokenizer
+    is a fast one, which (as in vLLM) decodes in one call either way."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode("<|im_start|>user")
+    for spaced in (True, False):
+        params = SamplingParams(temperature=0, max_tokens=6, skip_special_tokens=False, ignore_eos=True,
+                                spaces_between_special_tokens=spaced)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=False)
+
+
+def test_request_output_finished_and_metrics(llm):
+    """distilabel and curator read `finished` and `metrics`: a small dataclass of times (vLLM's names)."""
+    (out,) = llm.generate(["The sea is"], GREEDY, use_tqdm=False)
+    assert out.finished is True
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time and m.num_preemptions == 0
+
+
+def test_a_job_file_cannot_carry_logits_processors(tmp_path):
+    """Python callables have no YAML form: a job file or a --set naming them is refused in one line saying where
+    they go instead; spaces_between_special_tokens is a plain job setting."""
+    from jobkit import cli, run, setup_job, write_job
+
+    job = setup_job(tmp_path, rows=2)
+    spec = yaml.safe_load(job.read_text())
+    spec["sampling"] = {**spec.get("sampling", {}), "logits_processors": ["my_module:ban_token"],
+                        "spaces_between_special_tokens": False}
+    r = cli("validate", write_job(tmp_path / "bad.yaml", spec))
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    (problem,) = [line for line in r.output.splitlines() if "logits_processors" in line]
+    assert "sampling.logits_processors: Python callables cannot be given in a job file" in problem
+    assert "LLM.generate" in problem and "spaces_between_special_tokens" not in r.output
+    r = run(job, "--set", "sampling.logits_processors=[f]")
+    assert r.exit_code == 1 and "--set sampling.logits_processors: Python callables cannot" in r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchgen.engine.detokenize import decode
 from batchgen.sampling_params import SamplingParams
 
 # Tokens decoded behind the newest one when looking for a stop string: enough to cover the
@@ -50,13 +51,14 @@ class StopChecker:
     def _stop_string_in_tail(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> str | None:
         longest = max(len(s) for s in params.stop)
         tail = token_ids[max(num_prompt_tokens, len(token_ids) - (longest + _STOP_WINDOW_EXTRA)):]  # outputs only
-        skip = params.skip_special_tokens
-        text = self.tokenizer.decode(tail, skip_special_tokens=skip)
-        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=skip)
+        text, before = self.text_of(params, tail), self.text_of(params, tail[:-1])
         return next((s for s in params.stop if s in text and s not in before), None)
 
+    def text_of(self, params: SamplingParams, token_ids: list[int]) -> str:
+        return decode(self.tokenizer, token_ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+
     def final_text(self, params: SamplingParams, output: list[int], stop_reason: int | str | None) -> str:
-        text = self.tokenizer.decode(output, skip_special_tokens=params.skip_special_tokens)
+        text = self.text_of(params, output)
         if isinstance(stop_reason, str):
             cut = text.find(stop_reason)
             if cut >= 0:

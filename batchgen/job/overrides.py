@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from ..sampling_params import PYTHON_ONLY
 from .errors import JobInvalid, Problem
 from .spec import field_named, field_names, section_at, suggest
 
@@ -80,6 +81,8 @@ def path_problem(path: list[str]) -> str | None:
                 return f"{'.'.join(path[:depth])} is a value, not a section with fields"
             return None
         if field_named(model, part) is None:
+            if path[:depth] == ["sampling"] and part in PYTHON_ONLY:
+                return PYTHON_ONLY[part]
             which = "" if depth == len(path) - 1 else f" {part!r}"
             return f"unknown field{which}{suggest(part, field_names(model))}"
     return None

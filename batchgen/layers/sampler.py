@@ -16,7 +16,7 @@ import torch
 
 from batchgen import ops
 from batchgen.outputs import Logprob, LogprobDict
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import LogitsProcessor, SamplingParams, processor_arity
 from batchgen.tokens import PromptThenOutputs
 
 _MASK64 = (1 << 64) - 1
@@ -59,7 +59,8 @@ class SamplingRow(PromptThenOutputs):
     @property
     def edits_logits(self) -> bool:
         """A grammar, bans or penalties change the row's logits before it is sampled."""
-        return self.allowed is not None or bool(self.banned_token_ids) or self.params.penalized
+        return (self.allowed is not None or bool(self.banned_token_ids) or self.params.penalized
+                or self.params.logits_processors is not None)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _allowed_argmax_rows(chosen: torch.Tensor, rows: list[SamplingRow]) -> set[i
     """Greedy rows whose only edit is a grammar that allows the row's argmax: the masked argmax is
     that same token, so they skip the masked copy (most steps of a greedy constrained output)."""
     candidates = [r for r, row in enumerate(rows) if row.allowed is not None and row.params.greedy
-                  and not row.banned_token_ids and not row.params.penalized]
+                  and not row.banned_token_ids and not row.params.penalized and not row.params.logits_processors]
     if not candidates:
         return set()
     picks = chosen[candidates].cpu()
@@ -149,6 +150,23 @@ def _apply_bans_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         seen = _seen_positions(logits, repeated)[0]
         picked, penalty = flat[seen], per_pair(seen, lambda p: p.repetition_penalty)
         flat[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+
+
+def _apply_logits_processors(edited: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """The rows' SamplingParams.logits_processors, in order, each on its own row of `edited` (a float32 copy: what
+    a processor does to it reaches no other row and not the model's logits). The slow path: Python calls per row
+    and step."""
+    for i, row in enumerate(rows):
+        for fn in row.params.logits_processors or ():
+            edited[i] = _call_processor(fn, row, edited[i])
+
+
+def _call_processor(fn: LogitsProcessor, row: SamplingRow, logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's two forms: (generated_ids, logits) or (prompt_ids, generated_ids, logits); copies of the ids."""
+    generated = row.token_ids[row.num_prompt_tokens:]
+    if processor_arity(fn) == 3:
+        return fn(row.token_ids[:row.num_prompt_tokens], generated, logits)
+    return fn(generated, logits)
 
 
 # Rows are sampled in chunks of up to this many bytes of float32 logits. Only the rows that edit their logits
@@ -211,6 +229,7 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
         samples = [rows[r] for r in editing]
         # The grammar's mask comes before bans and penalties; the caller's logits stay as they are.
         edited = _editable_copy(logits, editing, samples)
+        _apply_logits_processors(edited, samples)
         _apply_bans_and_penalties(edited, samples)
         random_rows = [i for i, row in enumerate(samples) if not row.params.greedy]
         greedy_edited = len(random_rows) < len(editing)  # greedy rows with bans or penalties

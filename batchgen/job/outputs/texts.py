@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.engine.detokenize import decode
+
 # Sampling fields that, overridden per row, could need the engine's text (or decode it another way).
-_TEXT_FIELDS = ("stop", "structured_outputs", "detokenize", "skip_special_tokens")
+_TEXT_FIELDS = ("stop", "structured_outputs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class TextPlan:
         s = spec.sampling
         overridden = any(key.split(".", 1)[0] in _TEXT_FIELDS for key in s.overrides)
         if (not plain_samples or s.beam_width or s.stop or s.structured_outputs or not s.detokenize or overridden
+                or not s.spaces_between_special_tokens  # the engine's decode is the one that reads it
                 or "parsed" in spec.output.fields):  # parsed: the text as JSON, where it is JSON
             return cls()
         if "text" not in spec.output.fields:
@@ -41,5 +44,4 @@ def decode_texts(tokenizer: Any, skip_special_tokens: bool, rows: list[dict[str,
     engine makes (`StopChecker.final_text` without a stop string), so the text is the same."""
     for r in rows:
         if r.get("text") is None and r.get("error") is None and "token_ids" in r:
-            r["text"] = tokenizer.decode(r["token_ids"], skip_special_tokens=skip_special_tokens) if r["token_ids"] \
-                else ""
+            r["text"] = decode(tokenizer, r["token_ids"], skip_special_tokens) if r["token_ids"] else ""
