@@ -1,0 +1,94 @@
+"""Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
+`generate` on tiny random LLaVA and Qwen2-VL models, with one and several images a prompt (as vLLM's prompt
+dicts, inline placeholders, chat image parts), chunked prefill cutting through image tokens, the prefix cache
+on and off, preemption by swap and by recompute, and n samples sharing the prompt's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vision_kit import build_llava, build_qwen2_vl, hf_greedy, image
+
+from batchgen import LLM, SamplingParams
+
+FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl}
+MAX_TOKENS = 16
+BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
+SETUPS = {
+    "plain": dict(enable_prefix_caching=False),
+    # chunks of 10 tokens cut every image's tokens; blocks of 8 split them over blocks
+    "chunked": dict(block_size=8, max_num_batched_tokens=10, max_num_seqs=4),
+    "swap": dict(block_size=8, kv_cache_memory=10 * BLOCK_BYTES, swap_space="8MiB", preemption_mode="swap"),
+    "recompute": dict(block_size=8, kv_cache_memory=10 * BLOCK_BYTES, preemption_mode="recompute"),
+}
+
+
+def prompts(placeholder: str) -> list:
+    """One image before the text (the text has no placeholder), two images inline, two chat image parts."""
+    return [
+        {"prompt": "the quick brown fox", "multi_modal_data": {"image": image(1)}},
+        {"prompt": f"hello {placeholder} world {placeholder} jumps",
+         "multi_modal_data": {"image": [image(2), image(3, (80, 60))]}},
+        [{"role": "user", "content": [{"type": "image", "image": image(4, (60, 90))},
+                                      {"type": "text", "text": "a batch of"},
+                                      {"type": "image", "image": image(1)}]}],
+    ]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """family -> (model dir, the prompts, transformers' greedy tokens of each)."""
+    import transformers as tf
+
+    out = {}
+    for family, build in FAMILIES.items():
+        path = build(tmp_path_factory.mktemp(family))
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+        family_prompts = prompts(llm.engine.prompts.images.placeholder)
+        encoded = llm.encode_batch(family_prompts)
+        reference = tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        out[family] = (path, family_prompts, [hf_greedy(reference, e, MAX_TOKENS) for e in encoded])
+    return out
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers(vlm, family, setup):
+    path, family_prompts, want = vlm[family]
+    llm = LLM(path, dtype="float32", **{"kv_cache_memory": "16MiB", **SETUPS[setup]})
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
+    assert got == want
+    stats = llm.stats()
+    if setup in ("swap", "recompute"):
+        assert stats[f"{setup}_preemptions"] > 0
+    if setup == "chunked":  # the same prompts again: their blocks, images included, come from the prefix cache
+        again = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
+        assert again == want
+        assert llm.stats()["prefix_cache_hits"] > stats["prefix_cache_hits"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_samples_share_the_image_prompt(vlm, family):
+    """n greedy samples of an image prompt fork after its prefill and all continue as transformers does."""
+    path, family_prompts, want = vlm[family]
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", block_size=8)
+    out = llm.generate(family_prompts[1], SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [want[1]] * 3
+
+
+def test_incremental_api_takes_encoded_image_prompts(vlm):
+    """What the job reader does: encode_batch on its thread, then add_request with the encoded prompts."""
+    path, family_prompts, want = vlm["qwen2_vl"]
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i, encoded in enumerate(llm.encode_batch(family_prompts)):
+        assert encoded.multi_modal is not None
+        llm.add_request(f"r{i}", encoded, greedy)
+    llm.add_request("raw", family_prompts[2], greedy)  # not encoded ahead: add_request encodes it
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step())
+    assert [done[f"r{i}"] for i in range(3)] == want
+    assert done["raw"] == want[2]
