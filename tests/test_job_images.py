@@ -333,3 +333,19 @@ def test_the_feeder_bounds_decoded_images_ahead_and_taken():
         got += [p.row for p in feeder.take(3)]
     assert [0, 1, *got] == list(range(40))
     feeder.close()
+
+
+def test_a_job_reading_images_reads_parquet_a_few_hundred_rows_at_a_time(tmp_path):
+    """A batch's image bytes are all in memory at once: 256 rows, not the 65,536 a text job reads."""
+    from batchgen.job.inputs import InputReader
+    from batchgen.job.inputs.reader import IMAGE_BATCH_ROWS
+    from batchgen.job.spec import InputSpec
+
+    write_parquet(tmp_path / "in.parquet", pa.table({"id": [str(i) for i in range(1000)], "prompt": ["p"] * 1000,
+                                                     "image": pa.array([b"x"] * 1000, pa.binary())}))
+    spec = InputSpec(paths=["in.parquet"], id_column="id", prompt_column="prompt", images_column="image")
+    reader = InputReader(spec, tmp_path)
+    source = reader._source(reader.files[0])
+    sizes = [len(b.columns) for b in source.column_batches(["id", "prompt", "image"])]
+    assert max(sizes) == IMAGE_BATCH_ROWS and sum(sizes) == 1000
+    assert [r.images for r in reader.rows()][:2] == [[b"x"], [b"x"]]

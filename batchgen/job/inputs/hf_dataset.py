@@ -148,10 +148,12 @@ def _saved_split(datasets: Any, ref: DatasetRef) -> Any:
 class DatasetSource:
     strict = True  # the dataset's features name its columns
 
-    def __init__(self, f: InputFile, types: Mapping[str, pa.DataType] | None = None):
+    def __init__(self, f: InputFile, types: Mapping[str, pa.DataType] | None = None, batch_rows: int | None = None):
+        """``batch_rows``: read at most this many rows at a time (``ParquetSource``'s)."""
         assert f.dataset is not None
         self.file = f
         self.types = types or {}
+        self.batch_rows = batch_rows
 
     @property
     def dataset(self) -> Any:
@@ -174,5 +176,6 @@ class DatasetSource:
         missing = [c for c in columns if c not in self.dataset.column_names]
         if missing:
             raise JobError(f"{self.file.shown} has no column {missing[0]!r}")
-        batches = self.dataset.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
+        size = min(BATCH_ROWS, self.batch_rows or BATCH_ROWS)
+        batches = self.dataset.select_columns(columns).with_format("arrow").iter(batch_size=size)
         yield from batch_records(batches, columns, self.types, self.file.shown)

@@ -35,10 +35,12 @@ class ColumnBatch:
 class ParquetSource:
     strict = True
 
-    def __init__(self, f: InputFile, types: Mapping[str, pa.DataType] | None = None):
-        """``types``: the Arrow types carried columns must have (the first file's)."""
+    def __init__(self, f: InputFile, types: Mapping[str, pa.DataType] | None = None, batch_rows: int | None = None):
+        """``types``: the Arrow types carried columns must have (the first file's). ``batch_rows``: read at most
+        this many rows at a time (a job reading images: a batch's images are all in memory at once)."""
         self.file = f
         self.types = types or {}
+        self.batch_rows = batch_rows
 
     @cached_property
     def parquet(self) -> pq.ParquetFile:
@@ -65,7 +67,7 @@ class ParquetSource:
         self._check_columns(columns)
         start = 0
         try:
-            for batch in self._batches(COLUMN_BATCH_ROWS, columns):
+            for batch in self._batches(min(COLUMN_BATCH_ROWS, self.batch_rows or COLUMN_BATCH_ROWS), columns):
                 yield ColumnBatch(start, batch, self, columns)
                 start += batch.num_rows
         except (OSError, pa.ArrowException) as e:
@@ -90,7 +92,7 @@ class ParquetSource:
         self._check_columns(columns)
         index = 0
         try:
-            batches = self._batches(BATCH_ROWS, columns)
+            batches = self._batches(min(BATCH_ROWS, self.batch_rows or BATCH_ROWS), columns)
             for record in batch_records(batches, columns, self.types, self.file.name):
                 index = record.index
                 yield record

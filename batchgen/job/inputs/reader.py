@@ -51,6 +51,7 @@ from .values import (
 
 _COUNT_BYTES_LIMIT = 1 << 30  # count the rows of files without a row count only below this many bytes
 _COUNTED = frozenset({"parquet", "dataset"})  # formats that know their row count without a scan
+IMAGE_BATCH_ROWS = 256  # a job reading images reads rows this many at a time at most: their bytes are large
 
 
 class InputReader:
@@ -79,6 +80,7 @@ class InputReader:
         self.warnings: list[str] = []
         self._carry_kinds: dict[str, str] = {}  # formats without a schema: each carried column's kind
         self._carry_types: dict[str, pa.DataType] = {}  # formats with one: the first file's Arrow types
+        self._batch_rows = IMAGE_BATCH_ROWS if spec.images_column else None
 
     @classmethod
     def for_job(cls, job: Job, read_only: bool = False) -> InputReader:
@@ -90,9 +92,9 @@ class InputReader:
 
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
-            return ParquetSource(f, self._carry_types)
+            return ParquetSource(f, self._carry_types, self._batch_rows)
         if f.format == "dataset":
-            return DatasetSource(f, self._carry_types)
+            return DatasetSource(f, self._carry_types, self._batch_rows)
         if f.format in DELIMITERS:
             return CsvSource(f, self._csv_columns())
         return JsonlSource(f, self.warnings)
@@ -275,7 +277,7 @@ class InputReader:
         source = self._source(f)
         id_key = self.spec.id_key
         if not (id_key and parse and isinstance(source, ParquetSource)):
-            for batch in batches(source.records(columns, parse)):
+            for batch in batches(source.records(columns, parse), size=self._batch_rows or BATCH):
                 yield self._record_batch(f, batch)
             return
         for cb in source.column_batches(columns):
