@@ -140,8 +140,11 @@ class PromptEncoder:
         return encoded
 
     def encode(self, prompt: Prompt | EncodedPrompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt."""
+        """(text, token ids) of a prompt without images (scoring, embedding and classification take none)."""
         encoded = self.encode_prompt(prompt)
+        if encoded.multi_modal is not None:
+            raise ValueError("prompt: images are taken by generation (generate, chat, beam search) only, "
+                             "not by scoring, embedding or classification")
         return encoded.text, encoded.token_ids
 
     def encode_batch(self, prompts: Sequence[Any]) -> list[Any]:

@@ -1,0 +1,117 @@
+"""Image prompts into token ids and image inputs (PromptEncoder with a vision-language model's preprocessor), and
+the prefix cache with images: the same text with another image never shares a block, one image asked many
+questions shares its blocks."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from vision_kit import build_llava, image
+
+from batchgen import LLM, SamplingParams
+from batchgen.engine.prompts import EncodedPrompt, PromptEncoder
+from batchgen.models.loader import load_tokenizer
+from batchgen.models.vision.processing import load_preprocessor
+
+IMAGE_TOKENS = 16  # the tiny LLaVA's: 32x32 crops of 8x8 patches
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def encoder(llava_dir):
+    from transformers import AutoConfig
+
+    tokenizer = load_tokenizer(llava_dir)
+    return PromptEncoder(tokenizer, len(tokenizer), load_preprocessor(llava_dir, AutoConfig.from_pretrained(llava_dir),
+                                                                      tokenizer))
+
+
+def data_url(img) -> str:
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_placeholders_expand_and_go_first_when_the_text_has_none(encoder):
+    image_id = encoder.images.image_token_id
+    text_ids = encoder.tokenizer("the quick brown fox")["input_ids"]
+    plain, inline = encoder.encode_batch([
+        {"prompt": "the quick brown fox", "multi_modal_data": {"image": image(1)}},
+        {"prompt": "the <image> quick <image>", "multi_modal_data": {"image": [image(1), image(2)]}},
+    ])
+    assert plain.token_ids == [image_id] * IMAGE_TOKENS + text_ids
+    assert [(i.start, i.length) for i in plain.multi_modal.images] == [(0, IMAGE_TOKENS)]
+    first, second = inline.multi_modal.images
+    assert inline.token_ids[first.start:first.end] == [image_id] * IMAGE_TOKENS
+    assert inline.token_ids.count(image_id) == 2 * IMAGE_TOKENS and second.start > first.end
+    assert first.content_hash == plain.multi_modal.images[0].content_hash != second.content_hash
+
+
+def test_matches_transformers_processor(llava_dir, encoder):
+    """The token ids are the model's own processor's (LlavaProcessor expands the text, batchgen the token ids)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    processor.patch_size, processor.vision_feature_select_strategy = 8, "default"
+    processor.num_additional_image_tokens = 1
+    want = processor(text=["hello <image> world"], images=[image(5)], return_tensors="pt")
+    got = encoder.encode_prompt({"prompt": "hello <image> world", "multi_modal_data": {"image": [image(5)]}})
+    assert got.token_ids == want["input_ids"][0].tolist()
+    assert got.multi_modal.images[0].pixel_values.equal(want["pixel_values"])
+
+
+def test_chat_image_parts(encoder):
+    """image_url parts are loaded (a data: URL here), image parts taken as they are: the same image, the same
+    inputs; the chat template renders each part as the placeholder."""
+    def chat(part):
+        return [{"role": "user", "content": [part, {"type": "text", "text": "what is it"}]}]
+
+    by_url, by_image = encoder.encode_batch([chat({"type": "image_url", "image_url": {"url": data_url(image(3))}}),
+                                             chat({"type": "image", "image": image(3)})])
+    assert isinstance(by_url, EncodedPrompt) and by_url.token_ids == by_image.token_ids
+    assert by_url.multi_modal.images[0].content_hash == by_image.multi_modal.images[0].content_hash
+    assert "<image>" in by_url.text
+
+
+def test_bad_image_prompts_are_one_line_errors(encoder):
+    mismatch, no_text, bad_key, fine = encoder.encode_batch([
+        {"prompt": "<image> and <image>", "multi_modal_data": {"image": image(1)}},
+        {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(1)}},
+        {"prompt": "x", "multi_modal_data": {"video": [1]}},
+        {"prompt": "the fox"},
+    ])
+    assert isinstance(mismatch, ValueError) and "2 image placeholder(s)" in str(mismatch) and "1 image(s)" in str(
+        mismatch)
+    assert isinstance(no_text, ValueError) and "'prompt'" in str(no_text)
+    assert isinstance(bad_key, ValueError) and "'image'" in str(bad_key)
+    assert fine == EncodedPrompt("the fox", encoder.tokenizer("the fox")["input_ids"])
+    with pytest.raises(ValueError, match="generation"):  # scoring and pooling take no images
+        encoder.encode({"prompt": "x", "multi_modal_data": {"image": image(1)}})
+    text_only = PromptEncoder(encoder.tokenizer, encoder.vocab_size)
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        text_only.encode_prompt({"prompt": "x", "multi_modal_data": {"image": image(1)}})
+    assert text_only.encode_prompt({"prompt_token_ids": [3, 4]}) == EncodedPrompt(None, [3, 4])
+
+
+def test_prefix_cache_keys_blocks_by_image(llava_dir):
+    """Image tokens fill the first two blocks of 8: another image with the same text shares nothing, the same
+    image with another question shares both image blocks."""
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", block_size=8)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+
+    def hits(img, question: str) -> int:
+        before = llm.stats()["prefix_cache_hits"]
+        llm.generate({"prompt": question, "multi_modal_data": {"image": img}}, greedy, use_tqdm=False)
+        return llm.stats()["prefix_cache_hits"] - before
+
+    question = "the quick brown fox jumps over the lazy dog"  # more than 8 tokens: a third full block
+    assert hits(image(1), question) == 0
+    assert hits(image(2), question) == 0
+    assert hits(image(1), "a batch of prompts") == IMAGE_TOKENS
+    assert hits(image(1).copy(), question) == IMAGE_TOKENS + 8  # the same pixels in another object: all it can
