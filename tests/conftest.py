@@ -102,9 +102,8 @@ def smollm2_dir():
 
 @pytest.fixture(autouse=True)
 def _kernel_table_restored():
-    """Each test ends with the kernel table it started with: an engine may switch it (bf16 on an avx2-only
-    processor takes the scalar table, see llm_engine.avoid_bf16_on_avx2), and the next test must not inherit
-    that."""
+    """Each test ends with the kernel table it started with: a test that switches it (`set_cpu_isa`) and fails
+    half-way must not leave the next test on another table."""
     from batchgen import _C
 
     active = _C.cpu_isa()

@@ -5,11 +5,13 @@ from torch import nn
 from batchgen import _C, ops
 from batchgen.layers import linear as linear_module
 from batchgen.layers.linear import (
+    Float32Head,
     Linear,
     PackedLinear,
     PackedSiluAndMul,
     gather_panels,
     linear,
+    logits_head,
     onednn_bf16,
     pack_linears,
 )
@@ -111,19 +113,17 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
 
     path = tiny_model_dirs[arch]
     model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
+    head = model.lm_head if model.lm_head is not None else model._tied_head
+    # The head's logits come out in float32 everywhere (bf16 logits tie near-equal tokens): batchgen's GEMM's
+    # float32 sums, or a float32 copy of the head where the panels do not take it.
+    assert isinstance(head, PackedLinear if ops.has_gemm_bf16() else Float32Head)
+    assert model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16()).dtype == torch.float32
     if not (ops.has_gemm_bf16() or onednn_bf16()):  # an AVX2-only CPU: bf16 weights stay torch's linear
-        assert not [name for name, m in model.named_modules() if isinstance(m, (PackedLinear, PackedSiluAndMul))]
-        assert model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16()).dtype == torch.bfloat16
+        assert not [name for name, m in model.layers.named_modules() if isinstance(m, (PackedLinear, PackedSiluAndMul))]
         return
     assert not [name for name, m in model.named_modules() if isinstance(m, Linear)]
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
-    head = model.lm_head if model.lm_head is not None else model._tied_head
-    assert isinstance(head, PackedLinear)
     assert all(layer.mlp.packed_gate_up.uses_panels == ops.has_gemm_bf16() for layer in model.layers)
-    assert head.uses_panels == ops.has_gemm_bf16()
-    # The head's logits come out as batchgen's GEMM's float32 sums (bf16 logits tie near-equal tokens).
-    logits = model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16())
-    assert logits.dtype == (torch.float32 if ops.has_gemm_bf16() else torch.bfloat16)
     # Every panel lies in the one huge-page mapping gather_panels made.
     panels = [getattr(m, n) for m in model.modules() if getattr(m, "uses_panels", False) for n in m.panel_names]
     assert len({t.untyped_storage().data_ptr() for t in panels}) == (1 if ops.has_gemm_bf16() else 0)
@@ -184,3 +184,18 @@ def test_deep_weights_stay_with_onednn_unless_on_tiles():
             assert not PackedLinear(deep).uses_panels
         finally:
             _C.set_cpu_isa("amx_bf16")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_head_gives_float32_logits_that_do_not_tie(dtype):
+    """Two tokens whose logits differ by less than bf16's spacing there (20 and 20.0625; bf16 rounds both to 20,
+    and argmax would take the lower id): the head's float32 logits keep them apart on every processor."""
+    weight = torch.zeros(2, 16, dtype=dtype)
+    weight[:, 0], weight[1, 1] = 20.0, 0.0625
+    hidden = torch.ones(3, 16, dtype=dtype)
+    assert torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16()).argmax(-1).tolist() == [0, 0, 0]
+    logits = logits_head(weight)(hidden)
+    assert logits.dtype == torch.float32
+    assert logits.argmax(-1).tolist() == [1, 1, 1]
+    torch.testing.assert_close(logits, torch.tensor([[20.0, 20.0625]] * 3))

@@ -97,21 +97,6 @@ def _cache_line(lazy: bool) -> str:
     return "KV cache: allocating %d MiB (%d blocks of %d tokens), swap space %d MiB"
 
 
-def avoid_bf16_on_avx2() -> None:
-    """A stopgap: on a processor whose best kernels are the avx2 table, bf16 models give wrong text with them
-    (SmolLM2 answers French nonsense where transformers, the scalar table and fp16 say "Paris"; seen on an AMD
-    Zen 2; scripts/PERF.md, "The CUDA kernels rewritten without a card"), so bf16 runs on the scalar table there
-    unless BATCHGEN_CPU_ISA chose a table."""
-    import os
-
-    from batchgen import _C
-
-    if _C.cpu_isa() == "avx2" and not os.environ.get("BATCHGEN_CPU_ISA"):
-        logger.warning("bf16 on this processor's avx2 kernels gives wrong text (a known bug): using the scalar "
-                       "kernels; float32 and float16 run at full speed")
-        _C.set_cpu_isa("scalar")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -121,8 +106,6 @@ class LLMEngine:
         self.model_name = config.served_model_name or str(config.model)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(plan.model_dir)
         self.device, self.dtype, self.max_model_len = plan.device, plan.dtype, plan.max_model_len
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            avoid_bf16_on_avx2()
         if self.device.type == "cpu":
             retain_freed_memory()
         logger.info("loading weights from %s (%s, %s%s)", plan.model_dir, str(self.dtype).removeprefix("torch."),

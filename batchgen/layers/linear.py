@@ -129,6 +129,32 @@ class PackedLinear(PackedModule):
                                                  self.out_dtype), x)
 
 
+class Float32Head(nn.Module):
+    """Float32 logits from a 16-bit head that batchgen's GEMM does not take (bf16 without AVX512-BF16, a head deeper
+    than the panels, float16): a float32 copy of the weight, packed for oneDNN, twice the head's bytes. torch's and
+    oneDNN's bf16 linears round the logits to bf16, whose values near 16-32 are 0.125 apart, so close candidates
+    tie and argmax takes the lower token id: SmolLM2 on a Zen 2 answered "L'Étoile..." where float32 logits say
+    "The capital..." (its two best first tokens were 0.22 apart). On AVX2, torch's bf16 linear is also ~7x slower
+    than float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.linear = PackedLinear(weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float())
+
+
+def logits_head(weight: torch.Tensor) -> nn.Module | None:
+    """The module that turns hidden states into float32 logits with the head `weight` on the CPU; None where
+    nothing packs (a GPU: the plain weight)."""
+    if weight.device.type != "cpu" or not can_pack(weight.new_empty(0, 0, dtype=torch.float32)):
+        return None
+    if weight.dtype == torch.float32 or uses_gemm_panels(weight):
+        return PackedLinear(weight, float_out=True)
+    return Float32Head(weight)
+
+
 class PackedSiluAndMul(PackedModule):
     """silu(x W_gate^T) * (x W_up^T) from a fused [gate; up] weight, the activations never making a trip
     through memory on their own: batchgen's bf16 GEMM computes both products of a tile and rounds

@@ -21,12 +21,12 @@ from batchgen.layers.linear import (
     Int8Linear,
     Int8SiluAndMul,
     Linear,
-    PackedLinear,
     PackedModule,
     PackedSiluAndMul,
     can_pack,
     gather_panels,
     linear,
+    logits_head,
     pack_linears,
     quantize_linears,
     uses_gemm_panels,
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(cfg.hidden_size, len(cfg.class_labels), bias=False) if cfg.class_labels else None
         self.lm_head = (None if cfg.tie_word_embeddings or cfg.class_labels
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        self._tied_head: PackedLinear | None = None
+        self._tied_head: nn.Module | None = None
         self.decoder_stack = None  # the layers in one call, once packed (see _build_decoder_stack)
         self._int8_stack = False  # the stack's projections are int8 (run on every kernel table), not bf16 panels
         self.lora_batch: LoRABatch | None = None  # the step's adapter segments, once attach_lora gave the stack slots
@@ -240,10 +240,10 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.mlp.pack()
         pack_linears(self.layers)
-        if self.lm_head is not None and can_pack(self.lm_head.weight):
-            self.lm_head = PackedLinear(self.lm_head.weight, float_out=True)
-        if self.lm_head is None and self.has_lm_head and can_pack(self.embed_tokens.weight):
-            self._tied_head = PackedLinear(self.embed_tokens.weight, float_out=True)
+        if self.lm_head is not None:
+            self.lm_head = logits_head(self.lm_head.weight) or self.lm_head
+        elif self.has_lm_head:
+            self._tied_head = logits_head(self.embed_tokens.weight)
         gather_panels(self)
         self._build_decoder_stack()
 
