@@ -156,10 +156,11 @@ class ModelRunner:
 
 
 def multi_modal_rows(scheduled, first_row: list[int]) -> list[MultiModalRow]:
-    """The step's sequences with images, for a vision-language model (which embeds their image tokens and, with
-    M-RoPE, positions them)."""
+    """The step's sequences with images that the model must see: those feeding image tokens, and with M-RoPE
+    every one (its positions are not its token indices). A step with none runs as a text model's (decode steps of
+    a LLaVA-style model replay CUDA graphs)."""
     return [MultiModalRow(first_row[i], s.start, s.num_new_tokens, s.seq.multi_modal)
-            for i, s in enumerate(scheduled) if s.seq.multi_modal is not None]
+            for i, s in enumerate(scheduled) if s.seq.multi_modal is not None and s.seq.multi_modal.seen_from(s.start)]
 
 
 def lora_segments(scheduled, first_row: list[int], lora_slots: dict[int, int]) -> list[Segment]:

@@ -43,6 +43,10 @@ class MultiModalInputs:
     def num_prompt_tokens(self) -> int:
         return 0 if self.mrope_positions is None else self.mrope_positions.shape[1]
 
+    def seen_from(self, start: int) -> bool:
+        """Whether positions from `start` on need the model's image handling: image tokens among them, or M-RoPE."""
+        return self.mrope_positions is not None or start < self.images[-1].end
+
     def block_extra_key(self, start: int, end: int) -> tuple[int, ...]:
         """The content hashes of the images whose tokens fall in positions [start, end): what a KV block of
         those positions depends on besides its tokens (and its parent block)."""
