@@ -79,6 +79,30 @@ def test_chat_image_parts(encoder):
     assert "<image>" in by_url.text
 
 
+def test_a_tokenizer_without_chat_template_takes_the_processors(llava_dir, tmp_path):
+    """llava-hf's models keep their chat template in the processor's chat_template.json."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    model = shutil.copytree(llava_dir, tmp_path / "llava")
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        if (model / name).exists():
+            config = json.loads((model / name).read_text()) if name.endswith(".json") else None
+            if config is None:
+                (model / name).unlink()
+            else:
+                config.pop("chat_template", None)
+                (model / name).write_text(json.dumps(config))
+    tokenizer = load_tokenizer(model)
+    assert not tokenizer.chat_template
+    (model / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'][0]['type'] }}"}))
+    encoder = PromptEncoder(tokenizer, len(tokenizer), load_preprocessor(model, AutoConfig.from_pretrained(model),
+                                                                         tokenizer))
+    assert encoder.chat_text([{"role": "user", "content": [{"type": "image"}]}]) == "image"
+
+
 def test_bad_image_prompts_are_one_line_errors(encoder):
     mismatch, no_text, bad_key, fine = encoder.encode_batch([
         {"prompt": "<image> and <image>", "multi_modal_data": {"image": image(1)}},

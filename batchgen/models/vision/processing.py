@@ -10,6 +10,7 @@ stays one call."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,20 @@ PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
-    """The image preprocessor of a vision-language model (None for a text model)."""
+    """The image preprocessor of a vision-language model (None for a text model). A tokenizer without a chat
+    template gets the processor's (`chat_template.json`, where llava-hf's models keep it)."""
     family = PREPROCESSORS.get(getattr(hf_config, "model_type", ""))
-    return None if family is None else family(model_dir, hf_config, tokenizer)
+    if family is None:
+        return None
+    if tokenizer is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = processor_chat_template(Path(model_dir))
+    return family(model_dir, hf_config, tokenizer)
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The chat template a processor saved beside the model: chat_template.json's, else chat_template.jinja."""
+    saved = model_dir / "chat_template.json"
+    if saved.is_file():
+        return json.loads(saved.read_text(encoding="utf-8")).get("chat_template")
+    jinja = model_dir / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
