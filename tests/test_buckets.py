@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import time
@@ -253,7 +254,7 @@ def test_storage_mistakes_are_one_line(tmp_path, bucket, s3_server):
     assert r.exit_code == 1 and f"no input file matches '{bucket}/nothing/*.jsonl'" in r.output, r.output
 
 
-def test_refused_credentials_and_an_unreachable_endpoint_are_one_line(tmp_path):
+def test_refused_credentials_are_one_line(tmp_path):
     guarded = S3Server().start(auth=True)
     try:
         job = setup_job(tmp_path, rows=3, input={"paths": ["s3://some-bucket/in.jsonl"]},
@@ -265,13 +266,32 @@ def test_refused_credentials_and_an_unreachable_endpoint_are_one_line(tmp_path):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     finally:
         guarded.stop()
+
+
+def test_a_refused_connection_says_so_at_once_and_fails_fast(tmp_path):
+    """An endpoint where nothing listens (issue 56, item 2): each retry is a line as it happens, naming the
+    endpoint, the attempt and the wait; a refused connection gets a few quick tries, not the throttling
+    backoff (storage.retries 8 took 17-19 s of silence), then the one error line."""
     closed = S3Server()  # never started: its port refuses connections
-    env = subprocess_env(**closed.env())
-    start = time.monotonic()
-    r = subprocess.run(batchgen_cmd("run", job), env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "cannot reach the storage endpoint" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert time.monotonic() - start < 120
+    job = setup_job(tmp_path, rows=3, input={"paths": ["s3://some-bucket/in.jsonl"]},
+                    output={"dir": "s3://some-bucket/out"}, storage={"retries": 8, "retry_wait": 1.0})
+    proc = subprocess.Popen(batchgen_cmd("run", job), env=subprocess_env(**closed.env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines, stamps = [], []
+    for line in proc.stderr:
+        lines.append(line.rstrip("\n"))
+        stamps.append(time.monotonic())
+    assert proc.wait(timeout=300) == 1, lines
+    endpoint = closed.env()["AWS_ENDPOINT_URL"]
+    *retries, error = lines
+    said = re.compile(rf"s3://some-bucket/\S+: cannot reach the storage endpoint \({re.escape(endpoint)}, connection "
+                      r"refused\): retrying \(attempt ([23]) of 3, next in \d+\.\ds\)$")
+    assert retries and all(said.match(line) for line in retries), lines
+    assert [said.match(line)[1] for line in retries[:2]] == ["2", "3"]  # each call: attempts 2 and 3, then done
+    assert error.startswith("batchgen: error: ") and "s3://some-bucket/in.jsonl: cannot reach the storage " \
+        "endpoint" in error and error.endswith("(still failing after 3 attempts)"), error
+    # two waits of at most 1 and 2 s (full jitter) between the first line and the last: generous on a busy box
+    assert stamps[-1] - stamps[0] < 30
 
 
 def test_bucket_outputs_are_not_node_local(bucket):

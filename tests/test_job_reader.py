@@ -54,13 +54,13 @@ def test_jsonl_bad_rows_are_error_rows(tmp_path):
         "absent": "in.jsonl line 5: field 'prompt': missing or null",
         "int": ("in.jsonl line 6: field 'prompt': expected a string or a non-empty list of token ids, "
                 "got an integer"),
-        "in.jsonl:7": "in.jsonl:7 (line 8): malformed JSON",
-        "in.jsonl:8": "in.jsonl:8 (line 9): expected a JSON object, got a list",
-        "in.jsonl:9": "in.jsonl:9 (line 10): field 'id': missing id",
-        "in.jsonl:10": "in.jsonl:10 (line 11): field 'id': id must be a string or an integer, got a list",
+        "in.jsonl:8": "in.jsonl line 8: malformed JSON",
+        "in.jsonl:9": "in.jsonl line 9: expected a JSON object, got a list",
+        "in.jsonl:10": "in.jsonl line 10: field 'id': missing id",
+        "in.jsonl:11": "in.jsonl line 11: field 'id': id must be a string or an integer, got a list",
         "badtokens": "in.jsonl line 13: field 'prompt': expected a string or a non-empty list of token ids",
         "surrogate": "in.jsonl line 14: field 'prompt': not valid Unicode",
-        "in.jsonl:14": "in.jsonl:14 (line 15): invalid UTF-8",
+        "in.jsonl:15": "in.jsonl line 15: invalid UTF-8",
     }
     for row_id, message in expect.items():
         assert row_id in by_id, (row_id, sorted(by_id))
@@ -126,7 +126,7 @@ def test_derived_ids_use_file_and_physical_line(tmp_path):
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "data" / "in.jsonl", [{"prompt": "a"}, "", {"prompt": "b"}])
     ids = [r.id for r in reader(tmp_path, paths=["data/*.jsonl"]).rows()]
-    assert ids == ["data/in.jsonl:0", "data/in.jsonl:2"]
+    assert ids == ["data/in.jsonl:1", "data/in.jsonl:3"]
     assert [k.id for k in reader(tmp_path, paths=["data"]).ids()] == ids  # a directory: the files in it
 
 
@@ -161,9 +161,9 @@ def test_jsonl_carry_types_come_from_first_values(tmp_path):
                                                                 ("score", "int64")]
     rows = list(r.rows())
     assert rows[0].carry == {"k": None, "meta": '{"x": 1}', "score": 1}
-    assert rows[1].error == ("in.jsonl:1 (line 2): field 'score': expected int64 as in the first rows, "
+    assert rows[1].error == ("in.jsonl line 2: field 'score': expected int64 as in the first rows, "
                              "got a number")
-    assert rows[2].error.startswith("in.jsonl:2 (line 3): field 'k': expected int64")
+    assert rows[2].error.startswith("in.jsonl line 3: field 'k': expected int64")
 
 
 def test_parquet_streams_and_counts_cheaply(tmp_path):

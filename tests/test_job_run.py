@@ -149,7 +149,7 @@ def test_bad_rows_are_recorded_and_counted(tmp_path):
     errors = {row["id"]: row["error"] for row in read_rows(tmp_path / "out") if row["error"]}
     assert errors["long"] == "in.jsonl line 2: prompt is 100 tokens, more than max_model_len 40"
     assert errors["empty"] == "in.jsonl line 3: field 'prompt': empty prompt"
-    assert errors["in.jsonl:3"].startswith("in.jsonl:3 (line 4): malformed JSON")
+    assert errors["in.jsonl:4"].startswith("in.jsonl line 4: malformed JSON")
     assert errors["badmt"].startswith("in.jsonl line 5: field 'mt' (sampling.max_tokens override): must be")
     assert errors["strmt"].startswith("in.jsonl line 6: field 'mt' (sampling.max_tokens override): ")
     ok = [row for row in read_rows(tmp_path / "out") if row["id"] == "ok"]
@@ -281,7 +281,7 @@ def test_duplicate_ids_first_row_wins_and_reruns_do_nothing(tmp_path, fmt):
     if fmt == "jsonl":
         write_jsonl(tmp_path / "in1.jsonl", first)
         write_jsonl(tmp_path / "in2.jsonl", second)
-        where = ["in1.jsonl:2 (line 3)", "in1.jsonl line 1", "in2.jsonl:1 (line 2)", "in1.jsonl line 2"]
+        where = ["in1.jsonl line 3", "in1.jsonl line 1", "in2.jsonl line 2", "in1.jsonl line 2"]
     else:
         for name, rows in (("in1", first), ("in2", second)):
             write_parquet(tmp_path / f"{name}.{fmt}", pa.Table.from_pylist(rows))
@@ -291,11 +291,11 @@ def test_duplicate_ids_first_row_wins_and_reruns_do_nothing(tmp_path, fmt):
     assert r.exit_code == 0, r.output
     assert "5 this run (2 errors)" in r.stdout
     out = outputs_by_key(tmp_path / "out")  # each (id, sample) once
-    ext = "jsonl" if fmt == "jsonl" else "parquet"
-    assert out[(f"in1.{ext}:2", 0)][1] == (f"{where[0]}: field 'id': duplicate id 'a', first at {where[1]}; "
-                                           "only that row is generated")
-    assert out[(f"in2.{ext}:1", 0)][1] == (f"{where[2]}: field 'id': duplicate id 'b', first at {where[3]}; "
-                                           "only that row is generated")
+    ext, first_line = ("jsonl", 1) if fmt == "jsonl" else ("parquet", 0)  # JSONL ids count lines as messages do
+    assert out[(f"in1.{ext}:{2 + first_line}", 0)][1] == (
+        f"{where[0]}: field 'id': duplicate id 'a', first at {where[1]}; only that row is generated")
+    assert out[(f"in2.{ext}:{1 + first_line}", 0)][1] == (
+        f"{where[2]}: field 'id': duplicate id 'b', first at {where[3]}; only that row is generated")
     ref = setup_job(tmp_path / "ref", rows=0, input={"carry_columns": []})
     write_jsonl(tmp_path / "ref" / "in.jsonl", [first[0], first[1], second[0]])
     assert run(ref).exit_code == 0
@@ -316,8 +316,8 @@ def test_a_duplicate_appended_later_becomes_an_error_row_once(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"id": "q0001", "prompt": "late copy"}], mode="a")
     r = run(job)
     assert r.exit_code == 0 and "1 this run (1 error)" in r.stdout
-    assert outputs_by_key(tmp_path / "out")[("in.jsonl:4", 0)][1].startswith(
-        "in.jsonl:4 (line 5): field 'id': duplicate id 'q0001', first at in.jsonl line 2")
+    assert outputs_by_key(tmp_path / "out")[("in.jsonl:5", 0)][1].startswith(
+        "in.jsonl line 5: field 'id': duplicate id 'q0001', first at in.jsonl line 2")
     assert "nothing to do" in run(job).stdout
 
 

@@ -115,13 +115,13 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
     by_id = {x["custom_id"]: x for x in lines}
     assert by_id["ok"]["error"] is None and by_id["last"]["error"] is None
     expected = {
-        "req.jsonl:1": "req.jsonl:1 (line 2): malformed JSON",
-        "req.jsonl:2": "req.jsonl:2 (line 3): field 'custom_id': missing id",
+        "req.jsonl:2": "req.jsonl line 2: malformed JSON",
+        "req.jsonl:3": "req.jsonl line 3: field 'custom_id': missing id",
         "mod": "req.jsonl line 4: field 'url': must be one of /v1/chat/completions, /v1/completions, "
                "/v1/embeddings",
         "shape": "req.jsonl line 5: field 'body.messages': expected a non-empty list",
         "role": "req.jsonl line 6: field 'body.messages': message [0].role",
-        "req.jsonl:6": "req.jsonl:6 (line 7): field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",
+        "req.jsonl:7": "req.jsonl line 7: field 'custom_id': duplicate id 'ok', first at req.jsonl line 1",
         "badn": "req.jsonl line 8: field 'body.n': must be an integer >= 1",
         "toplp": "req.jsonl line 9: field 'body.top_logprobs': needs \"logprobs\": true",
         "image": "req.jsonl line 10: field 'body.messages': model model takes no images",
@@ -133,10 +133,10 @@ def test_bad_lines_become_error_lines_naming_the_line(tmp_path):
         assert line["response"] is None and line["error"]["code"] == "invalid_request"
         assert line["error"]["message"].startswith(message), line["error"]["message"]
     derived = [cid for cid in by_id if cid.startswith("req.jsonl:")]
-    assert len(derived) == 3, derived  # one numbering per record: the id's, the line's beside it
+    assert len(derived) == 3, derived  # one numbering: the id's number is the line's in the message
     for cid in derived:
-        line_no = int(cid.rsplit(":", 1)[1]) + 1
-        assert by_id[cid]["error"]["message"].startswith(f"{cid} (line {line_no}): "), by_id[cid]
+        line_no = int(cid.rsplit(":", 1)[1])
+        assert by_id[cid]["error"]["message"].startswith(f"req.jsonl line {line_no}: "), by_id[cid]
     # a rerun finds nothing to do and leaves the file as it is
     before = (tmp_path / "out.jsonl").read_bytes()
     again = run_batch(tmp_path, requests)
@@ -401,3 +401,42 @@ def test_response_format_constrains_the_output(tmp_path, tiny_model_dirs):
     assert by_id["bad"]["error"]["message"].endswith(
         "field 'body.response_format': type must be text, json_object or json_schema, got 'yaml'")
     assert "field 'body.response_format.json_schema.schema'" in by_id["badschema"]["error"]["message"]
+
+
+def _part_ids(parts) -> list[str]:
+    parts = sorted(parts.glob("part-*.jsonl"))
+    return [json.loads(line)["custom_id"] for p in parts for line in p.read_text().splitlines()]
+
+
+def test_derived_ids_count_lines_from_1_and_old_dirs_keep_counting_from_0(tmp_path, monkeypatch):
+    """A line without a usable custom_id is `req.jsonl:N` for line N, as its message says. An output dir begun
+    when derived ids counted from 0 (its _job.json does not say) resumes with that numbering: nothing done
+    before is generated again, each id is in the parts once, and new lines are numbered as the old ones."""
+    from batchgen.job import line_ids
+
+    requests = [chat("a", "one"), "not json", completion("b", "two"), "not json either"]
+    new = run_batch(tmp_path / "new", requests)
+    assert new.exit_code == 0, new.output
+    errors = {x["custom_id"]: x["error"]["message"] for x in read_lines(tmp_path / "new" / "out.jsonl") if x["error"]}
+    assert errors == {"req.jsonl:2": "req.jsonl line 2: malformed JSON: Expecting value (column 1)",
+                      "req.jsonl:4": "req.jsonl line 4: malformed JSON: Expecting value (column 1)"}
+
+    old = tmp_path / "old"
+    with monkeypatch.context() as m:  # the numbering before, for an output dir of that time
+        m.setattr(line_ids, "FIRST_LINE", 0)
+        first = run_batch(old, requests[:3])
+    assert first.exit_code == 0, first.output
+    saved = old / "out.jsonl.parts" / "_job.json"
+    saved.write_text(json.dumps({k: v for k, v in json.loads(saved.read_text()).items() if k != "line_ids_from"}))
+    done_before = _part_ids(old / "out.jsonl.parts")
+    assert sorted(done_before) == ["a", "b", "req.jsonl:1"]
+
+    again = run_batch(old, requests + [chat("c", "three")])
+    assert again.exit_code == 0, again.output
+    assert "3 rows done before" in again.output
+    ids = _part_ids(old / "out.jsonl.parts")
+    assert sorted(ids) == ["a", "b", "c", "req.jsonl:1", "req.jsonl:3"] and ids[:3] == done_before
+    lines = read_lines(old / "out.jsonl")
+    assert [x["custom_id"] for x in lines] == ["a", "req.jsonl:1", "b", "req.jsonl:3", "c"]
+    assert lines[3]["error"]["message"].startswith("req.jsonl:3 (line 4): malformed JSON")
+    assert json.loads(saved.read_text())["line_ids_from"] == 0  # said from now on

@@ -65,7 +65,7 @@ def test_repeated_ids_are_a_warning_of_validate(tmp_path):
     assert r.exit_code == 0 and r.stdout == "ok\n"
     assert r.stderr.splitlines() == [
         "warning: input.id_column: 2 input rows repeat the id of an earlier row; only the first row of an id is "
-        "generated, the others are error rows (the first: in.jsonl:2 (line 3): field 'id': duplicate id 'a', "
+        "generated, the others are error rows (the first: in.jsonl line 3: field 'id': duplicate id 'a', "
         "first at in.jsonl line 1; only that row is generated)"]
     result = json.loads(validate(job, "--json").stdout)
     assert result["ok"] and len(result["warnings"]) == 1

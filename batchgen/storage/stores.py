@@ -14,8 +14,10 @@ import errno
 import glob as globlib
 import hashlib
 import io
+import logging
 import os
 import random
+import re
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +29,8 @@ from typing import IO, Any
 
 from ..extras import install_hint
 from .options import StorageOptions
+
+logger = logging.getLogger("batchgen.storage")
 
 # The pip extra that brings each protocol's library.
 EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
@@ -204,11 +208,11 @@ def _mapped(method: Callable[..., Any]) -> Callable[..., Any]:
     @wraps(method)
     def call(self: FsspecStore, path: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.retries.run(lambda: method(self, path, *args, **kwargs))
+            return self.retries.run(lambda: method(self, path, *args, **kwargs), self.url(path))
         except (FileNotFoundError, FileExistsError, StorageError):
             raise
         except Exception as e:
-            tries = f" (still failing after {self.retries.attempts} attempts)" if is_transient(e) else ""
+            tries = f" (still failing after {self.retries.attempts_for(e)} attempts)" if is_transient(e) else ""
             raise StorageError(f"{self.url(path)}: {describe(e)}{tries}") from None
 
     return call
@@ -249,15 +253,54 @@ class Retries:
     def wait(self, retry: int) -> float:
         return random.uniform(0.0, min(self.max_wait, self.first_wait * 2 ** retry))
 
-    def run(self, call: Callable[[], Any]) -> Any:
+    def run(self, call: Callable[[], Any], url: str | None = None) -> Any:
+        """``call``'s result, retrying it while it fails transiently. A refused connection (nothing listens at
+        the endpoint) is tried at most REFUSED_ATTEMPTS times; every retry of a failure to connect is told in a
+        line (logger ``batchgen.storage``), so an unreachable store never looks like a hang."""
         for retry in range(self.attempts):
             try:
                 return call()
             except Exception as e:
-                if retry + 1 >= self.attempts or not is_transient(e):
+                attempts = self.attempts_for(e)
+                if retry + 1 >= attempts or not is_transient(e):
                     raise
-            time.sleep(self.wait(retry))
+                pause = self.wait(retry)
+                if not_connected(e):
+                    logger.warning("%s: cannot reach the storage endpoint%s: retrying (attempt %d of %d, next in "
+                                   "%.1fs)", url or "store", _endpoint(e), retry + 2, attempts, pause)
+            time.sleep(pause)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def attempts_for(self, e: BaseException) -> int:
+        """How many tries a failure like ``e`` gets in all: fewer for a refused connection, which more waiting
+        seldom mends (a wrong endpoint or port), than for throttling or a dropped connection."""
+        return min(self.attempts, REFUSED_ATTEMPTS) if is_refused(e) else self.attempts
+
+
+REFUSED_ATTEMPTS = 3  # a refused connection: two quick retries (a server restarting), then the one line
+
+
+def not_connected(e: BaseException) -> bool:
+    """The call never reached the store: the connection failed or was refused (not a throttle, not a 5xx)."""
+    return any(type(err).__name__ in _CONNECT_NAMES or isinstance(err, ConnectionRefusedError)
+               or "Could not connect" in str(err) for err in _chain(e))
+
+
+def is_refused(e: BaseException) -> bool:
+    """Nothing listens at the endpoint: the connection was refused (ECONNREFUSED)."""
+    return any(isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED
+               or "Connection refused" in str(err) or "Connect call failed" in str(err) for err in _chain(e))
+
+
+def _endpoint(e: BaseException) -> str:
+    """` (http://host:port, connection refused)` from the failure's text, as far as it says."""
+    found = re.search(r"https?://[^/\"'\s]+", " ".join(str(err) for err in _chain(e)))
+    parts = ([found.group(0)] if found else []) + (["connection refused"] if is_refused(e) else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+_CONNECT_NAMES = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                            "NewConnectionError", "ConnectError"})
 
 
 # Errors that say nothing about the request itself: the store or the way to it failed for a moment.
@@ -481,7 +524,7 @@ class _RetriedReads(io.RawIOBase):
             return self.raw.read(len(buffer))
 
         try:
-            data = self.retries.run(once)
+            data = self.retries.run(once, self.url)
         except Exception as e:
             raise StorageError(f"{self.url}: {describe(e)}") from None
         buffer[: len(data)] = data

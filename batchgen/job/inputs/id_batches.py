@@ -66,7 +66,7 @@ def column_ids(column: pa.Array, f: InputFile, start: int, name: str) -> tuple[p
     ids = text.to_pylist()
     errors = {}
     for i in bad.tolist():
-        ids[i] = f"{f.name}:{start + i}"
+        ids[i] = f.derived_id(start + i)
         errors[i] = f"field {name!r}: missing id" if missing[i] else f"field {name!r}: id is empty or not valid Unicode"
     return id_array(ids), errors
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pyarrow as pa
 from ...storage import Location, StorageOptions
 from ..errors import JobError, JobInvalid, Problem
 from ..ids import BATCH, DoneIds, batches, hash_ids, id_array
+from ..line_ids import FIRST_LINE, dir_line_ids_from
 from ..shard import Shard
 from ..spec import InputSpec, Job
 from . import openai_batch
@@ -86,9 +88,13 @@ class InputReader:
     def for_job(cls, job: Job, read_only: bool = False) -> InputReader:
         """The job's reader; ``read_only``: without the id indexes kept in the output dir (``run --dry-run``)."""
         index_dir = None if read_only else IndexDir(job.output_dir / INDEX_DIR, job.spec.input.id_key or "")
-        return cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
+        reader = cls(job.spec.input, job.base_dir, job.spec.sampling.overrides, exclude=job.output_dir,
                    model_name=job.model_name if job.spec.input.check_model else None, storage=job.spec.storage,
                    base_names=job.base_model_names if job.spec.model.lora_modules else None, index_dir=index_dir)
+        first_line = dir_line_ids_from(job.output_dir)
+        if first_line != FIRST_LINE:  # an output dir begun when derived ids counted lines from 0
+            reader.files = [replace(f, line_ids_from=first_line) for f in reader.files]
+        return reader
 
     def _source(self, f: InputFile) -> Source:
         if f.format == "parquet":
@@ -317,7 +323,7 @@ class InputReader:
         for at, key in zip(repeats.tolist(), first[repeats].tolist(), strict=True):
             errors[at] = (f"field {column!r}: duplicate id {ids[at]!r}, first at {seen.where(key)}; "
                           "only that row is generated")
-            ids[at] = f"{f.name}:{b.index[at]}"
+            ids[at] = f.derived_id(int(b.index[at]))
         out = id_array(ids)
         hashes[repeats] = hash_ids(out.take(pa.array(repeats)))
         return IndexedBatch(out, hashes, b.ids, b.index, first, b.checked, errors)

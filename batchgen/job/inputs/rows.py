@@ -51,6 +51,7 @@ class InputFile:
     name: str  # used in derived ids (``<name>:<row>``) and, unless ``label`` is set, in messages
     label: str = ""
     dataset: DatasetRef | None = None
+    line_ids_from: int = 1  # derived ids of a line-numbered file: the first line's number (job/line_ids.py)
 
     @property
     def shown(self) -> str:
@@ -61,18 +62,25 @@ class InputFile:
         """A row's place in messages: JSONL lines count from 1, rows of other formats from 0."""
         return f"{self.shown} line {index + 1}" if self.format in TEXT_LINES else f"{self.shown} row {index}"
 
+    def derived_id(self, index: int) -> str:
+        """The id of row `index` (from 0) without an id of its own: ``<name>:<line>`` for a line-numbered file
+        (lines from `line_ids_from`), ``<name>:<row>`` from 0 for the others."""
+        return f"{self.name}:{index + self.line_ids_from if self.format in TEXT_LINES else index}"
+
     def place(self, record: Record) -> tuple[str, str]:
         """(derived id, place in messages) of a record."""
         if record.unnumbered is not None:
             return f"{self.name}:{record.unnumbered}", f"{self.shown} {record.unnumbered}"
-        return f"{self.name}:{record.index}", self.where(record.index)
+        return self.derived_id(record.index), self.where(record.index)
 
     def place_for(self, record: Record, row_id: str) -> str:
-        """The place in messages of `record` read as row `row_id`. Lines count from 1 and derived ids
-        from 0, so a row whose id is derived (``in.jsonl:3``) leads with that id and names the line
-        beside it (``in.jsonl:3 (line 4)``): one record, one numbering."""
+        """The place in messages of `record` read as row `row_id`. A derived id and the message count lines
+        alike (``in.jsonl line 4`` is row ``in.jsonl:4``), except in an output dir begun when derived ids
+        counted from 0: there a row whose id is derived leads with that id and names the line beside it
+        (``in.jsonl:3 (line 4)``)."""
         derived, where = self.place(record)
-        if row_id == derived and self.format in TEXT_LINES and record.unnumbered is None:
+        if (row_id == derived and self.format in TEXT_LINES and record.unnumbered is None
+                and self.line_ids_from != 1):
             return f"{derived} (line {record.index + 1})"
         return where
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...storage import Location
 from ..errors import JobError
+from ..line_ids import SAVED_KEY, line_ids_from
 from ..spec import Job
 from .files import write_whole
 
@@ -50,8 +51,9 @@ def changes_since(saved: dict[str, Any], job: Job) -> str:
 
 def save(out_dir: Location, job: Job) -> None:
     """Every shard saves the same files; on a bucket the last PUT wins, with the same content."""
+    numbering = {SAVED_KEY: line_ids_from(read_saved(out_dir))}  # a dir keeps the numbering it began with
     write_whole(out_dir / SAVED_YAML, lambda tmp: tmp.write_text(job.text, encoding="utf-8"))
-    text = json.dumps(job.saved_form(), indent=2, sort_keys=True) + "\n"
+    text = json.dumps({**job.saved_form(), **numbering}, indent=2, sort_keys=True) + "\n"
     write_whole(out_dir / SAVED_JSON, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
