@@ -1,5 +1,5 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
-`generate` on tiny random LLaVA and Qwen2-VL models, with one and several images a prompt (as vLLM's prompt
+`generate` on tiny random LLaVA, Qwen2-VL and Qwen2.5-VL models, with one and several images a prompt (as vLLM's prompt
 dicts, inline placeholders, chat image parts), chunked prefill cutting through image tokens, the prefix cache
 on and off, preemption by swap and by recompute, and n samples sharing the prompt's blocks."""
 
@@ -11,7 +11,8 @@ from vision_kit import build_llava, build_qwen2_vl, hf_greedy, image
 
 from batchgen import LLM, SamplingParams
 
-FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl}
+FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
+            "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5")}
 MAX_TOKENS = 16
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
@@ -51,8 +52,12 @@ def vlm(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("family", FAMILIES)
+# Qwen2.5-VL differs from Qwen2-VL in its vision transformer alone: two setups suffice.
+CASES = [(family, setup) for family in ("llava", "qwen2_vl") for setup in SETUPS] + [
+    ("qwen2_5_vl", "chunked"), ("qwen2_5_vl", "swap")]
+
+
+@pytest.mark.parametrize(("family", "setup"), CASES)
 def test_greedy_matches_transformers(vlm, family, setup):
     path, family_prompts, want = vlm[family]
     llm = LLM(path, dtype="float32", **{"kv_cache_memory": "16MiB", **SETUPS[setup]})

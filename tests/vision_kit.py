@@ -40,9 +40,9 @@ def build_llava(path, seed: int = 0):
     return path
 
 
-def build_qwen2_vl(path, seed: int = 0):
-    """Qwen2-VL: a 2-block vision transformer on 14x14 patches merged 2x2 (4 to 16 tokens an image), a Qwen2
-    decoder with M-RoPE sections [16, 8, 8]."""
+def build_qwen2_vl(path, seed: int = 0, version: str = "2"):
+    """Qwen2-VL (Qwen2.5-VL with `version="2.5"`): a 2-block vision transformer on 14x14 patches merged 2x2 (4 to
+    16 tokens an image; Qwen2.5-VL's in windows of 2x2 tokens), a Qwen2 decoder with M-RoPE sections [16, 8, 8]."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -55,11 +55,16 @@ def build_qwen2_vl(path, seed: int = 0):
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     vision = dict(depth=2, embed_dim=64, hidden_size=256, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    config_class, model_class = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+        config_class, model_class = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], bos_token_id=tok.bos_token_id,
                               eos_token_id=tok.eos_token_id)
-    save_random_model(path, tf.Qwen2VLForConditionalGeneration, config, tok, seed)
+    save_random_model(path, model_class, config, tok, seed)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
     return path
 

@@ -21,6 +21,7 @@ NATIVE_ARCHITECTURES = {
     # vision-language models: a native decoder under the family's vision part (models/vision/)
     "LlavaForConditionalGeneration": "vision",
     "Qwen2VLForConditionalGeneration": "vision",
+    "Qwen2_5_VLForConditionalGeneration": "vision",
 }
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {

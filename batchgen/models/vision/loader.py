@@ -13,10 +13,11 @@ from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.model import VisionLanguageModel
 from batchgen.models.vision.qwen2_vl import Qwen2VLModel
 
-FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel}
+FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel}
 # The native decoder of a text config's model type.
 DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+            "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 
 
 def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,

@@ -84,7 +84,8 @@ class LlavaPreprocessor(ImagePreprocessor):
 
 
 class Qwen2VLPreprocessor(ImagePreprocessor):
-    """Qwen2-VL: an image is a grid of 14x14 patches (its size follows the image's), merged 2x2 into one token."""
+    """Qwen2-VL and Qwen2.5-VL: an image is a grid of 14x14 patches (its size follows the image's), merged 2x2
+    into one token."""
 
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -118,7 +119,7 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
         return mrope, int(mrope.max()) + 1 - len(token_ids)
 
 
-PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor}
+PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:

@@ -1,5 +1,6 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): transformers' vision transformer (patches of any image size,
-merged 2x2 into tokens) and a Qwen2 decoder, native, with M-RoPE: each head's rotary frequencies fall in three
+"""Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`): transformers'
+vision transformer of each (patches of any image size, merged 2x2 into tokens; Qwen2.5-VL's attends in windows)
+and a Qwen2 decoder, native, with M-RoPE: each head's rotary frequencies fall in three
 sections turned by three positions (time, row, column). Text tokens have the same three; an image's tokens have
 its grid's. A position after the prompt is its token index plus the request's rope delta."""
 
@@ -17,10 +18,8 @@ from batchgen.models.vision.model import VisionLanguageModel
 
 class Qwen2VLModel(VisionLanguageModel):
     def __init__(self, hf_config: Any, language_model: LlamaForCausalLM):
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
         super().__init__(language_model)
-        self.visual = Qwen2VisionTransformerPretrainedModel._from_config(hf_config.vision_config)
+        self.visual = vision_transformer(hf_config.model_type)._from_config(hf_config.vision_config)
         head_dim = language_model.cfg.rotated_dims
         sections = hf_config.text_config.rope_parameters["mrope_section"]
         if 2 * sum(sections) != head_dim:
@@ -59,3 +58,14 @@ class Qwen2VLModel(VisionLanguageModel):
         choose = self.section_of_dim.expand(1, per_section.shape[1], -1)
         cos_sin = per_section.gather(0, choose).squeeze(0)
         return Rope(torch.arange(positions.shape[0], device=positions.device), cos_sin)
+
+
+def vision_transformer(model_type: str) -> type:
+    """transformers' vision transformer class of Qwen2-VL ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl")."""
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    return Qwen2VisionTransformerPretrainedModel
