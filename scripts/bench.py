@@ -19,6 +19,9 @@ prompt length, the best of several batch sizes), and transformers continuous bat
             their tokens/s, and int8's quality against the same dtype: greedy agreement over the first 64 tokens
             of mixed's first 32 prompts, the perplexity of tests/data/pride_and_prejudice_ch1.txt (budget: within
             2%); scripts/bench_int8.py measures more (rounds, W8A8 checkpoints, a 1B shape)
+  caption   N images x 1 prompt on a vision-language model (--vision-model; default a random LLaVA of SmolLM2's
+            decoder under a CLIP tower): images/s and tokens/s against transformers' batched generate on the same
+            preprocessed inputs, and the vision encoder's share of each run (scripts/bench_caption.py)
   vocab     not chat: random Llama models of hidden 256 at Llama 3's 128,256 and Gemma 3's 262,144 tokens, so that
             the lm_head and the sampler are most of a step (64 rows of greedy, top-p, penalties and logprobs, 64
             tokens each): the sampler's rate of reading logits as a share of the measured read bandwidth
@@ -32,6 +35,7 @@ its clock starts, as vLLM's engine zero-fills its cache at start-up.
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
     .venv/bin/python scripts/bench.py --dtype bf16 --skip-peers --workloads mixed,int8,vocab   # issue 36's report
+    .venv/bin/python scripts/bench.py --dtype fp32 --workloads caption --vision-model ~/models/llava-1.5-7b-hf
 """
 
 from __future__ import annotations
@@ -77,13 +81,15 @@ SETTINGS = {  # full and --quick sizes
                 beam=dict(count=32, lengths=(390, 410), max_tokens=(64,), beam_width=4),
                 decode=dict(count=256, lengths=(32, 32), max_tokens=(16, 32, 48, 64)),
                 batch_sizes=(8, 16, 32, 64), gemm_ms=(64, 128, 256), gemm_time=0.3, agree_prompts=32,
-                vocab=dict(sizes=VOCAB_SIZES, requests=64, max_tokens=64)),
+                vocab=dict(sizes=VOCAB_SIZES, requests=64, max_tokens=64),
+                caption=dict(count=64, max_tokens=32, batch_size=8)),
     True: dict(mixed=dict(count=16, lengths=(20, 80), max_tokens=(4, 8, 16)),
                parallel=dict(count=4, lengths=(60, 70), max_tokens=(8,), n=8),
                beam=dict(count=4, lengths=(60, 70), max_tokens=(8,), beam_width=4),
                decode=dict(count=64, lengths=(16, 16), max_tokens=(4, 8)),
                batch_sizes=(8,), gemm_ms=(64,), gemm_time=0.02, agree_prompts=2,
-               vocab=dict(sizes=(4096,), requests=8, max_tokens=8)),
+               vocab=dict(sizes=(4096,), requests=8, max_tokens=8),
+               caption=dict(count=4, max_tokens=4, batch_size=4)),
 }
 
 # --- workloads ---------------------------------------------------------------------------------------------------
@@ -886,6 +892,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-impl", choices=("native", "transformers"), default="native",
                         help="transformers: also run mixed and parallel on the transformers backend (model_impl), "
                              "reported as a peer of the native path")
+    parser.add_argument("--vision-model", help="the caption workload's model: a LLaVA or Qwen2-VL directory "
+                                               "(default: a random LLaVA of SmolLM2-135M's decoder, built here)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixed-count", type=int,
                         help="requests of mixed (and of the workloads built on it: pressure, json, lora) instead of "
@@ -903,7 +911,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
     if set(args.peers) - {"static", "continuous"} or "static" not in args.peers:
         parser.error(f"--peers: static, optionally with continuous (got {args.peers})")
-    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora", "int8", "vocab"}
+    unknown = set(args.workloads) - {"mixed", "parallel", "pressure", "json", "beam", "lora", "int8", "vocab",
+                                     "caption"}
     if unknown:
         parser.error(f"unknown workloads: {sorted(unknown)}")
     return args
@@ -927,11 +936,18 @@ def main(argv=None) -> dict:
         settings = {**settings, "batch_sizes": args.batch_sizes}
     if args.mixed_count:
         settings = {**settings, "mixed": {**settings["mixed"], "count": args.mixed_count}}
-    runs, ceilings, notes, measures = [], {}, [], {}
+    runs, ceilings, notes, measures, captions = [], {}, [], {}, {}
     for dtype in args.dtypes:
-        dtype_runs, ceilings[dtype], dtype_notes, measures[dtype] = bench_dtype(args, dtype, cfg, tokenizer, settings)
-        runs += dtype_runs
-        notes += dtype_notes
+        if set(args.workloads) - {"caption"}:
+            dtype_runs, ceilings[dtype], dtype_notes, measures[dtype] = bench_dtype(args, dtype, cfg, tokenizer,
+                                                                                    settings)
+            runs += dtype_runs
+            notes += dtype_notes
+        if "caption" in args.workloads:
+            from bench_caption import caption_bench
+
+            captions[dtype] = caption_bench(args.vision_model, dtype=dtype, threads=args.threads, seed=args.seed,
+                                            **settings["caption"])
     loads = [", ".join(f"{x:.1f}" for x in load) for load in (load_before, os.getloadavg())]
     notes.append(f"load average (1, 5, 15 min) {loads[0]} at the start, {loads[1]} at the end, "
                  f"{psutil.cpu_count()} CPUs: other work on the machine slows every engine down")
@@ -941,12 +957,17 @@ def main(argv=None) -> dict:
                   torch=torch.__version__, threads=torch.get_num_threads(), cpus=psutil.cpu_count(),
                   runs=[r.record() for r in runs], ratios=ratio_rows(runs), backend=backend_rows(runs),
                   ceilings=ceilings, int8={d: m["int8"] for d, m in measures.items() if "int8" in m},
-                  vocab={d: m["vocab"] for d, m in measures.items() if "vocab" in m}, notes=notes)
+                  vocab={d: m["vocab"] for d, m in measures.items() if "vocab" in m}, caption=captions, notes=notes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     print_report(runs, ceilings, notes, measures, f"{report['processor']}, kernel table {report['kernels']}, "
                  f"int8 loop {report['int8_kernel']}, {args.threads} threads")
+    if captions:
+        from bench_caption import print_caption
+
+        for caption in captions.values():
+            print_caption(caption)
     return report
 
 
