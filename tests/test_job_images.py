@@ -349,3 +349,16 @@ def test_a_job_reading_images_reads_parquet_a_few_hundred_rows_at_a_time(tmp_pat
     sizes = [len(b.columns) for b in source.column_batches(["id", "prompt", "image"])]
     assert max(sizes) == IMAGE_BATCH_ROWS and sum(sizes) == 1000
     assert [r.images for r in reader.rows()][:2] == [[b"x"], [b"x"]]
+
+
+def test_a_dry_run_counts_the_images_without_reading_them(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "images": ["nowhere.png"], "messages": [{"role": "user", "content": "what is it"}]},
+        {"id": "b", "images": [], "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "gone.png"}}, {"type": "text", "text": "and this"}]}]}])
+    job = image_job(tmp_path, {"prompt_column": None, "messages_column": "messages", "images_column": "images"})
+    result = cli("run", job, "--dry-run", "--engine", VLM)
+    assert result.exit_code == 0, result.output
+    assert "and 2 images in those rows, whose tokens (as many as the model gives an image) are not counted" in \
+        result.output
+    assert not (tmp_path / "out").exists()

@@ -56,6 +56,22 @@ def has_images(row: Row) -> bool:
         isinstance(m.get("content"), list) and any(map(is_image_part, m["content"])) for m in row.prompt)
 
 
+def image_count(row: Row) -> int:
+    """The images a row brings (its images column's and its messages' image parts, placeholders not counted twice)."""
+    parts = 0
+    if row.endpoint == CHAT and isinstance(row.prompt, list):
+        parts = sum(1 for m in row.prompt if isinstance(m.get("content"), list)
+                    for p in m["content"] if is_image_part(p) and part_image(p) is not None)
+    return len(row.images) + parts
+
+
+def as_placeholders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages with each image part as a bare ``{"type": "image"}``, as chat templates render them, for
+    counting their text's tokens without reading the images (``run --dry-run``)."""
+    return [{**m, "content": [{"type": IMAGE} if is_image_part(p) else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
 @dataclass
 class LoadedPrompt:
     prompt: Any

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ...config import parse_bytes
+from ..images import as_placeholders, image_count
 from ..inputs import InputReader
+from ..inputs.rows import CHAT
 from ..outputs.saved import changes_since, read_saved
 from ..shard import Shard
 from ..spec import Job
@@ -36,6 +38,7 @@ class DryRun:
     prompt_tokens: list[int]  # of the first rows to do (SAMPLED_ROWS at most)
     counted_by: str  # how prompt tokens were counted
     errors: int = 0  # of those rows, the ones that would be error rows
+    images: int = 0  # of those rows, the images they bring (their tokens are not in prompt_tokens)
     first_error: str | None = None
     kv_bytes_per_token: int | None = None
     refusal: str | None = None  # why the run would refuse the output dir
@@ -58,7 +61,10 @@ def dry_run(job: Job, shard: Shard, limit: int | None = None) -> DryRun:
             plan.errors += 1
             plan.first_error = plan.first_error or row.error
         else:
-            plan.prompt_tokens.append(count(row.prompt) + (count(row.completion) if row.completion else 0))
+            images = image_count(row)
+            plan.images += images
+            prompt = as_placeholders(row.prompt) if images and row.endpoint == CHAT else row.prompt
+            plan.prompt_tokens.append(count(prompt) + (count(row.completion) if row.completion else 0))
     return plan
 
 
@@ -167,8 +173,10 @@ def _prompt_line(plan: DryRun) -> str:
         return f"none to read ({plan.counted_by})"
     mean = sum(tokens) / len(tokens)
     whole = "" if plan.to_do is None else f"; ~{round(mean * plan.to_do):,} tokens for the rows to do"
+    images = "" if not plan.images else (f"; and {plural(plan.images, 'image')} in those rows, whose tokens (as many "
+                                         "as the model gives an image) are not counted")
     return (f"{mean:,.1f} tokens a row on average, {max(tokens):,} at most (the first {plural(len(tokens), 'row')}, "
-            f"{plan.counted_by}){whole}")
+            f"{plan.counted_by}){whole}{images}")
 
 
 def _output_line(plan: DryRun) -> str:
