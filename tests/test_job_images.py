@@ -362,3 +362,13 @@ def test_a_dry_run_counts_the_images_without_reading_them(tmp_path):
     assert "and 2 images in those rows, whose tokens (as many as the model gives an image) are not counted" in \
         result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_csv_cells_hold_a_path_or_a_json_list_of_paths(tmp_path):
+    for i in range(2):
+        (tmp_path / f"{i}.png").write_bytes(png(i))
+    (tmp_path / "in.csv").write_text('id,prompt,image\none,a,0.png\ntwo,b,"[""0.png"", ""1.png""]"\n')
+    job = image_job(tmp_path, {"paths": ["in.csv"], "images_column": "image"})
+    rows = run_vlm(job)
+    assert all(r["error"] is None for r in rows.values()) and sorted(rows) == ["one", "two"]
+    assert {rec["text"]: rec["images"] for rec in fake_vlm.RECORDED} == {"a": [tag(0)], "b": [tag(0), tag(1)]}
