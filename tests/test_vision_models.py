@@ -1,18 +1,19 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
-`generate` on tiny random LLaVA, Qwen2-VL and Qwen2.5-VL models, with one and several images a prompt (as vLLM's prompt
-dicts, inline placeholders, chat image parts), chunked prefill cutting through image tokens, the prefix cache
-on and off, preemption by swap and by recompute, and n samples sharing the prompt's blocks."""
+`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL and Idefics3 (SmolVLM) models, with one and several
+images a prompt (as vLLM's prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through
+image tokens, the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
+prompt's blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from vision_kit import build_llava, build_qwen2_vl, hf_greedy, image
+from vision_kit import build_idefics3, build_llava, build_qwen2_vl, hf_greedy, image
 
 from batchgen import LLM, SamplingParams
 
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
-            "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5")}
+            "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3}
 MAX_TOKENS = 16
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
@@ -52,15 +53,20 @@ def vlm(tmp_path_factory):
     return out
 
 
-# Qwen2.5-VL differs from Qwen2-VL in its vision transformer alone: two setups suffice.
-CASES = [(family, setup) for family in ("llava", "qwen2_vl") for setup in SETUPS] + [
-    ("qwen2_5_vl", "chunked"), ("qwen2_5_vl", "swap")]
+# Every setup on LLaVA; the others on the paths where they differ from it (Qwen2.5-VL differs from Qwen2-VL in
+# its vision transformer alone).
+CASES = [("llava", setup) for setup in SETUPS] + [
+    ("qwen2_vl", "plain"), ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "chunked"),
+    ("qwen2_5_vl", "swap"), ("idefics3", "chunked"), ("idefics3", "swap")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)
 def test_greedy_matches_transformers(vlm, family, setup):
     path, family_prompts, want = vlm[family]
-    llm = LLM(path, dtype="float32", **{"kv_cache_memory": "16MiB", **SETUPS[setup]})
+    options = {"kv_cache_memory": "16MiB", **SETUPS[setup]}
+    if family == "idefics3" and "preemption_mode" in options:  # its tiled prompts are longer: room for the longest
+        options["kv_cache_memory"] = 16 * BLOCK_BYTES
+    llm = LLM(path, dtype="float32", **options)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
     assert got == want
@@ -90,3 +96,16 @@ def test_incremental_api_takes_encoded_image_prompts(vlm):
         done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step())
     assert [done[f"r{i}"] for i in range(3)] == want
     assert done["raw"] == want[2]
+
+
+def test_idefics3_token_ids_are_the_processors(vlm):
+    """Idefics3's image splitting (tiles, row/column tags, the global view) as its own processor writes it."""
+    from transformers import AutoTokenizer, Idefics3Processor
+
+    path, family_prompts, _ = vlm["idefics3"]
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    processor = Idefics3Processor(image_processor=llm.engine.prompts.images.image_processor,
+                                  tokenizer=AutoTokenizer.from_pretrained(path), image_seq_len=4)
+    prompt = family_prompts[1]
+    want = processor(text=[prompt["prompt"]], images=[prompt["multi_modal_data"]["image"]], return_tensors="pt")
+    assert llm.encode_batch([prompt])[0].token_ids == want["input_ids"][0].tolist()

@@ -69,6 +69,29 @@ def build_qwen2_vl(path, seed: int = 0, version: str = "2"):
     return path
 
 
+def build_idefics3(path, seed: int = 0):
+    """Idefics3 (SmolVLM's architecture): a 2-layer vision transformer on 32x32 tiles of 8x8 patches, pixel-shuffled
+    by 2 into 4 tokens a tile; images up to 64 pixels a side split into up to 2x2 tiles and a global view; a Llama
+    decoder."""
+    import transformers as tf
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tags = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>", *tags]})
+    tok.chat_template = chat_template("<image>")
+    text = tf.LlamaConfig(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = tf.Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
+                               image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id)
+    save_random_model(path, tf.Idefics3ForConditionalGeneration, config, tok, seed)
+    Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(path)
+    return path
+
+
 def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
@@ -81,6 +104,9 @@ def hf_greedy(model, encoded, max_new_tokens: int) -> list[int]:
     if encoded.multi_modal is not None:
         images = encoded.multi_modal.images
         kwargs["pixel_values"] = torch.cat([i.pixel_values for i in images])
+        if images[0].pixel_mask is not None:  # Idefics3: the tiles as one sample's images
+            kwargs["pixel_values"] = kwargs["pixel_values"][None]
+            kwargs["pixel_attention_mask"] = torch.cat([i.pixel_mask for i in images])[None]
         if images[0].grid_thw is not None:
             kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
             kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()

@@ -22,6 +22,7 @@ NATIVE_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "vision",
     "Qwen2VLForConditionalGeneration": "vision",
     "Qwen2_5_VLForConditionalGeneration": "vision",
+    "Idefics3ForConditionalGeneration": "vision",
 }
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {

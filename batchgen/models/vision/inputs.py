@@ -23,6 +23,7 @@ class ImageInput:
     length: int
     content_hash: int  # of the pixel values: what the prefix cache keys the image's blocks by
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patches in time, height, width
+    pixel_mask: torch.Tensor | None = None  # Idefics3: which pixels are the image's, not padding
 
     @property
     def end(self) -> int:

@@ -9,11 +9,13 @@ from typing import Any
 import torch
 
 from batchgen.models.loader import checkpoint_tensors, empty_native, native_config
+from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.model import VisionLanguageModel
 from batchgen.models.vision.qwen2_vl import Qwen2VLModel
 
-FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel}
+FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel,
+            "idefics3": Idefics3Model}
 # The native decoder of a text config's model type.
 DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ def content_hash(pixel_values: torch.Tensor) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+@dataclass
+class Replacement:
+    """What one placeholder token becomes: token ids, and the image inputs among them (their `start` counted from
+    the replacement's first token)."""
+
+    token_ids: list[int]
+    images: list[ImageInput]
+
+
 class ImagePreprocessor:
     """The model's image processor and its placeholder expansion (see the module's docstring)."""
 
@@ -36,9 +46,16 @@ class ImagePreprocessor:
         from transformers import AutoImageProcessor
 
         self.hf_config = hf_config
+        self.tokenizer = tokenizer
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.image_token_id: int = hf_config.image_token_id
         self.placeholder_token = tokenizer.convert_ids_to_tokens(self.image_token_id) if tokenizer else None
+
+    def replacements(self, images: list[Any]) -> list[Replacement]:
+        """Per image, in order: what its placeholder token becomes. By default one run of image tokens (`split`)."""
+        pieces = self.split(self.image_processor(images=images, return_tensors="pt"), len(images))
+        return [Replacement([self.image_token_id] * length, [ImageInput(pixels, 0, length, content_hash(pixels), grid)])
+                for pixels, grid, length in pieces]
 
     def split(self, processed: Any, count: int) -> list[tuple[torch.Tensor, tuple[int, int, int] | None, int]]:
         """Per image: (its pixel values, its grid or None, its number of image tokens)."""
@@ -55,14 +72,15 @@ class ImagePreprocessor:
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholder(s) ({self.placeholder_token!r}) in the text "
                              f"for {len(images)} image(s)")
-        pieces = self.split(self.image_processor(images=images, return_tensors="pt"), len(images))
         out: list[int] = []
         inputs: list[ImageInput] = []
         last = 0
-        for slot, (pixels, grid, length) in zip(slots, pieces, strict=True):
+        for slot, replacement in zip(slots, self.replacements(images), strict=True):
             out += token_ids[last:slot]
-            inputs.append(ImageInput(pixels, len(out), length, content_hash(pixels), grid))
-            out += [self.image_token_id] * length
+            for image in replacement.images:
+                image.start += len(out)
+                inputs.append(image)
+            out += replacement.token_ids
             last = slot + 1
         out += token_ids[last:]
         mrope, delta = self.positions(out, inputs)
@@ -119,7 +137,50 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
         return mrope, int(mrope.max()) + 1 - len(token_ids)
 
 
-PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor}
+class Idefics3Preprocessor(ImagePreprocessor):
+    """Idefics3 / SmolVLM: an image is split into tiles of the vision tower's size (rows x columns, row by row,
+    each after its `<row_r_col_c>` tag) and a global view, each tile a run of image tokens; the tags and
+    separators are the processor's text, tokenized once per grid shape."""
+
+    placeholder = "<image>"
+
+    def __init__(self, model_dir, hf_config, tokenizer):
+        super().__init__(model_dir, hf_config, tokenizer)
+        vision = hf_config.vision_config
+        self.tile_tokens = (vision.image_size // vision.patch_size) ** 2 // hf_config.scale_factor**2
+        self._layouts: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def layout(self, rows: int, cols: int) -> tuple[list[int], list[int]]:
+        """The token ids of an image of rows x cols tiles, and where each tile's run of image tokens starts."""
+        if (rows, cols) not in self._layouts:
+            tiles = "<image>" * self.tile_tokens
+            text = "".join("".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{tiles}" for c in range(cols))
+                           + "\n" for r in range(rows))
+            text += ("\n" if rows or cols else "") + f"<fake_token_around_image><global-img>{tiles}"
+            text += "<fake_token_around_image>"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            starts = [i for i, t in enumerate(ids) if t == self.image_token_id and (i == 0 or ids[i - 1] != t)]
+            self._layouts[(rows, cols)] = (ids, starts)
+        return self._layouts[(rows, cols)]
+
+    def replacements(self, images):
+        processed = self.image_processor(images=[images], return_tensors="pt", return_row_col_info=True)
+        pixels, masks = processed["pixel_values"][0], processed["pixel_attention_mask"][0]
+        out, tile = [], 0
+        for rows, cols in zip(processed["rows"][0], processed["cols"][0], strict=True):
+            ids, starts = self.layout(rows, cols)
+            inputs = []
+            for start in starts:
+                tile_pixels = pixels[tile:tile + 1]
+                inputs.append(ImageInput(tile_pixels, start, self.tile_tokens, content_hash(tile_pixels),
+                                         pixel_mask=masks[tile:tile + 1]))
+                tile += 1
+            out.append(Replacement(list(ids), inputs))
+        return out
+
+
+PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor,
+                 "idefics3": Idefics3Preprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
