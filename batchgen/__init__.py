@@ -4,13 +4,13 @@
 """
 
 from batchgen.lora.request import LoRARequest
-from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import BeamSearchParams, SamplingParams
 from batchgen.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):
