@@ -8,6 +8,7 @@ shards, status and merge on the bucket, and one line for each storage mistake.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -408,3 +409,32 @@ def test_an_unreachable_endpoint_is_told_whatever_its_port():
 
     message = describe(OSError('Could not connect to the endpoint URL: "http://127.0.0.1:54039/b?list-type=2"'))
     assert message.startswith("cannot reach the storage endpoint")
+
+
+def test_refused_connections_get_few_tries_and_each_retry_to_connect_is_told(caplog):
+    """Retries in one place: a refused connection 3 tries in all with a line per retry; a dropped connection
+    (transient, but the store was reached) the full storage.retries, quietly."""
+    from batchgen.storage.stores import Retries
+
+    retries = Retries(attempts=8, first_wait=0.001, max_wait=0.001)
+
+    def failing(error: Exception):
+        calls = []
+
+        def call():
+            calls.append(1)
+            raise error
+        return calls, call
+
+    calls, call = failing(ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 9)"))
+    with caplog.at_level(logging.WARNING, logger="batchgen.storage"), pytest.raises(ConnectionRefusedError):
+        retries.run(call, "s3://b/k")
+    assert len(calls) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"s3://b/k: cannot reach the storage endpoint (connection refused): retrying (attempt {n} of 3, next in 0.0s)"
+        for n in (2, 3)]
+    caplog.clear()
+    calls, call = failing(ConnectionResetError(104, "Connection reset by peer"))
+    with caplog.at_level(logging.WARNING, logger="batchgen.storage"), pytest.raises(ConnectionResetError):
+        retries.run(call, "s3://b/k")
+    assert len(calls) == 8 and not caplog.records
