@@ -1,5 +1,5 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
-`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL and Idefics3 (SmolVLM) models, with one and several
+`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3 and SmolVLM models, with one and several
 images a prompt (as vLLM's prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through
 image tokens, the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
 prompt's blocks."""
@@ -13,15 +13,17 @@ from vision_kit import build_idefics3, build_llava, build_qwen2_vl, hf_greedy, i
 from batchgen import LLM, SamplingParams
 
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
-            "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3}
-MAX_TOKENS = 16
+            "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3,
+            "smolvlm": lambda path: build_idefics3(path, family="smolvlm")}
+MAX_TOKENS = 10
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
     "plain": dict(enable_prefix_caching=False),
     # chunks of 10 tokens cut every image's tokens; blocks of 8 split them over blocks
     "chunked": dict(block_size=8, max_num_batched_tokens=10, max_num_seqs=4),
-    "swap": dict(block_size=8, kv_cache_memory=10 * BLOCK_BYTES, swap_space="8MiB", preemption_mode="swap"),
-    "recompute": dict(block_size=8, kv_cache_memory=10 * BLOCK_BYTES, preemption_mode="recompute"),
+    # a KV cache that holds the longest request alone (see test_greedy_matches_transformers)
+    "swap": dict(block_size=8, swap_space="8MiB", preemption_mode="swap"),
+    "recompute": dict(block_size=8, preemption_mode="recompute"),
 }
 
 
@@ -39,7 +41,7 @@ def prompts(placeholder: str) -> list:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    """family -> (model dir, the prompts, transformers' greedy tokens of each)."""
+    """family -> (model dir, the prompts, transformers' greedy tokens of each, the longest prompt's tokens)."""
     import transformers as tf
 
     out = {}
@@ -49,23 +51,24 @@ def vlm(tmp_path_factory):
         family_prompts = prompts(llm.engine.prompts.images.placeholder)
         encoded = llm.encode_batch(family_prompts)
         reference = tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-        out[family] = (path, family_prompts, [hf_greedy(reference, e, MAX_TOKENS) for e in encoded])
+        out[family] = (path, family_prompts, [hf_greedy(reference, e, MAX_TOKENS) for e in encoded],
+                       max(len(e.token_ids) for e in encoded))
     return out
 
 
-# Every setup on LLaVA; the others on the paths where they differ from it (Qwen2.5-VL differs from Qwen2-VL in
-# its vision transformer alone).
-CASES = [("llava", setup) for setup in SETUPS] + [
-    ("qwen2_vl", "plain"), ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "chunked"),
-    ("qwen2_5_vl", "swap"), ("idefics3", "chunked"), ("idefics3", "swap")]
+# The setups on the paths where they differ: LLaVA (images in one run each), Qwen2-VL (M-RoPE), Idefics3 (tiles);
+# Qwen2.5-VL differs from Qwen2-VL, and SmolVLM from Idefics3, in their vision modules alone.
+CASES = [("llava", "plain"), ("llava", "chunked"), ("llava", "swap"), ("qwen2_vl", "plain"),
+         ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "chunked"), ("qwen2_5_vl", "swap"),
+         ("idefics3", "chunked"), ("smolvlm", "chunked")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)
 def test_greedy_matches_transformers(vlm, family, setup):
-    path, family_prompts, want = vlm[family]
+    path, family_prompts, want, longest = vlm[family]
     options = {"kv_cache_memory": "16MiB", **SETUPS[setup]}
-    if family == "idefics3" and "preemption_mode" in options:  # its tiled prompts are longer: room for the longest
-        options["kv_cache_memory"] = 16 * BLOCK_BYTES
+    if "preemption_mode" in options:  # room for the longest request alone: running them together preempts
+        options["kv_cache_memory"] = -(-(longest + MAX_TOKENS) // 8) * BLOCK_BYTES
     llm = LLM(path, dtype="float32", **options)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
@@ -84,7 +87,7 @@ def test_greedy_matches_transformers(vlm, family, setup):
 
 def test_incremental_api_takes_encoded_image_prompts(vlm):
     """What the job reader does: encode_batch on its thread, then add_request with the encoded prompts."""
-    path, family_prompts, want = vlm["qwen2_vl"]
+    path, family_prompts, want, _ = vlm["qwen2_vl"]
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for i, encoded in enumerate(llm.encode_batch(family_prompts)):
@@ -102,7 +105,7 @@ def test_idefics3_token_ids_are_the_processors(vlm):
     """Idefics3's image splitting (tiles, row/column tags, the global view) as its own processor writes it."""
     from transformers import AutoTokenizer, Idefics3Processor
 
-    path, family_prompts, _ = vlm["idefics3"]
+    path, family_prompts, _, _ = vlm["idefics3"]
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     processor = Idefics3Processor(image_processor=llm.engine.prompts.images.image_processor,
                                   tokenizer=AutoTokenizer.from_pretrained(path), image_seq_len=4)

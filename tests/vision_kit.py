@@ -69,7 +69,7 @@ def build_qwen2_vl(path, seed: int = 0, version: str = "2"):
     return path
 
 
-def build_idefics3(path, seed: int = 0):
+def build_idefics3(path, seed: int = 0, family: str = "idefics3"):
     """Idefics3 (SmolVLM's architecture): a 2-layer vision transformer on 32x32 tiles of 8x8 patches, pixel-shuffled
     by 2 into 4 tokens a tile; images up to 64 pixels a side split into up to 2x2 tiles and a global view; a Llama
     decoder."""
@@ -85,10 +85,17 @@ def build_idefics3(path, seed: int = 0):
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                   patch_size=8)
-    config = tf.Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
-                               image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id)
-    save_random_model(path, tf.Idefics3ForConditionalGeneration, config, tok, seed)
-    Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(path)
+    smol = family == "smolvlm"  # SmolVLM2's own classes: the same model and image splitting
+    config_class = tf.SmolVLMConfig if smol else tf.Idefics3Config
+    config = config_class(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
+                          image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id)
+    save_random_model(path, tf.SmolVLMForConditionalGeneration if smol else tf.Idefics3ForConditionalGeneration,
+                      config, tok, seed)
+    if smol:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as processor
+    else:
+        processor = Idefics3ImageProcessorPil
+    processor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(path)
     return path
 
 

@@ -23,6 +23,7 @@ NATIVE_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "vision",
     "Qwen2_5_VLForConditionalGeneration": "vision",
     "Idefics3ForConditionalGeneration": "vision",
+    "SmolVLMForConditionalGeneration": "vision",
 }
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {

@@ -15,7 +15,7 @@ from batchgen.models.vision.model import VisionLanguageModel
 from batchgen.models.vision.qwen2_vl import Qwen2VLModel
 
 FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel,
-            "idefics3": Idefics3Model}
+            "idefics3": Idefics3Model, "smolvlm": Idefics3Model}
 # The native decoder of a text config's model type.
 DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",

@@ -180,7 +180,7 @@ class Idefics3Preprocessor(ImagePreprocessor):
 
 
 PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor,
-                 "idefics3": Idefics3Preprocessor}
+                 "idefics3": Idefics3Preprocessor, "smolvlm": Idefics3Preprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:

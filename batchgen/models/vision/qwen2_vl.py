@@ -37,8 +37,8 @@ class Qwen2VLModel(VisionLanguageModel):
         return super().language_weight(name)
 
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        pixels = torch.cat([image.pixel_values for image in images]).to(self.visual.dtype)
-        grids = torch.tensor([image.grid_thw for image in images])
+        pixels = torch.cat([image.pixel_values for image in images]).to(self.visual.device, self.visual.dtype)
+        grids = torch.tensor([image.grid_thw for image in images], device=pixels.device)
         merged = self.visual(pixels, grid_thw=grids).pooler_output
         return list(torch.split(merged, [image.length for image in images]))
 
