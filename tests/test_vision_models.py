@@ -99,6 +99,8 @@ def test_incremental_api_takes_encoded_image_prompts(vlm):
         done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step())
     assert [done[f"r{i}"] for i in range(3)] == want
     assert done["raw"] == want[2]
+    stats = llm.stats()  # each image through the tower once (5 in the three prompts, 2 in the raw one)
+    assert stats["images_encoded"] == 7 and stats["vision_seconds"] > 0
 
 
 def test_idefics3_token_ids_are_the_processors(vlm):

@@ -647,4 +647,6 @@ class LLMEngine:
             "peak_device_blocks": s.peak_used_device_blocks,
             "grammar_compiles": self._grammars.num_compiles if self._grammars is not None else 0,
             "lora_loads": self.scheduler.adapters.num_loads if self.scheduler.adapters is not None else 0,
+            # a vision-language model's vision tower: images (or tiles) encoded, and the seconds it took
+            **getattr(self.runner.model, "vision_stats", {}),
         }

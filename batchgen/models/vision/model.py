@@ -8,6 +8,7 @@ recomputed after a preemption computes them again)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ class VisionLanguageModel(nn.Module):
     def __init__(self, language_model: LlamaForCausalLM):
         super().__init__()
         self.language_model = language_model
+        self.vision_stats = {"images_encoded": 0, "vision_seconds": 0.0}  # engine stats (benchmarks' share)
 
     # --- what the family adds -------------------------------------------------------------------
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
@@ -67,8 +69,13 @@ class VisionLanguageModel(nn.Module):
                 if image.start < r.start + r.count and image.end > r.start and index not in r.inputs.features:
                     wanted[(id(r.inputs), index)] = (r.inputs, index)
         if wanted:
+            started = time.perf_counter()
             with torch.no_grad():
                 features = self.encode_images([inputs.images[index] for inputs, index in wanted.values()])
+            if x.is_cuda:  # the time of the tower's kernels, not of their launch
+                torch.cuda.synchronize(x.device)
+            self.vision_stats["images_encoded"] += len(wanted)
+            self.vision_stats["vision_seconds"] += time.perf_counter() - started
             for (inputs, index), feature in zip(wanted.values(), features, strict=True):
                 inputs.features[index] = feature.to(x.dtype)
         for r in rows:
