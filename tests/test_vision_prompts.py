@@ -66,6 +66,20 @@ def test_matches_transformers_processor(llava_dir, encoder):
     assert got.multi_modal.images[0].pixel_values.equal(want["pixel_values"])
 
 
+def test_images_are_made_rgb_and_loaded(encoder, tmp_path):
+    """A grayscale or RGBA image is converted to RGB, a path or bytes loaded: the same pixels, the same inputs."""
+    rgb = image(6)
+    rgb.save(tmp_path / "six.png")
+    want = encoder.encode_prompt({"prompt": "x", "multi_modal_data": {"image": rgb}})
+    for value in (str(tmp_path / "six.png"), (tmp_path / "six.png").read_bytes(), rgb.convert("RGBA")):
+        got = encoder.encode_prompt({"prompt": "x", "multi_modal_data": {"image": value}})
+        assert got.multi_modal.images[0].content_hash == want.multi_modal.images[0].content_hash
+    gray = encoder.encode_prompt({"prompt": "x", "multi_modal_data": {"image": rgb.convert("L")}})
+    assert gray.multi_modal.images[0].pixel_values.shape == want.multi_modal.images[0].pixel_values.shape
+    (missing,) = encoder.encode_batch([{"prompt": "x", "multi_modal_data": {"image": str(tmp_path / "gone.png")}}])
+    assert isinstance(missing, ValueError) and "multi_modal_data.image[0]" in str(missing)
+
+
 def test_chat_image_parts(encoder):
     """image_url parts are loaded (a data: URL here), image parts taken as they are: the same image, the same
     inputs; the chat template renders each part as the placeholder."""

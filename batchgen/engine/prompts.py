@@ -72,14 +72,20 @@ def _part_image(part: dict, where: str) -> Any:
     if part["type"] == "image":
         if part.get("image") is None:
             raise ValueError(f"{where}: an image part needs its image under 'image'")
-        return part["image"]
+        return rgb_image(part["image"], where)
     url = part.get("image_url")
     url = url.get("url") if isinstance(url, dict) else url
     if not url:
         raise ValueError(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}")
+    return rgb_image(url, where)
+
+
+def rgb_image(value: Any, where: str) -> Any:
+    """An image as the image processors want it: an RGB PIL image (a grayscale or RGBA one converted; bytes, paths
+    and data: URLs loaded), through `batchgen.images.load_image`, whose ImageError is a ValueError."""
     from batchgen.images import load_image
 
-    return load_image(url, where=where)
+    return load_image(value, where=where)
 
 
 class PromptEncoder:
@@ -221,4 +227,5 @@ def _dict_images(prompt: dict) -> list[Any]:
         raise ValueError(f"prompt: multi_modal_data takes 'image' (an image or a list of images), got "
                          f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
     images = data["image"]
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    return [rgb_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]

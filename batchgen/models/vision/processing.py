@@ -72,10 +72,17 @@ class ImagePreprocessor:
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholder(s) ({self.placeholder_token!r}) in the text "
                              f"for {len(images)} image(s)")
+        try:
+            replacements = self.replacements(images)
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:  # the prompt's, not the engine's: one line, as the reader reports a row's error
+            raise ValueError(f"prompt: the image processor failed on its images: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
         out: list[int] = []
         inputs: list[ImageInput] = []
         last = 0
-        for slot, replacement in zip(slots, self.replacements(images), strict=True):
+        for slot, replacement in zip(slots, replacements, strict=True):
             out += token_ids[last:slot]
             for image in replacement.images:
                 image.start += len(out)
