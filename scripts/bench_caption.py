@@ -4,8 +4,8 @@ vision-language model, batchgen's `LLM.generate` against transformers' batched `
 same preprocessed inputs, greedy with ignore_eos (so both make exactly max_tokens tokens an image).
 
 Reported for each engine: images/s, output tokens/s, total tokens/s (prompt tokens, the image tokens included, plus
-output), and the vision encoder's seconds and share of the run (the tower and projector: batchgen's
-`encode_images`, transformers' tower and projector modules). batchgen's time includes the image processor's work
+output), and the vision encoder's seconds and share of the run (the tower and projector: batchgen's engine
+stat `vision_seconds`, transformers' tower and projector modules). batchgen's time includes the image processor's work
 (its `encode_batch`), transformers' does not (its inputs are prepared before its clock starts); decoding the JPEG files
 (`batchgen.images.load_image`, a job's reader thread) is timed on its own, before either.
 
@@ -89,20 +89,6 @@ def photos(count: int, seed: int) -> list[bytes]:
     return out
 
 
-def timed(obj, name: str, seconds: list[float]) -> None:
-    """Wraps ``obj.name`` (an instance's method) so that its calls add their wall time to ``seconds[0]``."""
-    inner = getattr(obj, name)
-
-    def call(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            seconds[0] += time.perf_counter() - start
-
-    setattr(obj, name, call)
-
-
 def hooked(module: torch.nn.Module, seconds: list[float]) -> None:
     """Forward hooks adding ``module``'s forward wall time to ``seconds[0]``."""
     started: list[float] = []
@@ -114,17 +100,15 @@ def run_batchgen(model: str, images: list, max_tokens: int, dtype: str, threads:
     from batchgen import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, num_threads=threads, kv_cache_memory="2GiB", max_model_len=1024)
-    vision = [0.0]
-    timed(llm.engine.runner.model, "encode_images", vision)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in images]
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: first-call costs of the tower and the kernels
-    vision[0] = 0.0
+    vision = llm.stats()["vision_seconds"]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return CaptionRun("batchgen", len(images), seconds, sum(len(o.prompt_token_ids) for o in outs),
-                      sum(len(o.outputs[0].token_ids) for o in outs), vision[0])
+                      sum(len(o.outputs[0].token_ids) for o in outs), llm.stats()["vision_seconds"] - vision)
 
 
 def run_transformers(model: str, encoded: list, max_tokens: int, dtype: str, batch_size: int) -> CaptionRun:
