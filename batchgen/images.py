@@ -41,6 +41,7 @@ MiB = 1 << 20
 _DATA_URL = re.compile(r"^data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 _WEB = re.compile(r"^https?://", re.IGNORECASE)
 _SHOWN = 80  # characters of a value shown in a message
+_ORIENTATION = 0x0112  # the EXIF tag of a photo's orientation
 
 
 class ImageError(ValueError):
@@ -212,7 +213,8 @@ def _finish(image: Image.Image, shown: str) -> Image.Image:
     """Decoded now (a lazily decoded image fails later, on another thread), upright and RGB."""
     try:
         image.load()
-        image = ImageOps.exif_transpose(image) or image
+        if image.getexif().get(_ORIENTATION, 1) != 1:  # exif_transpose copies even an upright image
+            image = ImageOps.exif_transpose(image)
         if image.mode == "RGB":
             return image
         if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):

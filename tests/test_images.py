@@ -34,6 +34,8 @@ def test_every_kind_of_value(tmp_path):
 
 
 def test_modes_become_rgb_transparency_on_white_and_exif_upright():
+    upright = load_image(RED)
+    assert load_image(upright) is upright  # an RGB image loaded already is not copied (the engine loads it again)
     clear = load_image(encoded(Image.new("RGBA", (3, 3), (0, 0, 0, 0))))
     assert clear.mode == "RGB" and clear.getpixel((1, 1)) == (255, 255, 255)
     assert load_image(encoded(Image.new("L", (3, 3), 128))).getpixel((0, 0)) == (128, 128, 128)
