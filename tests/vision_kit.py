@@ -42,7 +42,8 @@ def build_llava(path, seed: int = 0):
 
 def build_qwen2_vl(path, seed: int = 0, version: str = "2"):
     """Qwen2-VL (Qwen2.5-VL with `version="2.5"`): a 2-block vision transformer on 14x14 patches merged 2x2 (4 to
-    16 tokens an image; Qwen2.5-VL's in windows of 2x2 tokens), a Qwen2 decoder with M-RoPE sections [16, 8, 8]."""
+    16 tokens an image; Qwen2.5-VL's in windows of 2x2 tokens), a Qwen2 decoder with M-RoPE sections [16, 8, 8];
+    Qwen2.5-VL's head tied to its embeddings by the top-level config, as the small Qwen2-VL/2.5-VL checkpoints'."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -63,7 +64,7 @@ def build_qwen2_vl(path, seed: int = 0, version: str = "2"):
     config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], bos_token_id=tok.bos_token_id,
-                              eos_token_id=tok.eos_token_id)
+                              eos_token_id=tok.eos_token_id, tie_word_embeddings=version == "2.5")
     save_random_model(path, model_class, config, tok, seed)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16).save_pretrained(path)
     return path

@@ -3,6 +3,7 @@ family's vision part from transformers' own modules, the checkpoint's tensors in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,10 @@ def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, devic
                          f"{text.model_type!r} (native: {', '.join(DECODERS)})")
     if quantization:
         raise ValueError("quantization: int8 compute is not available for vision-language models yet")
-    language_model = empty_native(native_config(text, max_model_len, arch), dtype, device)
+    # A composite model ties its head by its own config's flag (Qwen2-VL-2B's is there, its text config has none).
+    text_cfg = replace(native_config(text, max_model_len, arch),
+                       tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    language_model = empty_native(text_cfg, dtype, device)
     with torch.device(device):
         model = FAMILIES[hf_config.model_type](hf_config, language_model)
     model.to(dtype)  # the vision part; the decoder is in `dtype` already
