@@ -16,25 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import parse_bytes
 from ..images import ImageError, ImageLimits, image_nbytes, load_image
 from ..storage import StorageOptions
 from .inputs import Row
-from .inputs.image_values import IMAGE, TEXT, is_image_part, part_image
+from .inputs.image_values import IMAGE, TEXT, has_image_parts, is_image_part, part_image
 from .inputs.rows import CHAT
 from .spec import InputSpec, JobSpec
 
 
 def image_limits(spec: InputSpec) -> ImageLimits:
-    from ..config import parse_bytes
-
     return ImageLimits(max_bytes=parse_bytes(spec.max_image_size, "input.max_image_size"),
                        max_pixels=spec.max_image_pixels)
 
 
 def image_memory(spec: InputSpec) -> int:
     """``input.image_memory`` in bytes: decoded images held at once, read ahead and in the engine."""
-    from ..config import parse_bytes
-
     return parse_bytes(spec.image_memory, "input.image_memory")
 
 
@@ -50,10 +47,7 @@ def takes_images(llm: Any) -> bool:
 
 def has_images(row: Row) -> bool:
     """Whether the row brings images: from ``images_column``, or as parts of its chat messages."""
-    if row.images:
-        return True
-    return row.endpoint == CHAT and isinstance(row.prompt, list) and any(
-        isinstance(m.get("content"), list) and any(map(is_image_part, m["content"])) for m in row.prompt)
+    return bool(row.images) or (row.endpoint == CHAT and has_image_parts(row.prompt))
 
 
 def image_count(row: Row) -> int:
