@@ -153,3 +153,12 @@ def test_prefix_cache_keys_blocks_by_image(llava_dir):
     assert hits(image(2), question) == 0
     assert hits(image(1), "a batch of prompts") == IMAGE_TOKENS
     assert hits(image(1).copy(), question) == IMAGE_TOKENS + 8  # the same pixels in another object: all it can
+
+
+def test_a_language_model_without_native_decoder_is_refused_before_loading(tmp_path):
+    import transformers as tf
+
+    tf.LlavaConfig(text_config={"model_type": "gemma"}, architectures=["LlavaForConditionalGeneration"]
+                   ).save_pretrained(tmp_path)
+    problems = [str(p) for p in LLM.check_config(tmp_path) if p.option == "model"]
+    assert any("'gemma' has no native decoder" in p and "native decoders only" in p for p in problems), problems

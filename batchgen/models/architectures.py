@@ -25,6 +25,10 @@ NATIVE_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "vision",
     "SmolVLMForConditionalGeneration": "vision",
 }
+# A vision-language model's language model (its text config's model type) -> the native decoder that runs it.
+VISION_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+                   "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {
     "mamba", "mamba2", "falcon_mamba", "falcon_h1", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
@@ -88,6 +92,8 @@ def pick_impl(asked: str, hf_config: Any) -> str:
 
 def native_refusal(hf_config: Any) -> str | None:
     """Why a native family cannot run this member of it (transformers then can), or None."""
+    if why := vision_refusal(hf_config):
+        return why
     for layer_type in set(getattr(text_config(hf_config), "layer_types", None) or [None]):
         scaling = rope(hf_config, layer_type)[1] or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -109,9 +115,24 @@ def rope(hf_config: Any, layer_type: str | None = None) -> tuple[float, dict | N
     return float(getattr(cfg, "rope_theta", 10000.0)), getattr(cfg, "rope_scaling", None)
 
 
+def vision_refusal(hf_config: Any) -> str | None:
+    """Why a vision-language model's language model has no native decoder (None: it has one, or no vision)."""
+    if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) != "vision":
+        return None
+    text_type = text_config(hf_config).model_type
+    if text_type in VISION_DECODERS:
+        return None
+    return f"its language model {text_type!r} has no native decoder in batchgen (native: {', '.join(VISION_DECODERS)})"
+
+
 def transformers_refusal(hf_config: Any) -> str | None:
     """Why the transformers backend cannot run this model on batchgen's paged attention, or None."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) == "vision":
+        why = vision_refusal(hf_config)
+        return (f"{why + '; ' if why else ''}vision-language models run on batchgen's native decoders only "
+                "(docs/vision.md)")
 
     model_type = getattr(hf_config, "model_type", "")
     archs = getattr(hf_config, "architectures", None) or []

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from batchgen.models.architectures import VISION_DECODERS
 from batchgen.models.loader import checkpoint_tensors, empty_native, native_config
 from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
@@ -17,19 +18,12 @@ from batchgen.models.vision.qwen2_vl import Qwen2VLModel
 
 FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel,
             "idefics3": Idefics3Model, "smolvlm": Idefics3Model}
-# The native decoder of a text config's model type.
-DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
-            "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 
 
 def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,
                       for_lora: bool = False, quantization: str | None = None) -> VisionLanguageModel:
     text = hf_config.get_text_config()
-    arch = DECODERS.get(text.model_type)
-    if arch is None:
-        raise ValueError(f"model: batchgen has no native decoder for {hf_config.model_type}'s text model "
-                         f"{text.model_type!r} (native: {', '.join(DECODERS)})")
+    arch = VISION_DECODERS[text.model_type]  # preflight refused any other (architectures.vision_refusal)
     if quantization:
         raise ValueError("quantization: int8 compute is not available for vision-language models yet")
     # A composite model ties its head by its own config's flag (Qwen2-VL-2B's is there, its text config has none).
