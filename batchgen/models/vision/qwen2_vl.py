@@ -48,12 +48,17 @@ class Qwen2VLModel(VisionLanguageModel):
         table = self.language_model.rotary.cos_sin
         if not images:
             return Rope(positions, table)
-        three = positions.expand(3, -1).clone()
+        # Each section's position minus the token's index, built on the host and moved once: a decode row's is
+        # its request's rope delta, a prompt row's comes from the prompt's positions.
+        offsets = torch.zeros(3, positions.shape[0], dtype=torch.int64)
         for r in images:
-            inputs, index = r.inputs, torch.arange(r.start, r.start + r.count, device=positions.device)
-            in_prompt = index < inputs.num_prompt_tokens
-            prompt_pos = inputs.mrope_positions.to(positions.device)[:, index.clamp(max=inputs.num_prompt_tokens - 1)]
-            three[:, r.row:r.row + r.count] = torch.where(in_prompt, prompt_pos, index + inputs.rope_delta)
+            inputs, end = r.inputs, r.start + r.count
+            in_prompt = max(0, min(end, inputs.num_prompt_tokens) - r.start)
+            if in_prompt:
+                index = torch.arange(r.start, r.start + in_prompt)
+                offsets[:, r.row:r.row + in_prompt] = inputs.mrope_positions[:, r.start:r.start + in_prompt] - index
+            offsets[:, r.row + in_prompt:r.row + r.count] = inputs.rope_delta
+        three = positions + offsets.to(positions.device, non_blocking=True)
         per_section = table[three]  # [3, T, head_dim]
         choose = self.section_of_dim.expand(1, per_section.shape[1], -1)
         cos_sin = per_section.gather(0, choose).squeeze(0)
