@@ -156,7 +156,7 @@ class LLM:
     # --- batch API ---
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: AnyLoRA = None,
