@@ -21,7 +21,7 @@ class ImageInput:
     pixel_values: torch.Tensor  # as the model's image processor gave it, for this image alone
     start: int
     length: int
-    content_hash: int  # of the pixel values: what the prefix cache keys the image's blocks by
+    content_hash: int  # 128 bits of the pixel values: what the prefix cache keys the image's blocks by
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patches in time, height, width
     pixel_mask: torch.Tensor | None = None  # Idefics3: which pixels are the image's, not padding
 

@@ -2,10 +2,10 @@
 values, each image's placeholder token expanded to as many image tokens as the model gives it embeddings, a
 content hash per image, and M-RoPE positions where the model has them.
 
-A family says three things: its placeholder (the text one image stands as in a prompt), how many tokens an
-image's pixel values take, and (Qwen2-VL) the prompt's 3-section positions. The image token of every family
-here is its placeholder token repeated, so the expansion works on token ids: the tokenizer's batched call
-stays one call."""
+A family says three things: its placeholder (the text one image stands as in a prompt), what the placeholder's
+token becomes (`replacements`: a run of image tokens, or Idefics3's tiles with their tags), and (Qwen2-VL) the
+prompt's 3-section positions. The expansion works on token ids, after the tokenizer's one batched call: the
+placeholder is a special token, so the text around it tokenizes the same either way."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from batchgen.models.vision.inputs import ImageInput, MultiModalInputs
 
 
 def content_hash(pixel_values: torch.Tensor) -> int:
-    """A 63-bit hash of an image's preprocessed pixels (and their shape): equal images, equal hashes, whatever
-    their file format or path was."""
-    digest = hashlib.blake2b(str(tuple(pixel_values.shape)).encode(), digest_size=8)
+    """A 128-bit hash of an image's preprocessed pixels (and their shape): equal images, equal hashes, whatever
+    their file format or path was; two images sharing one is not to be expected (the prefix cache relies on it)."""
+    digest = hashlib.blake2b(str(tuple(pixel_values.shape)).encode(), digest_size=16)
     digest.update(pixel_values.detach().contiguous().cpu().numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little") >> 1
+    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass
