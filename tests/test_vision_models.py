@@ -1,5 +1,5 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
-`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3 and SmolVLM models, with one and several
+`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM and Mistral 3 models, with one and several
 images a prompt (as vLLM's prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through
 image tokens, the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
 prompt's blocks."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision_kit import build_idefics3, build_llava, build_qwen2_vl, hf_greedy, image
+from vision_kit import build_idefics3, build_llava, build_mistral3, build_qwen2_vl, hf_greedy, image
 
 from batchgen import LLM, SamplingParams
 
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
             "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3,
-            "smolvlm": lambda path: build_idefics3(path, family="smolvlm")}
+            "smolvlm": lambda path: build_idefics3(path, family="smolvlm"), "mistral3": build_mistral3}
 MAX_TOKENS = 10
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
@@ -56,11 +56,12 @@ def vlm(tmp_path_factory):
     return out
 
 
-# The setups on the paths where they differ: LLaVA (images in one run each), Qwen2-VL (M-RoPE), Idefics3 (tiles);
+# The setups on the paths where they differ: LLaVA (images in one run each), Qwen2-VL (M-RoPE), Idefics3 (tiles),
+# Mistral 3 (an image in one run a row);
 # Qwen2.5-VL differs from Qwen2-VL, and SmolVLM from Idefics3, in their vision modules alone.
 CASES = [("llava", "plain"), ("llava", "chunked"), ("llava", "swap"), ("qwen2_vl", "plain"),
          ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "plain"), ("qwen2_5_vl", "swap"),
-         ("idefics3", "chunked"), ("smolvlm", "plain")]
+         ("idefics3", "chunked"), ("smolvlm", "plain"), ("mistral3", "chunked")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)

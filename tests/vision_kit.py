@@ -4,6 +4,8 @@ transformers reference (greedy `generate`) that batchgen's outputs must match.""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from conftest import _tiny_tokenizer, save_random_model
@@ -100,6 +102,26 @@ def build_idefics3(path, seed: int = 0, family: str = "idefics3"):
     return path
 
 
+def build_mistral3(path, seed: int = 0):
+    """Mistral 3: a 2-layer Pixtral vision model of 8x8 patches (images up to 64 pixels a side, at their aspect),
+    merged 2x2 into one token, each row of tokens ending in [IMG_BREAK], the last in [IMG_END]; a Mistral decoder."""
+    import transformers as tf
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tok.chat_template = chat_template("[IMG]")
+    text = tf.MistralConfig(vocab_size=len(tok), head_dim=64, **TEXT, sliding_window=None,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = tf.PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    head_dim=32, image_size=64, patch_size=8)
+    config = tf.Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
+                               image_token_id=tok.convert_tokens_to_ids("[IMG]"), vision_feature_layer=-1)
+    save_random_model(path, tf.Mistral3ForConditionalGeneration, config, tok, seed)
+    PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size={"height": 16, "width": 16}).save_pretrained(path)
+    return path
+
+
 def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
@@ -110,15 +132,30 @@ def hf_greedy(model, encoded, max_new_tokens: int) -> list[int]:
     ids = torch.tensor([encoded.token_ids])
     kwargs = {}
     if encoded.multi_modal is not None:
-        images = encoded.multi_modal.images
-        kwargs["pixel_values"] = torch.cat([i.pixel_values for i in images])
-        if images[0].pixel_mask is not None:  # Idefics3: the tiles as one sample's images
-            kwargs["pixel_values"] = kwargs["pixel_values"][None]
-            kwargs["pixel_attention_mask"] = torch.cat([i.pixel_mask for i in images])[None]
-        if images[0].grid_thw is not None:
-            kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
-            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        kwargs = reference_images(model, ids, encoded.multi_modal.images)
+    config = copy.deepcopy(model.generation_config)
+    # as ignore_eos: an end-of-sequence token is generated and read on (min_new_tokens would suppress it instead)
+    never = model.config.get_text_config().vocab_size  # an id no step can give: no end of sequence
+    config.update(eos_token_id=never, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
     return out[0, ids.shape[1]:].tolist()
+
+
+def reference_images(model, ids: torch.Tensor, images: list) -> dict:
+    """transformers' image arguments of `generate` for a prompt's image inputs, in each family's layout."""
+    if model.config.model_type == "mistral3":  # rows of whole images: the images, padded into one batch
+        unique = list({id(i.pixel_values): i.pixel_values for i in images}.values())
+        sizes = [list(p.shape[-2:]) for p in unique]
+        height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
+        pad = torch.nn.functional.pad
+        return {"pixel_values": torch.cat([pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in unique]),
+                "image_sizes": torch.tensor(sizes)}
+    kwargs = {"pixel_values": torch.cat([i.pixel_values for i in images])}
+    if images[0].pixel_mask is not None:  # Idefics3: the tiles as one sample's images
+        kwargs["pixel_values"] = kwargs["pixel_values"][None]
+        kwargs["pixel_attention_mask"] = torch.cat([i.pixel_mask for i in images])[None]
+    if images[0].grid_thw is not None:
+        kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
+        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    return kwargs

@@ -24,6 +24,7 @@ NATIVE_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "vision",
     "Idefics3ForConditionalGeneration": "vision",
     "SmolVLMForConditionalGeneration": "vision",
+    "Mistral3ForConditionalGeneration": "vision",
 }
 # A vision-language model's language model (its text config's model type) -> the native decoder that runs it.
 VISION_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -24,6 +24,9 @@ class ImageInput:
     content_hash: int  # 128 bits of the pixel values: what the prefix cache keys the image's blocks by
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patches in time, height, width
     pixel_mask: torch.Tensor | None = None  # Idefics3: which pixels are the image's, not padding
+    # Mistral 3: one image's tokens in several runs (one a row), each an ImageInput sharing the image's pixel
+    # values (the same tensor) and hash; its embeddings start at this row of the image's.
+    feature_offset: int = 0
 
     @property
     def end(self) -> int:

@@ -14,14 +14,14 @@ from batchgen.models.vision.model import VisionLanguageModel
 
 
 class LlavaModel(VisionLanguageModel):
-    def __init__(self, hf_config: Any, language_model: LlamaForCausalLM):
+    def __init__(self, hf_config: Any, language_model: LlamaForCausalLM, projector: type | None = None):
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
         super().__init__(language_model)
         self.hf_config = hf_config
         self.vision_tower = AutoModel.from_config(hf_config.vision_config)
-        self.multi_modal_projector = LlavaMultiModalProjector(hf_config)
+        self.multi_modal_projector = (projector or LlavaMultiModalProjector)(hf_config)
 
     def vision_weight(self, name: str) -> str | None:
         name = name.removeprefix("model.")

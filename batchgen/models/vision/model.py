@@ -65,9 +65,13 @@ class VisionLanguageModel(nn.Module):
         """Writes into `x` the embeddings of the image tokens the step feeds."""
         wanted: dict[tuple[int, int], tuple[Any, int]] = {}
         for r in rows:
-            for index, image in enumerate(r.inputs.images):
+            images = r.inputs.images
+            for index, image in enumerate(images):
                 if image.start < r.start + r.count and image.end > r.start and index not in r.inputs.features:
-                    wanted[(id(r.inputs), index)] = (r.inputs, index)
+                    # with the runs sharing its image (Mistral 3's rows): the tower sees the whole image anyway
+                    for j, other in enumerate(images):
+                        if other.pixel_values is image.pixel_values and j not in r.inputs.features:
+                            wanted[(id(r.inputs), j)] = (r.inputs, j)
         if wanted:
             started = time.perf_counter()
             with torch.no_grad():

@@ -186,8 +186,35 @@ class Idefics3Preprocessor(ImagePreprocessor):
         return out
 
 
+class Mistral3Preprocessor(ImagePreprocessor):
+    """Mistral 3 (Pixtral's vision): an image keeps its aspect, one token per 2x2 merged patches, written row by
+    row, each row ending in `[IMG_BREAK]` and the last in `[IMG_END]`; each row's run is an ImageInput of the
+    same image (see ImageInput.feature_offset)."""
+
+    placeholder = "[IMG]"
+
+    def __init__(self, model_dir, hf_config, tokenizer):
+        super().__init__(model_dir, hf_config, tokenizer)
+        self.token_size = hf_config.vision_config.patch_size * hf_config.spatial_merge_size
+        self.break_id, self.end_id = tokenizer.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
+
+    def replacements(self, images):
+        processed = self.image_processor(images=images, return_tensors="pt")
+        out = []
+        for pixels, (height, width) in zip(processed["pixel_values"], processed["image_sizes"].tolist(), strict=True):
+            pixels = pixels[None, :, :height, :width]  # without the batch's padding
+            rows, cols = height // self.token_size, width // self.token_size
+            digest = content_hash(pixels)
+            ids = ([self.image_token_id] * cols + [self.break_id]) * rows
+            ids[-1] = self.end_id
+            inputs = [ImageInput(pixels, r * (cols + 1), cols, digest, feature_offset=r * cols) for r in range(rows)]
+            out.append(Replacement(ids, inputs))
+        return out
+
+
 PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor,
-                 "idefics3": Idefics3Preprocessor, "smolvlm": Idefics3Preprocessor}
+                 "idefics3": Idefics3Preprocessor, "smolvlm": Idefics3Preprocessor,
+                 "mistral3": Mistral3Preprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
