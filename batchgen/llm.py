@@ -103,6 +103,11 @@ class LLM:
         return self.engine.runner.model.hidden_size
 
     @property
+    def supports_images(self) -> bool:
+        """Whether the model reads images: a vision-language model batchgen runs (docs/vision.md)."""
+        return self.engine.prompts.images is not None
+
+    @property
     def class_labels(self) -> list[str] | None:
         """A classifier's class names (its config's id2label, in class order); None without a classification head."""
         return self.engine.class_labels

@@ -90,6 +90,7 @@ def test_incremental_api_takes_encoded_image_prompts(vlm):
     """What the job reader does: encode_batch on its thread, then add_request with the encoded prompts."""
     path, family_prompts, want, _ = vlm["qwen2_vl"]
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.supports_images  # what the job runner asks before it reads an images column
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for i, encoded in enumerate(llm.encode_batch(family_prompts)):
         assert encoded.multi_modal is not None
