@@ -8,9 +8,11 @@ import torch
 import transformers as tf
 
 
-def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool = False, **extra):
-    """A PEFT LoRA adapter with random A and B (init_lora_weights=False) on the base model, saved."""
-    base = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+def make_adapter(base_dir, out_dir, rank: int, targets, seed: int, rslora: bool = False,
+                 auto_class=tf.AutoModelForCausalLM, **extra):
+    """A PEFT LoRA adapter with random A and B (init_lora_weights=False) on the base model (loaded by
+    `auto_class`), saved."""
+    base = auto_class.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
                              use_rslora=rslora, **extra)

@@ -142,13 +142,15 @@ def _common_tokens(hf, tokenizer, count: int) -> list[int]:
 
 
 def hf_beams(hf, tokenizer, prompt_ids: list[int], width: int, max_new: int, length_penalty: float,
-             early_stopping: bool, stop_ids: list[int], min_new: int = 0) -> list[tuple[list[int], float]]:
-    """transformers' returned hypotheses: (output tokens, score), best first."""
+             early_stopping: bool, stop_ids: list[int], min_new: int = 0,
+             **inputs) -> list[tuple[list[int], float]]:
+    """transformers' returned hypotheses: (output tokens, score), best first; `inputs`: more arguments of
+    `generate` (a vision-language model's images)."""
     ids = torch.tensor([prompt_ids])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
                       do_sample=False, max_new_tokens=max_new, min_new_tokens=min_new, length_penalty=length_penalty,
                       early_stopping=early_stopping, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                      return_dict_in_generate=True, output_scores=True)
+                      return_dict_in_generate=True, output_scores=True, **inputs)
     lengths = (out.beam_indices != -1).sum(dim=1).tolist()
     n = len(prompt_ids)
     return [(out.sequences[i, n:n + lengths[i]].tolist(), out.sequences_scores[i].item()) for i in range(width)]

@@ -108,9 +108,11 @@ def test_sampler_masks_exactly_the_constrained_rows(dtype):
 # --- greedy against an independent reference -----------------------------------------------------
 
 def reference_greedy(hf, tokenizer, prompt: list[int], constraint: StructuredOutputsParams,
-                     max_tokens: int) -> list[int]:
-    """transformers' forward, xgrammar's own compiler, matcher and bitmask kernel, one token at a time."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=hf.config.vocab_size,
+                     max_tokens: int, **inputs) -> list[int]:
+    """transformers' forward, xgrammar's own compiler, matcher and bitmask kernel, one token at a time; `inputs`:
+    more arguments of each forward (a vision-language model's images)."""
+    vocab_size = hf.config.get_text_config().vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=[tokenizer.eos_token_id])
     compiler = xgr.GrammarCompiler(info)
     kind = constraint.kind
@@ -124,11 +126,11 @@ def reference_greedy(hf, tokenizer, prompt: list[int], constraint: StructuredOut
         ebnf = constraint.grammar or "root ::= " + " | ".join(f'"{c}"' for c in constraint.choice)
         compiled = compiler.compile_grammar(ebnf)
     matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, hf.config.vocab_size)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     ids, out = list(prompt), []
     with torch.no_grad():
         while len(out) < max_tokens and not matcher.is_terminated():
-            logits = hf(torch.tensor([ids])).logits[:, -1].float()
+            logits = hf(torch.tensor([ids]), **inputs).logits[:, -1].float()
             matcher.fill_next_token_bitmask(bitmask)
             xgr.apply_token_bitmask_inplace(logits, bitmask)
             token = int(logits.argmax())

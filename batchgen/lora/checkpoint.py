@@ -19,10 +19,13 @@ from batchgen.lora.request import LoRARequest
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT drops the adapter's own name on save;
-# the decoder's own name is model, gpt_neox, transformer, ...)
-_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:\w+\.)?layers\.(\d+)\.(?:\w+)\.(\w+)"
-                     r"\.lora_([AB])\.weight$")
+# the decoder's own name is model, gpt_neox, transformer, ...); a vision-language model's decoder is
+# model.language_model (transformers >= 4.52) or language_model.model (before)
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.)?(?:\w+\.)?"
+                     r"layers\.(\d+)\.(?:\w+)\.(\w+)\.lora_([AB])\.weight$")
 _HEAD_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
+# the vision side of a vision-language model (LLaVA's, Qwen2-VL's, Idefics3's, Mistral 3's module names)
+_VISION_MODULES = ("vision_tower", "visual", "vision_model", "multi_modal_projector", "connector")
 
 
 class AdapterError(ValueError):
@@ -128,6 +131,9 @@ def _unsupported(config: dict) -> str | None:
 def _misplaced(name: str) -> str:
     if "lora_magnitude_vector" in name:
         return "is a DoRA adapter (lora_magnitude_vector), which batchgen does not apply"
+    if any(f".{module}." in f".{name}" for module in _VISION_MODULES):
+        return (f"has weights for the vision tower or projector ({name}); batchgen applies LoRA to the language "
+                "model's decoder layers only")
     if any(head in name for head in _HEAD_MODULES) or "lora_embedding" in name:
         return (f"has weights for the embeddings or the LM head ({name}); batchgen applies LoRA to the decoder "
                 "layers' projections only")
