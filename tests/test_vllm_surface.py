@@ -100,10 +100,10 @@ def test_a_rank_counts_the_tokens_scoring_higher(llm):
     for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
         assert sorted(lp.rank for t, lp in entry.items() if t != token or lp.rank <= 3)[:3] == [1, 2, 3]
         ordered = sorted(entry.values(), key=lambda lp: lp.rank)
-        assert all(a.logprob >= b.logprob for a, b in zip(ordered, ordered[1:]))
+        assert all(a.logprob >= b.logprob for a, b in zip(ordered, ordered[1:], strict=False))
         assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
-    assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(sample.token_ids,
-                                                                                       sample.logprobs)))
+    chosen = [e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs, strict=True)]
+    assert sample.cumulative_logprob == pytest.approx(sum(chosen))
 
 
 def test_logits_processors_edit_their_own_row_only(llm):
