@@ -1,8 +1,8 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
-`generate` on tiny random LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM and Mistral 3 models, with one and several
-images a prompt (as vLLM's prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through
-image tokens, the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
-prompt's blocks."""
+`generate` on tiny random LLaVA (over a Llama decoder, and over OLMo 2 on the transformers backend), Qwen2-VL,
+Qwen2.5-VL, Idefics3, SmolVLM and Mistral 3 models, with one and several images a prompt (as vLLM's prompt dicts,
+inline placeholders, chat image parts), chunked prefill cutting through image tokens, the prefix cache on and off,
+preemption by swap and by recompute, and n samples sharing the prompt's blocks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import torch
 from vision_kit import build_idefics3, build_llava, build_mistral3, build_qwen2_vl, hf_greedy, image
 
 from batchgen import LLM, SamplingParams
+from batchgen.models.vision.backend import BackendDecoder
 
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
             "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3,
-            "smolvlm": lambda path: build_idefics3(path, family="smolvlm"), "mistral3": build_mistral3}
+            "smolvlm": lambda path: build_idefics3(path, family="smolvlm"), "mistral3": build_mistral3,
+            # OLMo 2 has no native decoder: LLaVA's language model on the transformers backend
+            "llava_olmo2": lambda path: build_llava(path, decoder="olmo2")}
 MAX_TOKENS = 10
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
@@ -62,7 +65,7 @@ def vlm(tmp_path_factory):
 # placed as LLaVA's runs are, and run unchunked (their long prompts make many 10-token steps).
 CASES = [("llava", "plain"), ("llava", "chunked"), ("llava", "swap"), ("qwen2_vl", "plain"),
          ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "plain"), ("qwen2_5_vl", "swap"),
-         ("idefics3", "plain"), ("smolvlm", "plain"), ("mistral3", "chunked")]
+         ("idefics3", "plain"), ("smolvlm", "plain"), ("mistral3", "chunked"), ("llava_olmo2", "chunked")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)
@@ -75,6 +78,10 @@ def test_greedy_matches_transformers(vlm, family, setup):
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
     assert got == want
+    if family == "llava_olmo2":  # the transformers backend's decoder, and the prefix cache reused through it
+        assert isinstance(llm.engine.runner.model.language_model, BackendDecoder)
+        assert [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)] == want
+        assert llm.stats()["prefix_cache_hits"] > 0
     stats = llm.stats()
     if setup in ("swap", "recompute"):
         assert stats[f"{setup}_preemptions"] > 0

@@ -155,10 +155,13 @@ def test_prefix_cache_keys_blocks_by_image(llava_dir):
     assert hits(image(1).copy(), question) == IMAGE_TOKENS + 8  # the same pixels in another object: all it can
 
 
-def test_a_language_model_without_native_decoder_is_refused_before_loading(tmp_path):
+def test_a_language_model_neither_native_nor_on_the_backend_is_refused_before_loading(tmp_path):
+    """LLaVA over a decoder of the transformers backend loads (tests/test_vision_models.py: OLMo 2); over a
+    state-space one, neither runs it."""
     import transformers as tf
 
-    tf.LlavaConfig(text_config={"model_type": "gemma"}, architectures=["LlavaForConditionalGeneration"]
+    tf.LlavaConfig(text_config={"model_type": "mamba"}, architectures=["LlavaForConditionalGeneration"]
                    ).save_pretrained(tmp_path)
     problems = [str(p) for p in LLM.check_config(tmp_path) if p.option == "model"]
-    assert any("'gemma' has no native decoder" in p and "native decoders only" in p for p in problems), problems
+    assert any("'mamba' has no native decoder" in p and "the transformers backend cannot run it: it has " in p
+               and "which keep a state instead of a KV cache" in p for p in problems), problems

@@ -23,8 +23,9 @@ def chat_template(placeholder: str) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_llava(path, seed: int = 0):
-    """LLaVA: a 2-layer CLIP tower on 32x32 crops of 8x8 patches (16 image tokens an image), a Llama decoder."""
+def build_llava(path, seed: int = 0, decoder: str = "llama"):
+    """LLaVA: a 2-layer CLIP tower on 32x32 crops of 8x8 patches (16 image tokens an image), a Llama decoder
+    (`decoder="olmo2"`: an OLMo 2 one, which batchgen runs through the transformers backend)."""
     import transformers as tf
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
@@ -33,8 +34,9 @@ def build_llava(path, seed: int = 0):
     tok.chat_template = chat_template("<image>")
     vision = tf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                                  image_size=32, patch_size=8, projection_dim=64)
-    text = tf.LlamaConfig(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text_class = tf.Olmo2Config if decoder == "olmo2" else tf.LlamaConfig
+    text = text_class(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
                             vision_feature_layer=-2)
     save_random_model(path, tf.LlavaForConditionalGeneration, config, tok, seed)

@@ -30,6 +30,8 @@ NATIVE_ARCHITECTURES = {
 VISION_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
                    "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+# Families whose vision part also runs over a language model of the transformers backend (models/vision/backend.py).
+BACKEND_VISION_FAMILIES = {"llava"}
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {
     "mamba", "mamba2", "falcon_mamba", "falcon_h1", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
@@ -123,7 +125,11 @@ def vision_refusal(hf_config: Any) -> str | None:
     text_type = text_config(hf_config).model_type
     if text_type in VISION_DECODERS:
         return None
-    return f"its language model {text_type!r} has no native decoder in batchgen (native: {', '.join(VISION_DECODERS)})"
+    why = f"its language model {text_type!r} has no native decoder in batchgen (native: {', '.join(VISION_DECODERS)})"
+    if getattr(hf_config, "model_type", "") not in BACKEND_VISION_FAMILIES:
+        return why
+    backend_why = transformers_refusal(text_config(hf_config))
+    return None if backend_why is None else f"{why}, and the transformers backend cannot run it: {backend_why}"
 
 
 def transformers_refusal(hf_config: Any) -> str | None:
@@ -132,8 +138,8 @@ def transformers_refusal(hf_config: Any) -> str | None:
 
     if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) == "vision":
         why = vision_refusal(hf_config)
-        return (f"{why + '; ' if why else ''}vision-language models run on batchgen's native decoders only "
-                "(docs/vision.md)")
+        return (f"{why + '; ' if why else ''}vision-language models run on batchgen's native decoders, and LLaVA "
+                "on a language model of the transformers backend, with model_impl auto (docs/vision.md)")
 
     model_type = getattr(hf_config, "model_type", "")
     archs = getattr(hf_config, "architectures", None) or []

@@ -11,6 +11,7 @@ import torch
 
 from batchgen.models.architectures import VISION_DECODERS
 from batchgen.models.loader import checkpoint_tensors, empty_native, native_config
+from batchgen.models.vision.backend import load_backend_vision_model
 from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.mistral3 import Mistral3Model
@@ -24,9 +25,11 @@ FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VL
 def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,
                       for_lora: bool = False, quantization: str | None = None) -> VisionLanguageModel:
     text = hf_config.get_text_config()
-    arch = VISION_DECODERS[text.model_type]  # preflight refused any other (architectures.vision_refusal)
     if quantization:
         raise ValueError("quantization: int8 compute is not available for vision-language models yet")
+    if text.model_type not in VISION_DECODERS:  # preflight let it through: a family the backend runs
+        return load_backend_vision_model(model_dir, hf_config, dtype, device)
+    arch = VISION_DECODERS[text.model_type]
     # A composite model ties its head by its own config's flag (Qwen2-VL-2B's is there, its text config has none).
     text_cfg = replace(native_config(text, max_model_len, arch),
                        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
