@@ -1,6 +1,7 @@
 """The engine's other tasks on image prompts: a PEFT LoRA on a vision-language model's language model (tiny random
-LLaVA and Qwen2-VL) against PEFT on transformers, beam search against transformers' beam search, and structured
-outputs against xgrammar over transformers' forward (tiny random LLaVA), all in float32 with the images given."""
+LLaVA, Qwen2-VL, and LLaVA over OLMo 2 on the transformers backend) against PEFT on transformers, beam search
+against transformers' beam search, and structured outputs against xgrammar over transformers' forward (tiny random
+LLaVA), all in float32 with the images given."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def llava(tmp_path_factory):
     return path, llm, reference, tf.AutoTokenizer.from_pretrained(path), prompts, llm.encode_batch(prompts)
 
 
-@pytest.mark.parametrize("build", [build_llava, build_qwen2_vl], ids=["llava", "qwen2_vl"])
+@pytest.mark.parametrize("build", [build_llava, build_qwen2_vl, lambda path: build_llava(path, decoder="olmo2")],
+                         ids=["llava", "qwen2_vl", "llava_olmo2"])  # the last: the transformers backend's decoder
 def test_lora_on_the_language_model_matches_peft(tmp_path, build):
     path = build(tmp_path / "model")
     adapter = make_adapter(path, tmp_path / "adapter", 8, LANGUAGE_MODEL, seed=1,
