@@ -5,7 +5,6 @@ from torch import nn
 from batchgen import _C, ops
 from batchgen.layers import linear as linear_module
 from batchgen.layers.linear import (
-    Float32Head,
     Linear,
     PackedLinear,
     PackedSiluAndMul,
@@ -22,8 +21,9 @@ ONEDNN_AMX = "amx_bf16" in _C.supported_cpu_isas()
 ONEDNN_AMX_REASON = "oneDNN's AMX kernels round rows by batch size; the engine does not use this path there"
 
 # (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
-# and into oneDNN's layout elsewhere; both are tested here, the latter by refusing the panels.
-LAYOUTS = [(torch.float32, "onednn"),
+# into oneDNN's bf16 layout where it has AVX-512, and as a float32 copy elsewhere (float16 always); each is
+# tested here, the latter two by refusing the panels (and oneDNN's bf16).
+LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "float32"), (torch.float16, "float32"),
            pytest.param(torch.bfloat16, "onednn", marks=[
                pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON),
                pytest.mark.skipif(not onednn_bf16(), reason="oneDNN's bf16 needs AVX-512 (an AVX2-only CPU here)")]),
@@ -33,8 +33,10 @@ LAYOUTS = [(torch.float32, "onednn"),
 
 @pytest.fixture
 def layout(request, monkeypatch):
-    if request.param == "onednn":
+    if request.param in ("onednn", "float32"):
         monkeypatch.setattr(linear_module, "uses_gemm_panels", lambda weight: False)
+    if request.param == "float32":
+        monkeypatch.setattr(linear_module, "onednn_bf16", lambda: False)
     return request.param
 
 
@@ -60,11 +62,16 @@ def test_packed_linear_matches_and_rows_do_not_depend_on_batch_size(dtype, layou
     bias = torch.randn(cols, generator=gen).to(dtype)
     packed = PackedLinear(weight, bias)
     assert packed.uses_panels == (layout == "panels")
+    assert packed.compute == (torch.float32 if layout == "float32" else dtype)
     for _ in range(10):
         x = torch.randn(64, depth, generator=gen).to(dtype)
         full = packed(x)
+        assert full.dtype == dtype
         expected = torch.nn.functional.linear(x, weight, bias)
-        if layout == "panels":  # float32 sums in another order: a last-bit flip here and there
+        if layout == "float32":  # float32 sums of the same products, rounded once to the weight's dtype
+            exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+            torch.testing.assert_close(full.double(), exact.to(dtype).double(), rtol=2**-7, atol=1e-2)
+        elif layout == "panels":  # float32 sums in another order: a last-bit flip here and there
             torch.testing.assert_close(full, expected, rtol=2**-7, atol=1e-2)
             assert (full != expected).float().mean() < 0.01
         elif dtype == torch.bfloat16:
@@ -92,9 +99,11 @@ def test_packed_silu_and_mul_matches_and_rows_do_not_depend_on_batch_size(dtype,
     weight = (torch.randn(2 * 384, 576, generator=gen) * 0.05).to(dtype)
     fused = PackedSiluAndMul(weight)
     assert fused.uses_panels == (layout == "panels")
+    assert fused.compute == (torch.float32 if layout == "float32" else dtype)
     for _ in range(5):
         x = torch.randn(64, 576, generator=gen).to(dtype)
         full = fused(x)
+        assert full.dtype == dtype
         gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -114,16 +123,20 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     path = tiny_model_dirs[arch]
     model = load_model(path, AutoConfig.from_pretrained(path), torch.bfloat16, torch.device("cpu"), 256)
     head = model.lm_head if model.lm_head is not None else model._tied_head
+    assert isinstance(head, PackedLinear)
+    assert head.uses_panels == ops.has_gemm_bf16()
     # The head's logits come out in float32 everywhere (bf16 logits tie near-equal tokens): batchgen's GEMM's
     # float32 sums, or a float32 copy of the head where the panels do not take it.
-    assert isinstance(head, PackedLinear if ops.has_gemm_bf16() else Float32Head)
+    assert head.compute == (torch.bfloat16 if ops.has_gemm_bf16() else torch.float32)
     assert model.compute_logits(torch.randn(3, model.cfg.hidden_size).bfloat16()).dtype == torch.float32
-    if not (ops.has_gemm_bf16() or onednn_bf16()):  # an AVX2-only CPU: bf16 weights stay torch's linear
-        assert not [name for name, m in model.layers.named_modules() if isinstance(m, (PackedLinear, PackedSiluAndMul))]
-        return
     assert not [name for name, m in model.named_modules() if isinstance(m, Linear)]
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
     assert all(layer.mlp.packed_gate_up.uses_panels == ops.has_gemm_bf16() for layer in model.layers)
+    # bf16 weights pack in bf16 (batchgen's panels, oneDNN's bf16) or, on an AVX2-only CPU, as float32 copies.
+    native = ops.has_gemm_bf16() or onednn_bf16()
+    assert model.layers[0].mlp.packed_gate_up.compute == (torch.bfloat16 if native else torch.float32)
+    x = torch.randn(5, model.cfg.hidden_size).bfloat16()
+    assert model.layers[0].mlp.packed_gate_up(x).dtype == torch.bfloat16
     # Every panel lies in the one huge-page mapping gather_panels made.
     panels = [getattr(m, n) for m in model.modules() if getattr(m, "uses_panels", False) for n in m.panel_names]
     assert len({t.untyped_storage().data_ptr() for t in panels}) == (1 if ops.has_gemm_bf16() else 0)

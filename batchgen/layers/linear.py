@@ -51,13 +51,24 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` packs, into batchgen's bf16 GEMM panels or oneDNN's layout; on an AVX2-only processor a
-    bf16 weight stays as it is (torch's linear)."""
+def compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype a CPU weight packs and multiplies in: its own (float32; bf16 in batchgen's GEMM panels or
+    oneDNN's bf16), float32 for a 16-bit weight that neither takes (bf16 on an AVX2-only processor, float16), None
+    where nothing packs (a GPU). On AVX2, torch's own bf16 linear ran at ~1 GFLOP/s: 64 x 576 x 1536 took 76 ms
+    where a packed float32 copy takes 2.4 ms (31x; 4.4x at 16 rows, 7.6x at 512; even at 1 row). The float32
+    copy holds twice the weight's bytes; the inputs are widened and the outputs rounded to the model's dtype, so a
+    row's result is its float32 sum rounded once, as in torch's bf16 linear."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
-        uses_gemm_panels(weight) or onednn_bf16()))
+        return None
+    if weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
+            uses_gemm_panels(weight) or onednn_bf16())):
+        return weight.dtype
+    return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `weight` packs, into batchgen's bf16 GEMM panels or oneDNN's layout (see compute_dtype)."""
+    return compute_dtype(weight) is not None
 
 
 MAX_PANEL_DEPTH = 5120  # two panels of 48 outputs x this many inputs fill a 1 MiB L2; see uses_gemm_panels
@@ -104,55 +115,44 @@ class PackedModule(nn.Module):
 
 
 class PackedLinear(PackedModule):
-    """y = x W^T + b with W packed for batchgen's bf16 GEMM or in oneDNN's blocked layout. Inference only.
+    """y = x W^T + b with W packed for batchgen's bf16 GEMM or in oneDNN's blocked layout, in `compute_dtype(W)`
+    (or the `compute` given). Inference only.
 
-    `float_out`: batchgen's GEMM returns its float32 sums unrounded (for logits: bf16 logits of ~16-32 are
-    0.125 apart, so close candidates tie and argmax takes the lower token id); oneDNN's returns W's dtype."""
+    `float_out`: float32 results, unrounded (for logits: bf16 logits of ~16-32 are 0.125 apart, so close
+    candidates tie and argmax takes the lower token id); otherwise W's dtype."""
 
     panel_names = ("packed",)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False,
+                 compute: torch.dtype | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.out_dtype = torch.float32 if float_out else weight.dtype
+        weight = weight.detach().to(compute or compute_dtype(weight))
         self.uses_panels = uses_gemm_panels(weight)
         self.packed = ops.pack_gemm_weight(weight) if self.uses_panels else _pack(weight)
         # batchgen's GEMM adds a float32 bias to its float32 sums; oneDNN takes W's dtype.
         self.bias = None if bias is None else bias.detach().to(torch.float32 if self.uses_panels else weight.dtype)
-        self.out_dtype = torch.float32 if float_out else weight.dtype
+        self.compute = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.uses_panels:
-            out = _on_min_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(
-                rows, self.packed, self.bias, "none", [], ""), _as_rows(x).contiguous())
-            return _with_leading_shape(out, x)
-        return _with_leading_shape(ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias,
-                                                 self.out_dtype), x)
+        if self.uses_panels:
+            return _with_leading_shape(ops.gemm_bf16(_as_rows(x), self.packed, self.out_features, self.bias,
+                                                     self.out_dtype), x)
+        out = _on_min_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, self.packed, self.bias, "none", [], ""), _as_rows(x).to(self.compute).contiguous())
+        return _with_leading_shape(out.to(self.out_dtype), x)
 
 
-class Float32Head(nn.Module):
-    """Float32 logits from a 16-bit head that batchgen's GEMM does not take (bf16 without AVX512-BF16, a head deeper
-    than the panels, float16): a float32 copy of the weight, packed for oneDNN, twice the head's bytes. torch's and
-    oneDNN's bf16 linears round the logits to bf16, whose values near 16-32 are 0.125 apart, so close candidates
-    tie and argmax takes the lower token id: SmolLM2 on a Zen 2 answered "L'Étoile..." where float32 logits say
-    "The capital..." (its two best first tokens were 0.22 apart). On AVX2, torch's bf16 linear is also ~7x slower
-    than float32."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.linear = PackedLinear(weight.detach().float())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.float())
-
-
-def logits_head(weight: torch.Tensor) -> nn.Module | None:
-    """The module that turns hidden states into float32 logits with the head `weight` on the CPU; None where
-    nothing packs (a GPU: the plain weight)."""
-    if weight.device.type != "cpu" or not can_pack(weight.new_empty(0, 0, dtype=torch.float32)):
+def logits_head(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
+    """The head that turns hidden states into float32 logits with `weight` on the CPU; None where nothing packs (a
+    GPU: the plain weight). A 16-bit head runs in float32 unless batchgen's GEMM panels take it (they sum in
+    float32): oneDNN's and torch's bf16 linears round the logits to bf16, where SmolLM2's two best first tokens for
+    "What is the capital of France?" tied on a Zen 2 (25.52 and 25.50 in float32) and argmax took the lower id
+    ("L'Étoile..." instead of "The capital..."). The float32 copy holds twice the head's bytes."""
+    if not can_pack(weight):
         return None
-    if weight.dtype == torch.float32 or uses_gemm_panels(weight):
-        return PackedLinear(weight, float_out=True)
-    return Float32Head(weight)
+    return PackedLinear(weight, bias, float_out=True, compute=None if uses_gemm_panels(weight) else torch.float32)
 
 
 class PackedSiluAndMul(PackedModule):
@@ -166,10 +166,13 @@ class PackedSiluAndMul(PackedModule):
     def __init__(self, gate_up_weight: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = gate_up_weight.shape[1], gate_up_weight.shape[0] // 2
+        self.out_dtype = gate_up_weight.dtype
+        gate_up_weight = gate_up_weight.detach().to(compute_dtype(gate_up_weight))
         gate, up = gate_up_weight[: self.out_features], gate_up_weight[self.out_features :]
         self.uses_panels = uses_gemm_panels(gate_up_weight)
         pack = ops.pack_gemm_weight if self.uses_panels else _pack
         self.gate, self.up = pack(gate), pack(up)
+        self.compute = gate_up_weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_panels:
@@ -178,7 +181,8 @@ class PackedSiluAndMul(PackedModule):
             gate = torch.ops.mkldnn._linear_pointwise(rows, self.gate, None, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(rows, gate, self.up, None, "mul")
 
-        return _with_leading_shape(_on_min_rows(silu_mul, _as_rows(x).contiguous()), x)
+        out = _on_min_rows(silu_mul, _as_rows(x).to(self.compute).contiguous())
+        return _with_leading_shape(out.to(self.out_dtype), x)
 
 
 class Linear(nn.Linear):

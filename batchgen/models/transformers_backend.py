@@ -27,7 +27,7 @@ from torch import nn
 from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
-from batchgen.layers.linear import PackedLinear, can_pack, gather_panels, linear, pack_linears
+from batchgen.layers.linear import PackedLinear, gather_panels, linear, logits_head, pack_linears
 from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
     ADAPTED_MODEL_TYPES,
@@ -142,8 +142,8 @@ class TransformersModel(nn.Module):
         model then fails its one-token check (its code reads a projection's weight itself)."""
         head = self.head
         replaced = pack_linears(self.hf.base_model, (nn.Linear,))
-        if head is not None and can_pack(head.weight):
-            self.head = PackedLinear(head.weight, head.bias, float_out=True)
+        if head is not None:
+            self.head = logits_head(head.weight, head.bias) or head
         try:
             _try_one_token(self)
         except NotImplementedError:
