@@ -173,6 +173,9 @@ def run(
         "--max-error-rate", min=0, max=1, metavar="RATE",
         help="Exit 65 when more than this share of the shard's rows are errors, e.g. 0.05 "
              "(default: output.max_error_rate, else never).")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Read this shard's parts whole before resuming and set aside any whose bytes changed "
+                         "(a flipped byte in a page); otherwise footers and sizes are checked.")] = False,
     engine: Annotated[str | None, typer.Option("--engine", hidden=True)] = None,
 ) -> None:
     """Run a job (or one shard of it); a rerun resumes where the last one stopped."""
@@ -194,7 +197,7 @@ def run(
             print(render(plan_run(spec, the_shard, limit)))
             return
         result = Runner(spec, the_shard, factory, force=force, retry_errors=retry_errors, grace=grace,
-                        limit=limit, max_error_rate=max_error_rate).run()
+                        limit=limit, max_error_rate=max_error_rate, verify=verify).run()
     _exit(result.exit_code, result.signal_name, result.failure)
 
 
@@ -424,6 +427,9 @@ def status(
         help="The job's output.dir (a path or an s3:// / gs:// URL), or the job file, whose output.dir is read.")],
     no_input: Annotated[bool, typer.Option(
         "--no-input", help="Do not read the input to count missing rows.")] = False,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Read every part whole and check it (page checksums, content hashes): slower, finds a "
+                         "flipped byte that footers and sizes do not show.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Show rows done, errors and rows still missing, per shard."""
@@ -431,7 +437,7 @@ def status(
     from .job.run.status import collect, render
 
     with _user_errors():
-        report = collect(_status_dir(output_dir), with_input=not no_input)
+        report = collect(_status_dir(output_dir), with_input=not no_input, verify=verify)
         print(_json(status_json(report)) if as_json else render(report))
 
 

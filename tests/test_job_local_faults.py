@@ -84,6 +84,20 @@ def flip_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_a_data_page_byte(path) -> None:
+    """A flipped bit in the last byte of the first column's chunk, inside its data page, where the footer and the
+    sizes still look whole: only the page's checksum (or its decompression) can tell."""
+    import pyarrow.parquet as pq
+
+    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    last = start + column.total_compressed_size - 1
+    assert last > column.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[last] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("fmt,damage", [("parquet", truncate), ("parquet", flip_last_byte), ("jsonl", truncate)])
 def test_a_part_that_is_not_whole_is_named_set_aside_and_redone(tmp_path, fmt, damage):
     expected = reference(tmp_path, format=fmt)
@@ -102,3 +116,33 @@ def test_a_part_that_is_not_whole_is_named_set_aside_and_redone(tmp_path, fmt, d
     assert (out / ".corrupt" / broken.name).exists() and not broken.exists()
     assert outputs_by_key(out) == expected  # each (id, sample) once again
     assert "warning" not in cli("status", out).output
+
+
+def flip_a_middle_byte(path) -> None:
+    """A JSONL part whose size is unchanged: one character of a line's text changed."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"text":"') + len(b'"text":"')
+    data[at] = ord("Z") if data[at] != ord("Z") else ord("Y")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt,damage", [("parquet", flip_a_data_page_byte), ("jsonl", flip_a_middle_byte)])
+def test_a_flipped_byte_is_found_by_verify_set_aside_and_redone(tmp_path, fmt, damage):
+    """A byte changed inside the data, the footer and sizes intact: only reading the part whole can tell (page
+    checksums, a JSONL part's sha256), which `status --verify` and `run --verify` do; plain status and resume read
+    footers and indexes only, and say nothing."""
+    expected = reference(tmp_path, format=fmt)
+    job = setup_job(tmp_path / "job", rows=ROWS, output={**OUT, "format": fmt})
+    assert run(job).exit_code == 0
+    out = tmp_path / "job" / "out"
+    broken = out / f"part-00000-of-00001-000001.{fmt}"
+    damage(broken)
+    assert "warning" not in cli("status", out).output
+    st = cli("status", out, "--verify")
+    assert st.exit_code == 0 and f"{broken}" in st.output and "warning" in st.output, st.output
+    assert "the next run of its shard sets it aside" in st.output, st.output
+    r = run(job, "--verify")
+    assert r.exit_code == 0, r.output
+    assert f"set aside as {out / '.corrupt' / broken.name}, its rows are generated again" in r.output, r.output
+    assert outputs_by_key(out) == expected
+    assert "warning" not in cli("status", out, "--verify").output

@@ -48,6 +48,7 @@ _DIGEST = b"batchgen.ids_digest"
 META_ERRORS = "batchgen.errors"  # its error rows
 META_ROWS = "batchgen.rows"  # its records (Parquet rows), to tell a part rewritten since
 META_BYTES = "batchgen.bytes"  # a JSONL part's size, likewise
+META_SHA256 = "batchgen.sha256"  # a JSONL part's content hash (parts written before it have none)
 
 
 @dataclass
@@ -143,6 +144,10 @@ class PartFormat(Protocol):
     def drop_errors(self, path: Location) -> int:
         """Rewrites the part without its error rows (removes it if none is left); how many."""
 
+    def verify(self, path: Location) -> None:
+        """Reads the whole part and checks it (``UnreadablePart`` if a byte changed since it was written): what
+        ``status --verify`` and ``run --verify`` add to the footer and size checks every reader makes."""
+
     def metadata(self, path: Location) -> dict[str, str]: ...
 
 
@@ -181,6 +186,13 @@ class ParquetParts:
             remove_file(path)
         return errors
 
+    def verify(self, path: Location) -> None:
+        """Every data page against the checksum written with it (a page's CRC-32)."""
+        try:
+            pq.read_table(path.arrow_source(), page_checksum_verification=True)
+        except (OSError, pa.ArrowException) as e:
+            raise _unreadable(path, e) from None
+
     def metadata(self, path: Location) -> dict[str, str]:
         try:
             return _decoded(pq.read_schema(path.arrow_source()).metadata)
@@ -212,7 +224,7 @@ class JsonlParts:
 
     def write(self, records: list[dict[str, Any]], path: Location, schema: pa.Schema, meta: dict[str, str]) -> None:
         data = b"".join(self.line(r, schema.names) for r in records)
-        self._write_meta(path, {**meta, META_BYTES: str(len(data))})
+        self._write_meta(path, {**meta, META_BYTES: str(len(data)), META_SHA256: hashlib.sha256(data).hexdigest()})
         create_part(path, lambda tmp: tmp.write_bytes(data))
 
     def _write_meta(self, path: Location, meta: dict[str, str]) -> None:
@@ -283,7 +295,8 @@ class JsonlParts:
                                                          kept.column("length").to_pylist(), strict=True))
             write_whole(path, lambda tmp: tmp.write_bytes(out))
             ids = list(dict.fromkeys(kept.column("id").to_pylist()))
-            self._write_meta(path, {**read_meta(path), **index_meta(ids, 0, kept.num_rows), META_BYTES: str(len(out))})
+            self._write_meta(path, {**read_meta(path), **index_meta(ids, 0, kept.num_rows), META_BYTES: str(len(out)),
+                                    META_SHA256: hashlib.sha256(out).hexdigest()})
         else:
             remove_file(path)
             remove_file(meta_path(path))
@@ -299,6 +312,15 @@ class JsonlParts:
             raise UnreadablePart(f"part {path} is {size:,} bytes, {int(written):,} when it was written: "
                                  "truncated or torn")
         return meta, _index(meta, META_BYTES, size)
+
+    def verify(self, path: Location) -> None:
+        """The content against the hash written with it; a part written before parts had one: every line parses."""
+        data = self._read(path)
+        written = read_meta(path).get(META_SHA256)
+        if written is None:
+            self._keys(path, data)
+        elif hashlib.sha256(data).hexdigest() != written:
+            raise UnreadablePart(f"part {path}: its content changed since it was written (sha256 differs): corrupt")
 
     @staticmethod
     def _read(path: Location) -> bytes:
@@ -351,7 +373,7 @@ class UnreadablePart(JobError):
 
 def _unreadable(path: Location, e: BaseException) -> JobError:
     """A Parquet part that cannot be read: corrupt (``UnreadablePart``), or the store failed (``JobError``)."""
-    if isinstance(e, pa.ArrowException):
+    if isinstance(e, pa.ArrowException) or "checksum verification failed" in str(e):  # pyarrow: an OSError
         return UnreadablePart(f"cannot read part {path}: {str(e).splitlines()[0]} (truncated or corrupt)")
     return JobError(f"cannot read part {path}: {e}")
 

@@ -203,14 +203,16 @@ def part_ids(path: Location) -> pa.Array:
 
 
 def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: bool = False,
-            retry_errors: bool = False) -> Recovered:
+            retry_errors: bool = False, verify: bool = False) -> Recovered:
     """What this shard already did: complete ids and the next part number.
 
     Also reads parts written under another shard count (a re-sharded job); all their ids count
     as done, so re-sharding never duplicates rows. Deletes this shard's stale temp files (the
     caller holds the shard lock, so no writer of ours is alive). With ``retry_errors``, this
     shard's error rows are removed from its parts first, so those rows are generated again;
-    error rows in parts of another shard count stay (another shard may be reading them).
+    error rows in parts of another shard count stay (another shard may be reading them). With ``verify``
+    (``run --verify``), this shard's parts are read whole and checked (a flipped byte in a page), not only
+    their footers and sizes.
     """
     out_dir = location(out_dir)
     files = out_dir.list_files()
@@ -231,6 +233,8 @@ def recover(out_dir: Location | Path, shard: Shard, config_hash: str, force: boo
         try:
             meta, indexed = format_of(part.path).read_index(part.path, part.info.size)
             index = indexed or index_from_rows(part.path)
+            if verify and same_count:
+                format_of(part.path).verify(part.path)
         except UnreadablePart as e:
             if not same_count:
                 raise

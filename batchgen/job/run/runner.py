@@ -134,15 +134,17 @@ class Runner:
     def __init__(self, job: Job, shard: Shard, engine_factory: EngineFactory, *, force: bool = False,
                  retry_errors: bool = False, grace: float = 60.0, reporter: Reporter | None = None,
                  stop: StopFlag | None = None, lock_wait: float = 0.0, limit: int | None = None,
-                 max_error_rate: float | None = None):
+                 max_error_rate: float | None = None, verify: bool = False):
         """``lock_wait``: seconds to wait for the shard's lock when another run holds it. ``limit``
         (``run --limit``): the shard's first rows only (the job's output dir is the trial one already).
-        ``max_error_rate`` (``run --max-error-rate``): instead of ``output.max_error_rate``."""
+        ``max_error_rate`` (``run --max-error-rate``): instead of ``output.max_error_rate``. ``verify``
+        (``run --verify``): the shard's parts are read whole and checked before resuming."""
         self.job = job
         self.shard = shard
         self.engine_factory = engine_factory
         self.force = force
         self.retry_errors = retry_errors
+        self.verify = verify
         self.grace = grace
         self.reporter = reporter or make_reporter(job.spec.progress_interval)
         self.stop = stop or StopFlag()
@@ -183,7 +185,7 @@ class Runner:
         if lock.warning:
             self.reporter.message(f"warning: {lock.warning}")
         saved.check_saved(out_dir, job, self.force)
-        rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors)
+        rec = recover(out_dir, shard, job.config_hash, self.force, self.retry_errors, self.verify)
         saved.save(out_dir, job)
         total, exact = shard_total(reader, shard, self.limit)
         if self.limit is not None:

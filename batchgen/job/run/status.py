@@ -18,7 +18,7 @@ from ...storage.locks import LockState, lock_states
 from ..ids import DoneIds
 from ..inputs import InputReader
 from ..inputs.reader import repeated_ids
-from ..outputs.formats import UnreadablePart
+from ..outputs.formats import UnreadablePart, format_of
 from ..outputs.saved import load_saved_job, read_saved
 from ..outputs.writer import list_parts, part_ids, summarize
 from ..shard import Shard, shard_of
@@ -62,7 +62,8 @@ class Report:
     corrupt: list[str] = field(default_factory=list)  # parts that are not whole, one line each
 
 
-def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
+def collect(out_dir: Location | Path, with_input: bool = True, verify: bool = False) -> Report:
+    """What `status` shows; ``verify`` (``status --verify``) reads every part whole and checks it."""
     out_dir = location(out_dir)
     job = load_saved_job(out_dir)
     saved = read_saved(out_dir) or {}
@@ -81,6 +82,8 @@ def collect(out_dir: Location | Path, with_input: bool = True) -> Report:
     for part in parts:
         try:
             index = summarize(part.path, part.info.size)[1]
+            if verify:
+                format_of(part.path).verify(part.path)
         except UnreadablePart as e:
             report.corrupt.append(str(e))
             continue
