@@ -57,7 +57,9 @@ def test_sigterm_saves_and_exits_75_and_a_concurrent_run_is_refused(tmp_path):
     expected = reference(tmp_path, rows)
     job = setup_job(tmp_path / "run", rows=rows, **KNOBS)
     out = tmp_path / "run" / "out"
-    env = subprocess_env(FAKE_LLM_STEP_SLEEP="0.01")
+    # Slow enough steps (~15 s for the 300 rows) that the first run is still working when the second has started
+    # up (at 10 ms a step it had finished all rows first on a quiet machine, and the second found nothing to do).
+    env = subprocess_env(FAKE_LLM_STEP_SLEEP="0.05")
     first = subprocess.Popen(batchgen_cmd("run", job), env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
