@@ -9,6 +9,8 @@ from batchgen.engine.config import batch_limits_problem
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATIONS = ("int8",)
+# The KV cache's element type: auto (the model's dtype) or fp8 (vLLM's names; "fp8" is e4m3, as in vLLM).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
 
@@ -68,6 +70,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: all); the least recently used go
     quantization: str | None = None  # "int8": the layers' projections on int8 compute (docs/int8.md)
     enforce_eager: bool = False  # CUDA: decode steps launched op by op instead of replayed as CUDA graphs
+    kv_cache_dtype: str = "auto"  # fp8 | fp8_e4m3 | fp8_e5m2: half the bytes per cached token (docs/kv-cache.md)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -109,6 +112,7 @@ class EngineConfig:
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
              f"must be >= max_loras ({self.max_loras}): the resident adapters stay in host memory"),
             (self.quantization in (None, *QUANTIZATIONS), "quantization", "must be int8 or unset"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "must be auto, fp8, fp8_e4m3 or fp8_e5m2"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]
@@ -125,7 +129,7 @@ VLLM_NO_OPS = frozenset({
     "max_logprobs", "enable_sleep_mode", "cpu_offload_gb", "hf_token", "max_parallel_loading_workers",
 })
 # vLLM arguments that are no-ops at these values only; any other value would change the output, so it is refused.
-VLLM_DEFAULTS = {"kv_cache_dtype": ("auto",), "load_format": ("auto", "safetensors"), "tokenizer_revision": (None,)}
+VLLM_DEFAULTS = {"load_format": ("auto", "safetensors"), "tokenizer_revision": (None,)}
 
 
 def engine_config(model: str, options: dict) -> tuple[EngineConfig, list[str]]:

@@ -312,13 +312,13 @@ def isolated(isolate: bool, fn, *args):
 
 
 def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
-            dtype: str = "bfloat16") -> dict:
+            dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> dict:
     """Greedy continuations of `prompts` and the perplexity of TEXT (as much as the model's context holds) under
     one configuration."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads,
-              kv_cache_memory="2GiB", max_num_seqs=64)
+              kv_cache_memory="2GiB", max_num_seqs=64, kv_cache_dtype=kv_cache_dtype)
     greedy = SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True)
     continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     text_ids = llm.tokenizer(TEXT.read_text())["input_ids"][: llm.max_model_len - 1]  # all of it for real models

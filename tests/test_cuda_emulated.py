@@ -74,6 +74,9 @@ def _bind(lib):
     lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p]
     lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, i32,
                                 f32]
+    lib.emu_reshape_and_cache_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, i32, i32, i32, p, p]
+    lib.emu_decode_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, *[i32] * 6, f32, p, p, p]
+    lib.emu_prefill_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, p, p]
     lib.emu_lora_workspace_bytes.argtypes = [i64, i32]
     lib.emu_lora_workspace_bytes.restype = ctypes.c_size_t
     lib.emu_lora.argtypes = [i32, i32, p, i64, p, i64, i64, p, i32, i32, p, p, p, i32, i32, i32, f32, i32, p]
@@ -544,3 +547,132 @@ def test_lora_shrink_expand(lib, dtype, store):
         alone = start[row:row + 1].clone()
         run(alone, x[row:row + 1], torch.tensor([[0, 1, slot]], dtype=torch.int32))
         assert torch.equal(alone[0], got[row]), row
+
+
+# --- fp8 KV caches (kv_format): written quantized, read widened, scales per kv head ---------------
+
+FP8_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # fp8.h KVFormat
+FP8_LIMIT = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_FORMATS = list(FP8_CODE)
+
+
+def quantized(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """x [n, kv_heads, d] as torch's fp8 of x / scale[head], saturated (batchgen.ops.reference's rule)."""
+    limit = FP8_LIMIT[fp8]
+    return (x.float() / scale[None, :, None]).clamp(-limit, limit).to(fp8)
+
+
+def fp8_sequences(seq_lens, num_kv_heads, block_size, head_dim, fp8, gen):
+    """paged_sequences' layout with fp8 caches; keys and values as the reference reads them back (float64)."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache, value_cache = torch.full(shape, float("nan")).to(fp8), torch.full(shape, float("nan")).to(fp8)
+    k_scale = torch.rand(num_kv_heads, generator=gen) * 0.2 + 0.05
+    v_scale = torch.rand(num_kv_heads, generator=gen) * 0.2 + 0.05
+    tables = torch.full((len(seq_lens), max(blocks) + 1), -1, dtype=torch.int32)
+    keys, values = [], []
+    for i, n in enumerate(seq_lens):
+        k = quantized(torch.randn(n, num_kv_heads, head_dim, generator=gen), k_scale, fp8)
+        v = quantized(torch.randn(n, num_kv_heads, head_dim, generator=gen), v_scale, fp8)
+        keys.append(k.double() * k_scale.double()[None, :, None])
+        values.append(v.double() * v_scale.double()[None, :, None])
+        for b in range(blocks[i]):
+            tables[i, b] = free.pop()
+        for t in range(n):
+            key_cache[tables[i, t // block_size], :, t % block_size] = k[t]
+            value_cache[tables[i, t // block_size], :, t % block_size] = v[t]
+    return key_cache, value_cache, k_scale, v_scale, tables, keys, values
+
+
+def decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, scale):
+    num_seqs, num_heads, head_dim = query.shape
+    out = torch.full_like(query, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    max_context = tables.shape[1] * key_cache.shape[2]
+    workspace_bytes = lib.emu_decode_workspace_bytes(num_seqs, num_heads, head_dim, max_context, 0)
+    workspace = torch.full((workspace_bytes // 4,), float("nan")) if workspace_bytes else None
+    rc = lib.emu_decode_fp8(DTYPE_CODE[query.dtype], FP8_CODE[key_cache.dtype], ptr(out), ptr(query),
+                            ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs,
+                            num_heads, key_cache.shape[1], head_dim, key_cache.shape[2], max_context, scale,
+                            ptr(k_scale), ptr(v_scale), ptr(workspace))
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_fp8(lib, dtype, fp8):
+    """The write kernel's bytes are torch's conversion of x / scale, saturated; padding slots are skipped."""
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, kv_heads, head_dim, block_size = 12, 2, 64, 8
+    key = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen) * 30).to(dtype)
+    key[0, 0, :4] = torch.tensor([1e6, -1e6, 1e-9, 0.0])  # past both ends, below the smallest subnormal
+    value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.0])
+    slots = torch.randperm(4 * block_size, generator=gen)[:num_tokens]
+    slots[3] = -1
+    key_cache = torch.zeros(4, kv_heads, block_size, head_dim, dtype=fp8)
+    value_cache = torch.zeros_like(key_cache)
+    rc = lib.emu_reshape_and_cache_fp8(DTYPE_CODE[dtype], FP8_CODE[fp8], ptr(key), ptr(value), ptr(key_cache),
+                                       ptr(value_cache), ptr(slots), num_tokens, kv_heads, head_dim, block_size,
+                                       ptr(k_scale), ptr(v_scale))
+    assert rc == 0
+    want_k, want_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    want_k[blocks, :, offsets] = quantized(key[keep], k_scale, fp8)
+    want_v[blocks, :, offsets] = quantized(value[keep], v_scale, fp8)
+    assert torch.equal(key_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(value_cache.view(torch.uint8), want_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_fp8(lib, dtype, fp8, head_dim):
+    """Decode over fp8 caches (8-byte pieces, widened in registers, split contexts merged) against the
+    reference on the dequantized K/V; a sequence's bits are the same alone as beside others."""
+    gen = torch.Generator().manual_seed(head_dim)
+    seq_lens, num_heads, num_kv_heads = [1, 37, 300], 6, 2
+    key_cache, value_cache, k_scale, v_scale, tables, keys, values = fp8_sequences(
+        seq_lens, num_kv_heads, 16, head_dim, fp8, gen)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    out = decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, scale)
+    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale) for i, n in enumerate(seq_lens)]
+    assert_close(out, torch.cat(want), dtype)
+    alone = decode_fp8(lib, query[1:2], key_cache, value_cache, k_scale, v_scale, tables[1:2], seq_lens[1:2], scale)
+    assert torch.equal(alone[0], out[1])
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_fp8(lib, dtype, fp8):
+    """Prefill and a chunk behind cached context over fp8 caches (the CUDA-core kernel, tiles widened as they
+    are gathered) against the reference; the chunked rows are the whole prompt's bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens, num_heads, num_kv_heads, head_dim = [70, 45], 4, 2, 64
+    key_cache, value_cache, k_scale, v_scale, tables, keys, values = fp8_sequences(
+        seq_lens, num_kv_heads, 16, head_dim, fp8, gen)
+    scale = 0.125
+
+    def prefill(query_lens, query, table_rows):
+        lens = [seq_lens[i] for i in table_rows]
+        out = torch.full((query.shape[0], num_heads, head_dim), float("nan"), dtype=dtype)
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        chosen = tables[table_rows].contiguous()
+        rc = lib.emu_prefill_fp8(DTYPE_CODE[dtype], FP8_CODE[fp8], ptr(out), ptr(query), ptr(key_cache),
+                                 ptr(value_cache), ptr(chosen), chosen.stride(0),
+                                 ptr(torch.tensor(lens, dtype=torch.int32)), ptr(starts), len(lens), query.shape[0],
+                                 num_heads, num_kv_heads, head_dim, 16, scale, ptr(k_scale), ptr(v_scale))
+        assert rc == 0
+        return out
+
+    queries = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
+    whole = prefill(seq_lens, torch.cat(queries), [0, 1])
+    want = [reference(q, keys[i], values[i], list(range(len(q))), scale) for i, q in enumerate(queries)]
+    assert_close(whole, torch.cat(want), dtype)
+    chunk = prefill([25], queries[1][20:].contiguous(), [1])  # 20 tokens cached in front
+    assert torch.equal(chunk, whole[70 + 20:])

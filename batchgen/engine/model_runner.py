@@ -14,7 +14,7 @@ import torch
 from batchgen import ops
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.flat_batch import flat_batch
-from batchgen.layers.attention import AttentionMetadata
+from batchgen.layers.attention import AttentionMetadata, fp8_kv_scales
 from batchgen.layers.lora import Segment
 from batchgen.lora.manager import LoRAManager
 from batchgen.models.vision.inputs import MultiModalRow
@@ -26,7 +26,11 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cached elements': the model's dtype, or an fp8 one (ops.FP8_CACHE_DTYPES)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in ops.FP8_CACHE_DTYPES
 
     @property
     def bytes_per_block(self) -> int:
@@ -66,6 +70,9 @@ class ModelRunner:
         )
         for layer, (key_cache, value_cache) in zip(model.attention_layers(), self.device_caches, strict=True):
             layer.key_cache, layer.value_cache = key_cache, value_cache
+            if shape.fp8:  # the checkpoint's scales where it ships them (native models), else 1.0
+                shipped = getattr(layer, "checkpoint_kv_scales", None)
+                layer.kv_scales = fp8_kv_scales(shape.num_kv_heads, device, shipped)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape

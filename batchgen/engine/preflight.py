@@ -19,7 +19,7 @@ from batchgen.errors import first_line
 from batchgen.models.architectures import architecture, attention_geometry, pick_impl, text_config
 from batchgen.models.loader import missing_tokenizer, missing_weights, resolve_model_dir
 from batchgen.models.quantized import checkpoint_quantization
-from batchgen.ops import SUPPORTED_HEAD_DIMS
+from batchgen.ops import SUPPORTED_HEAD_DIMS, has_gemm_bf16
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ def plan_model(config: EngineConfig) -> ModelPlan:
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
     quantization, refused = _quantization(config, hf_config, impl, device, dtype)
     problems += refused
-    shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size, dtype)
+    problems += _kv_cache_problems(config, impl)
+    shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size,
+                       kv_cache_dtype(config.kv_cache_dtype, dtype))
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
         problems.append(few)
     if problems:
@@ -87,6 +89,26 @@ def _quantization(config: EngineConfig, hf_config: Any, impl: str, device: torch
            else "takes float32 or bfloat16 (the activations' dtype)" if dtype not in (torch.float32, torch.bfloat16)
            else "cannot be combined with enable_lora" if config.enable_lora else None)
     return quantization, [ConfigProblem(option, f"{mode} {why}")] if why else []
+
+
+_FP8_CACHES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for `kv_cache_dtype` (auto: the model's dtype)."""
+    return _FP8_CACHES.get(name, model_dtype)
+
+
+def _kv_cache_problems(config: EngineConfig, impl: str) -> list[ConfigProblem]:
+    """An fp8 cache's scales live in the Python attention layers; a native model whose LoRA adapters run in its
+    C++ decoder stack (processors with the bf16 GEMM) has no Python layers to take them."""
+    if config.kv_cache_dtype == "auto" or not config.enable_lora or impl != "native":
+        return []
+    if not has_gemm_bf16():
+        return []
+    return [ConfigProblem("kv_cache_dtype", f"{config.kv_cache_dtype} cannot be combined with enable_lora on this "
+                                            "processor (its adapters run in the decoder stack, which has no fp8 "
+                                            "cache yet); use kv_cache_dtype auto")]
 
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:

@@ -98,6 +98,7 @@ class ModelSpec(_Section):
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no tokenizer files needed)
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     quantization: Literal["int8"] | None = None  # int8 compute for the layers' projections (docs/int8.md)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # fp8: half the KV bytes (docs/kv-cache.md)
     name: str | None = None  # the model's name in OpenAI batch output (default: the model dir's name)
     lora_modules: dict[str, str] | None = None  # LoRA adapters by name: a PEFT dir (local or a bucket URL)
     max_loras: PositiveInt | None = None  # adapters resident at once (default: all of lora_modules)
@@ -448,7 +449,7 @@ class Job:
         data = {
             "model": {"path": self.model_source.identity, "revision": s.model.revision, "dtype": s.model.dtype,
                       "max_model_len": s.model.max_model_len, "model_impl": s.model.model_impl,
-                      "quantization": s.model.quantization},
+                      "quantization": s.model.quantization, "kv_cache_dtype": s.model.kv_cache_dtype},
             "input": s.input.model_dump(exclude={"paths", "image_memory"}),
             "sampling": s.sampling.model_dump(),
             "output": {"fields": sorted(s.output.fields), "format": s.output.format},
@@ -489,6 +490,7 @@ class Job:
 # Fields added after jobs were first run, with their defaults: left out of the config hash when at
 # their default, so an output dir written before they existed still matches its job.
 _LATER_DEFAULTS = {("model", "model_impl"): "auto", ("model", "revision"): None, ("model", "quantization"): None,
+                   ("model", "kv_cache_dtype"): "auto",
                    ("input", "check_model"): False,
                    ("input", "dataset"): None,
                    ("output", "format"): "parquet",

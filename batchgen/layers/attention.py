@@ -28,6 +28,33 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class KVScales:
+    """An fp8 KV cache's float32 scales per kv head (`[num_kv_heads]`): an element is stored as
+    round(x / scale) and reads back as byte * scale."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def fp8_kv_scales(num_kv_heads: int, device: torch.device, checkpoint: dict[str, torch.Tensor] | None = None
+                  ) -> KVScales:
+    """A layer's scales: the checkpoint's `k_scale`/`v_scale` where it ships them (one per tensor, spread over
+    the heads, or one per kv head), else 1.0 (vLLM's default). Fixed before any request, so a sequence's
+    cached bytes never depend on what else ran (batch invariance)."""
+    def one(name: str) -> torch.Tensor:
+        given = (checkpoint or {}).get(name)
+        values = torch.ones(num_kv_heads) if given is None else given.detach().float().reshape(-1).cpu()
+        if values.numel() == 1:
+            values = values.expand(num_kv_heads)
+        if values.numel() != num_kv_heads or not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"checkpoint {name} must hold 1 or {num_kv_heads} finite positive values, got "
+                             f"{values.tolist()}")
+        return values.contiguous().to(device)
+
+    return KVScales(one("k_scale"), one("v_scale"))
+
+
+@dataclass(frozen=True)
 class AttentionVariant:
     """How a layer's scores differ from plain causal softmax(scale * q.k): a query at position p sees keys
     p - sliding_window < j <= p (0: all), and a score s becomes cap * tanh(s / cap) (0: unchanged)."""
@@ -47,6 +74,8 @@ class PagedAttention(nn.Module):
         self.variant = AttentionVariant(scale, sliding_window, logits_soft_cap)
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.kv_scales: KVScales | None = None  # an fp8 cache's, set with the caches
+        self.checkpoint_kv_scales: dict[str, torch.Tensor] = {}  # `k_scale`/`v_scale` the checkpoint ships
 
     @property
     def scale(self) -> float:
@@ -54,23 +83,26 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]."""
-        return paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.variant)
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, meta, self.variant, self.kv_scales)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, meta: AttentionMetadata, variant: AttentionVariant) -> torch.Tensor:
-    """One layer's step: K/V into the cache, then the decode rows and the prefill rows."""
-    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+                    value_cache: torch.Tensor, meta: AttentionMetadata, variant: AttentionVariant,
+                    scales: KVScales | None = None) -> torch.Tensor:
+    """One layer's step: K/V into the cache, then the decode rows and the prefill rows. `scales`: an fp8
+    cache's (None for caches of the activations' dtype)."""
+    k_scale, v_scale = (scales.k, scales.v) if scales is not None else (None, None)
+    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
     out = torch.empty_like(q)
     d = meta.num_decode_tokens
     if d:
         ops.paged_attention_decode(
             q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, variant.scale,
             out=out[:d], seq_groups=meta.decode_seq_groups, sliding_window=variant.sliding_window,
-            logits_soft_cap=variant.logits_soft_cap)
+            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
     if d < q.shape[0]:
         ops.paged_attention_prefill(
             q[d:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, variant.scale, out=out[d:], sliding_window=variant.sliding_window,
-            logits_soft_cap=variant.logits_soft_cap)
+            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -189,6 +189,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    @property
+    def _fp8_cache(self) -> bool:
+        """Whether the KV cache is fp8: its scales are the Python layers' (the decoder stack has none)."""
+        return self.layers[0].self_attn.attn.kv_scales is not None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
         return self.decode(self.embed_tokens(input_ids), self.rotary.angles(positions), meta)
@@ -198,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         vision-language model brings its own of both: image embeddings at image tokens, M-RoPE angles)."""
         residual, positions = None, rope.positions
         lora = {"lora_segments": self.lora_batch.table()} if self.lora_batch and self.lora_batch.segments else {}
-        if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()):
+        if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()) and not self._fp8_cache:
             attn = self.attention_layers()
             x, residual = self.decoder_stack.forward(
                 x, positions, rope.cos_sin, [a.key_cache for a in attn], [a.value_cache for a in attn],
@@ -351,6 +356,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} is a classification head, but its config names "
                                  "a causal LM architecture")
             parts = name.split(".")
+            if parts[0] == "layers" and parts[-2:] in (["self_attn", "k_scale"], ["self_attn", "v_scale"]):
+                self.layers[int(parts[1])].self_attn.attn.checkpoint_kv_scales[parts[-1]] = tensor  # fp8 KV
+                continue
             name, rows = self.native_name(name)
             if rows is not None:
                 params[name][rows].copy_(tensor)

@@ -26,7 +26,7 @@ from torch import nn
 
 from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
-from batchgen.layers.attention import AttentionMetadata, AttentionVariant, paged_attention
+from batchgen.layers.attention import AttentionMetadata, AttentionVariant, KVScales, paged_attention
 from batchgen.layers.linear import PackedLinear, gather_panels, linear, logits_head, pack_linears
 from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
@@ -74,6 +74,7 @@ class LayerAttention:
     window: int
     key_cache: torch.Tensor | None = None
     value_cache: torch.Tensor | None = None
+    kv_scales: KVScales | None = None  # an fp8 cache's, set with the caches
     calls: int = field(default=0, repr=False)
 
     def __call__(self, *args) -> torch.Tensor:
@@ -86,7 +87,7 @@ class LayerAttention:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
         window = sliding_window if sliding_window is not None else self.window
         variant = AttentionVariant(float(scaling), int(window or 0), float(softcap or 0.0))
-        return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant)[None]
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant, self.kv_scales)[None]
 
 
 def batchgen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

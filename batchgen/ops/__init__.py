@@ -31,9 +31,12 @@ from batchgen.ops import reference  # noqa: E402 - after the clearer error above
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# KV cache element types beside the activations' own: fp8 caches (quantized on write, per-kv-head scales).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 __all__ = [
     "DecoderStack",
+    "FP8_CACHE_DTYPES",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -74,9 +77,13 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write key/value `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` (int64, -1 skips)."""
-    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` (int64, -1 skips).
+    fp8 caches (`FP8_CACHE_DTYPES`) store `round(key / k_scale[head])` (`k_scale`, `v_scale`: float32
+    `[num_kv_heads]`, None for 1.0), to nearest even, saturating at the format's largest finite value."""
+    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention_decode(
@@ -90,6 +97,8 @@ def paged_attention_decode(
     seq_groups: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`), the
     query at position `seq_lens[i] - 1`; scores are `scale * q.k` (any scale, not only head_dim**-0.5).
@@ -99,11 +108,12 @@ def paged_attention_decode(
     `sliding_window` (0 or None off): the query at position p sees only keys j with
     p - sliding_window < j <= p (transformers' rule); blocks wholly outside the window are not read.
     `logits_soft_cap` (0 or None off): each score s becomes `logits_soft_cap * tanh(s / logits_soft_cap)`
-    before the softmax (Gemma 2). None is taken as off, as Hugging Face configs write it."""
+    before the softmax (Gemma 2). None is taken as off, as Hugging Face configs write it.
+    fp8 caches read as `byte * k_scale[kv head]` and `byte * v_scale[kv head]` (float32, None for 1.0)."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups,
-                              int(sliding_window or 0), float(logits_soft_cap or 0.0))
+                              int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale)
     return out
 
 
@@ -118,16 +128,18 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens `[num_tokens, num_heads, head_dim]`; the
     tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it
     (row j at position `context + j`, `context = seq_lens[i] - q_len`). `sliding_window` and
-    `logits_soft_cap` as for `paged_attention_decode`."""
+    `logits_soft_cap`, `k_scale` and `v_scale` as for `paged_attention_decode`."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
-        int(sliding_window or 0), float(logits_soft_cap or 0.0),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale,
     )
     return out
 
@@ -457,8 +469,8 @@ def allocate_kv_cache(
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} is not supported; supported: {SUPPORTED_BLOCK_SIZES}")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; supported: {SUPPORTED_DTYPES}")
+    if dtype not in (*SUPPORTED_DTYPES, *FP8_CACHE_DTYPES):
+        raise ValueError(f"dtype {dtype} is not supported; supported: {SUPPORTED_DTYPES + FP8_CACHE_DTYPES}")
     if num_blocks < 1 or num_kv_heads < 1:
         raise ValueError(f"num_blocks ({num_blocks}) and num_kv_heads ({num_kv_heads}) must be >= 1")
     device = torch.device(device)

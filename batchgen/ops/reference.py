@@ -11,6 +11,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+FP8_LIMITS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the largest finite values
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype in FP8_LIMITS
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x `[n, num_kv_heads, head_dim]` as fp8 `round(x / scale[head])`: to nearest even, saturating at the
+    format's largest finite value (torch's own conversion turns e5m2's overflow into inf, e4m3's into NaN)."""
+    x = x.float()
+    if scale is not None:
+        x = x / scale.to(x.device)[None, :, None]
+    limit = FP8_LIMITS[dtype]
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp8 `[n, num_kv_heads, head_dim]` as float32 `x * scale[head]`."""
+    x = x.float()
+    return x if scale is None else x * scale.to(x.device)[None, :, None]
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -18,23 +40,30 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     block_size = key_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    key, value = key[keep], value[keep]
+    if is_fp8(key_cache):
+        key, value = quantize_fp8(key, k_scale, key_cache.dtype), quantize_fp8(value, v_scale, value_cache.dtype)
     # cache[blocks, :, offsets] has shape [n, num_kv_heads, head_dim], like key[keep].
-    key_cache[blocks, :, offsets] = key[keep]
-    value_cache[blocks, :, offsets] = value[keep]
+    key_cache[blocks, :, offsets] = key
+    value_cache[blocks, :, offsets] = value
 
 
-def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence as float32 `[seq_len, num_kv_heads, head_dim]`."""
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first seq_len tokens of one sequence as float32 `[seq_len, num_kv_heads, head_dim]` (an fp8
+    cache's times its per-kv-head `scale`)."""
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     used = -(-seq_len // block_size)
     blocks = cache[block_table[:used].long()]  # [used, num_kv_heads, block_size, head_dim]
     tokens = blocks.permute(0, 2, 1, 3).reshape(used * block_size, num_kv_heads, head_dim)
-    return tokens[:seq_len].float()
+    return dequantize_fp8(tokens[:seq_len], scale) if is_fp8(cache) else tokens[:seq_len].float()
 
 
 def attend(
@@ -75,10 +104,12 @@ def paged_attention_decode(
     seq_groups: torch.Tensor | None = None,  # a hint for the kernels' shared reads; every sequence reads its own here
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out,
-                                   sliding_window, logits_soft_cap)
+                                   sliding_window, logits_soft_cap, k_scale, v_scale)
 
 
 def paged_attention_prefill(
@@ -92,6 +123,8 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
@@ -100,8 +133,8 @@ def paged_attention_prefill(
         begin, end = starts[i], starts[i + 1]
         if begin == end:
             continue
-        keys = gather_sequence(key_cache, block_tables[i], seq_len)
-        values = gather_sequence(value_cache, block_tables[i], seq_len)
+        keys = gather_sequence(key_cache, block_tables[i], seq_len, k_scale)
+        values = gather_sequence(value_cache, block_tables[i], seq_len, v_scale)
         context = seq_len - (end - begin)
         positions = torch.arange(context, seq_len, device=query.device)
         out[begin:end] = attend(query[begin:end], keys, values, positions, scale, sliding_window,

@@ -72,10 +72,43 @@ void check_same_device(const char* op, const char* name, const Tensor& t, const 
                     ref.device());
 }
 
+bool fp8_cache(const Tensor& cache) {
+  return cache.scalar_type() == torch::kFloat8_e4m3fn || cache.scalar_type() == torch::kFloat8_e5m2;
+}
+
+// Activations beside a cache: its dtype, or any supported one beside an fp8 cache.
 void check_data(const char* op, const char* name, const Tensor& t, const Tensor& cache) {
-  TORCH_CHECK_VALUE(t.scalar_type() == cache.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
-                    " but the cache has ", cache.scalar_type(), " (they must match)");
+  if (fp8_cache(cache)) {
+    TORCH_CHECK_VALUE(supported_dtype(t), op, ": ", name, " has dtype ", t.scalar_type(),
+                      " (float32, bfloat16 or float16 beside an fp8 cache)");
+  } else {
+    TORCH_CHECK_VALUE(t.scalar_type() == cache.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+                      " but the cache has ", cache.scalar_type(), " (they must match)");
+  }
   check_same_device(op, name, t, cache, "key_cache");
+}
+
+// k_scale and v_scale: optional float32 [num_kv_heads] on the caches' device, for fp8 caches only; on the
+// host each must be finite and > 0.
+batchgen::cpu::KVScales checked_scales(const char* op, const c10::optional<Tensor>& k_scale,
+                                       const c10::optional<Tensor>& v_scale, const Tensor& key_cache) {
+  for (const auto& [name, scale] : {std::pair<const char*, const c10::optional<Tensor>&>{"k_scale", k_scale},
+                                    {"v_scale", v_scale}}) {
+    if (!scale.has_value()) continue;
+    TORCH_CHECK_VALUE(fp8_cache(key_cache), op, ": ", name, " applies to fp8 caches only (the cache is ",
+                      key_cache.scalar_type(), ")");
+    check_index(op, name, *scale, torch::kFloat32, 1, "[num_kv_heads]");
+    TORCH_CHECK_VALUE(scale->size(0) == key_cache.size(1), op, ": ", name, " has ", scale->size(0),
+                      " entries but the cache has ", key_cache.size(1), " kv heads");
+    check_same_device(op, name, *scale, key_cache, "key_cache");
+    if (!scale->is_cpu()) continue;
+    const float* values = scale->data_ptr<float>();
+    for (int64_t h = 0; h < scale->size(0); ++h) {
+      TORCH_CHECK_VALUE(std::isfinite(values[h]) && values[h] > 0, op, ": ", name, "[", h, "] = ", values[h],
+                        " must be finite and > 0");
+    }
+  }
+  return {k_scale, v_scale};
 }
 
 // key_cache and value_cache: [num_blocks, num_kv_heads, block_size, head_dim], equal, supported.
@@ -83,8 +116,8 @@ void check_caches(const char* op, const Tensor& key_cache, const Tensor& value_c
   constexpr const char* shape = "[num_blocks, num_kv_heads, block_size, head_dim]";
   check_tensor(op, "key_cache", key_cache, 4, shape);
   check_tensor(op, "value_cache", value_cache, 4, shape);
-  TORCH_CHECK_VALUE(supported_dtype(key_cache), op, ": key_cache dtype ", key_cache.scalar_type(),
-                    " is not supported (float32, bfloat16, float16)");
+  TORCH_CHECK_VALUE(supported_dtype(key_cache) || fp8_cache(key_cache), op, ": key_cache dtype ",
+                    key_cache.scalar_type(), " is not supported (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2)");
   TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache has dtype ",
                     value_cache.scalar_type(), " but key_cache has ", key_cache.scalar_type());
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, ": value_cache has shape ", value_cache.sizes(),
@@ -109,6 +142,8 @@ void check_attention(const char* op, const Tensor& out, const Tensor& query, con
                     query.size(1), ") must be a positive multiple of num_kv_heads (", key_cache.size(1), ")");
   check_rows(op, "out", out, "like query");
   check_data(op, "out", out, key_cache);
+  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type(), op, ": out has dtype ", out.scalar_type(),
+                    " but query has ", query.scalar_type());
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), op, ": out has shape ", out.sizes(), " but query has ",
                     query.sizes());
   check_index(op, "block_tables", block_tables, torch::kInt32, 2, "[num_seqs, max_blocks_per_seq]");
@@ -147,7 +182,8 @@ void check_block_mapping(const char* op, const Tensor& block_mapping, int64_t sr
 namespace batchgen::checked {
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
-                       const Tensor& slot_mapping) {
+                       const Tensor& slot_mapping, const c10::optional<Tensor>& k_scale,
+                       const c10::optional<Tensor>& v_scale) {
   const char* op = "reshape_and_cache";
   check_caches(op, key_cache, value_cache);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"key", key}, {"value", value}}) {
@@ -157,16 +193,18 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
                       " has shape ", t.sizes(), " but the cache has ", key_cache.size(1), " kv heads of head_dim ",
                       key_cache.size(3));
   }
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value has shape ", value.sizes(), " but key has ",
-                    key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(), op,
+                    ": value has shape ", value.sizes(), " and dtype ", value.scalar_type(), " but key has ",
+                    key.sizes(), " and ", key.scalar_type());
+  const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
   check_index(op, "slot_mapping", slot_mapping, torch::kInt64, 1, "[num_tokens]");
   check_same_device(op, "slot_mapping", slot_mapping, key_cache, "key_cache");
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": slot_mapping has ", slot_mapping.size(0),
                     " entries but key has ", key.size(0), " tokens");
   if (on_cuda(op, key_cache)) {
-    BATCHGEN_CUDA_CALL(reshape_and_cache, key, value, key_cache, value_cache, slot_mapping);
+    BATCHGEN_CUDA_CALL(reshape_and_cache, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   } else {
-    batchgen::cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+    batchgen::cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scales);
   }
 }
 
@@ -174,9 +212,11 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 // id once for all of them; the CUDA kernel reads every sequence's blocks itself and ignores it.
 void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                            const c10::optional<Tensor>& seq_groups, int64_t sliding_window, double logits_soft_cap) {
+                            const c10::optional<Tensor>& seq_groups, int64_t sliding_window, double logits_soft_cap,
+                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
   const char* op = "paged_attention_decode";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
   check_variants(op, sliding_window, logits_soft_cap);
   TORCH_CHECK_VALUE(seq_lens.size(0) == query.size(0), op, ": seq_lens has ", seq_lens.size(0),
                     " sequences but query has ", query.size(0), " (one query token per sequence)");
@@ -188,18 +228,20 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_
   }
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                       sliding_window, logits_soft_cap);
+                       sliding_window, logits_soft_cap, k_scale, v_scale);
   } else {
     batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                          seq_groups, sliding_window, logits_soft_cap);
+                                          seq_groups, sliding_window, logits_soft_cap, scales);
   }
 }
 
 void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
-                             double scale, int64_t sliding_window, double logits_soft_cap) {
+                             double scale, int64_t sliding_window, double logits_soft_cap,
+                             const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
   const char* op = "paged_attention_prefill";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
   check_variants(op, sliding_window, logits_soft_cap);
   check_index(op, "query_start_loc", query_start_loc, torch::kInt32, 1, "[num_seqs + 1]");
   check_same_device(op, "query_start_loc", query_start_loc, key_cache, "key_cache");
@@ -208,10 +250,10 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
                     " sequences (need num_seqs + 1)");
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_prefill, out, query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, sliding_window, logits_soft_cap);
+                       query_start_loc, scale, sliding_window, logits_soft_cap, k_scale, v_scale);
   } else {
     batchgen::cpu::paged_attention_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           query_start_loc, scale, sliding_window, logits_soft_cap);
+                                           query_start_loc, scale, sliding_window, logits_soft_cap, scales);
   }
 }
 
@@ -562,15 +604,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "batchgen paged KV cache kernels (see engine_src/README.md for layouts and contracts)";
   m.def("reshape_and_cache", &reshape_and_cache, "Write key/value rows into the caches at slot_mapping",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
-        no_gil);
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
   m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), py::arg("sliding_window") = 0,
-        py::arg("logits_soft_cap") = 0.0, no_gil);
+        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::arg("logits_soft_cap") = 0.0, no_gil);
+        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
   m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),

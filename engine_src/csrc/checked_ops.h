@@ -5,17 +5,23 @@
 
 namespace batchgen::checked {
 
+// k_scale, v_scale: float32 [num_kv_heads] of fp8 caches (engine_src/README.md), optional.
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                       const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                       const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale,
                             const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window = 0,
-                            double logits_soft_cap = 0.0);
+                            double logits_soft_cap = 0.0, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                            const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window = 0, double logits_soft_cap = 0.0);
+                             int64_t sliding_window = 0, double logits_soft_cap = 0.0,
+                             const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                             const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps);
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);

@@ -15,9 +15,18 @@ namespace batchgen::cpu {
 
 // The kernel table's index (DType) of a float32, bfloat16 or float16 tensor.
 DType dtype_of(const torch::Tensor& t);
+// How a cache stores its elements: fp8 for torch's float8_e4m3fn and float8_e5m2 caches, else as the queries.
+KVFormat kv_format_of(const torch::Tensor& cache);
 
+// The per-kv-head float32 scales of fp8 caches (an element reads as byte * scale), each optional (1.0).
+struct KVScales {
+  c10::optional<torch::Tensor> k;
+  c10::optional<torch::Tensor> v;
+};
+
+// fp8 caches take round(key / k_scale[head]) and round(value / v_scale[head]) (fp8.h).
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping, const KVScales& scales = {});
 
 // seq_groups (optional, int32 [num_seqs]): sequences side by side with the same id may read the
 // blocks their tables share once for all of them (see shared_runs in attention.cpp).
@@ -25,13 +34,13 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale,
                             const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window,
-                            double logits_soft_cap);
+                            double logits_soft_cap, const KVScales& scales = {});
 
 // sliding_window (0 off) and logits_soft_cap (0 off) as in engine_src/README.md, for both ops.
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap);
+                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales = {});
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

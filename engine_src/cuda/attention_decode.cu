@@ -22,6 +22,10 @@
 // kernel merges in split order. With a sliding window a sequence's keys start at the window's first
 // key rounded down to a token group (inside that key's cache block); the keys before the window are
 // neither read nor counted.
+//
+// fp8 caches (C = Fp8<format>) are read 8 bytes (8 elements) a piece, so a row spreads over as many lanes
+// as a 16-bit one, and widened in registers; the key scale is folded into the queries' scale, the value
+// scale into the output's normalisation.
 #include <algorithm>
 #include <cstdint>
 
@@ -39,11 +43,23 @@ constexpr int kMergeThreads = 128;
 
 __host__ __device__ constexpr int floor_pow2(int n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
-// How one head_dim row of T is spread over a lane group: 8 or 16 lanes read a token's row side by
-// side in 16-byte pieces (lane l takes pieces l, l + kLanes, ...).
-template <typename T, int HEAD_DIM>
+// How a lane loads its pieces of a cached row: 16 bytes of T, or 8 bytes of fp8.
+template <typename C>
+struct CacheLoad {
+  using Raw = uint4;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(C));
+};
+template <KVFormat F>
+struct CacheLoad<Fp8<F>> {
+  using Raw = uint2;
+  static constexpr int kVec = 8;
+};
+
+// How one head_dim row of cache elements C is spread over a lane group: 8 or 16 lanes read a token's row
+// side by side in pieces of one load (lane l takes pieces l, l + kLanes, ...).
+template <typename C, int HEAD_DIM>
 struct DecodeShape {
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements in one 16-byte load
+  static constexpr int kVec = CacheLoad<C>::kVec;  // elements in one load
   static constexpr int kPieces = HEAD_DIM / kVec;                 // 16-byte pieces of a row
   static constexpr int kLanes = floor_pow2(kPieces) < 16 ? floor_pow2(kPieces) : 16;
   static constexpr int kPiecesPerLane = ceil_div(kPieces, kLanes);
@@ -56,15 +72,21 @@ struct DecodeShape {
   static_assert(kLanes >= 8 && kTokenAlign % kGroupTokens == 0 && kSplitTokens % kStepTokens == 0);
 };
 
-// 16 bytes of T as floats.
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& raw, float* out) {
-  const T* e = reinterpret_cast<const T*>(&raw);
+// One load of cache elements C as floats.
+template <typename C>
+__device__ __forceinline__ void unpack(const typename CacheLoad<C>::Raw& raw, float* out) {
+  if constexpr (IsFp8<C>::value) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
 #pragma unroll
-  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); i += 2) {
-    const float2 f = load_pair(e + i);
-    out[i] = f.x;
-    out[i + 1] = f.y;
+    for (int i = 0; i < CacheLoad<C>::kVec; ++i) out[i] = fp8_to_float(bytes[i], C::kFormat);
+  } else {
+    const C* e = reinterpret_cast<const C*>(&raw);
+#pragma unroll
+    for (int i = 0; i < CacheLoad<C>::kVec; i += 2) {
+      const float2 f = load_pair(e + i);
+      out[i] = f.x;
+      out[i + 1] = f.y;
+    }
   }
 }
 
@@ -90,14 +112,17 @@ DecodePlan plan_decode(int group, int max_heads, int max_context_len, int slidin
   return {chunks, ceil_div(group, chunks), ceil_div(context, kSplitTokens)};
 }
 
-// kMaxHeads of the kernel that runs head_dim for dtype, or 0 for an unsupported pair.
-int max_heads_per_block(DType dtype, int head_dim) {
+// kMaxHeads of the kernel that runs head_dim for dtype and the cache's format, or 0 for an unsupported pair.
+int max_heads_per_block(DType dtype, KVFormat kv_format, int head_dim) {
   int heads = 0;
   dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = typename decltype(dtype_tag)::type;
-    return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
-      heads = DecodeShape<T, decltype(head_dim_tag)::value>::kMaxHeads;
-      return cudaSuccess;
+    return dispatch_cache<T>(kv_format, [&](auto cache_tag) {
+      using C = typename decltype(cache_tag)::type;
+      return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
+        heads = DecodeShape<C, decltype(head_dim_tag)::value>::kMaxHeads;
+        return cudaSuccess;
+      });
     });
   });
   return heads;
@@ -124,15 +149,18 @@ struct DecodeParams {
   float scale_log2;     // softmax scale times log2(e): scores come out in base 2
   int sliding_window;   // 0 off
   float soft_cap_log2;  // logits_soft_cap times log2(e), 0 off
+  const float* k_scale;  // an fp8 cache's per-kv-head scales, or null
+  const float* v_scale;
   // Per (seq, head, split) results of sequences with several splits.
   float* partial_out;  // [num_seqs * num_heads * max_splits, head_dim], normalized
   float* partial_max;  // [num_seqs * num_heads * max_splits]
   float* partial_sum;  // [num_seqs * num_heads * max_splits]
 };
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(const DecodeParams p) {
-  using Shape = DecodeShape<T, HEAD_DIM>;
+  using Shape = DecodeShape<C, HEAD_DIM>;
+  using Raw = typename CacheLoad<C>::Raw;
   constexpr int kMaxHeads = Shape::kMaxHeads;
   constexpr int kPieces = Shape::kPiecesPerLane;
   constexpr int kVec = Shape::kVec;
@@ -157,10 +185,11 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
   // The block's queries, scaled to base 2, as floats.
   __shared__ __align__(16) float query_s[kMaxHeads][HEAD_DIM];
   const T* query = static_cast<const T*>(p.query) + seq * p.query_seq_stride;
+  const float query_scale = p.k_scale != nullptr ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
   for (int i = threadIdx.x; i < heads * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     const int d = i % HEAD_DIM;
-    query_s[h][d] = to_float(query[(first_head + h) * p.query_head_stride + d]) * p.scale_log2;
+    query_s[h][d] = to_float(query[(first_head + h) * p.query_head_stride + d]) * query_scale;
   }
   __syncthreads();
 
@@ -177,8 +206,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
     for (int f = 0; f < kFloats; ++f) acc[h][f] = 0.f;
   }
 
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const C* key_cache = static_cast<const C*>(p.key_cache);
+  const C* value_cache = static_cast<const C*>(p.value_cache);
   const int* block_table = p.block_tables + seq * p.block_table_stride;
   const int64_t block_stride = static_cast<int64_t>(p.num_kv_heads) * p.block_size * HEAD_DIM;
   const int64_t head_offset = static_cast<int64_t>(kv_head) * p.block_size * HEAD_DIM;
@@ -196,8 +225,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
     const int64_t row = static_cast<int64_t>(block) * block_stride + head_offset +
                         static_cast<int64_t>(token % p.block_size) * HEAD_DIM;
     block = next_block;
-    uint4 key_raw[kGroupTokens][kPieces];
-    uint4 value_raw[kGroupTokens][kPieces];
+    Raw key_raw[kGroupTokens][kPieces];
+    Raw value_raw[kGroupTokens][kPieces];
     bool valid[kGroupTokens];
 #pragma unroll
     for (int t = 0; t < kGroupTokens; ++t) {
@@ -207,8 +236,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
         const int piece = sub + i * kLanes;
         const bool read = valid[t] && piece < Shape::kPieces;
         const int64_t at = row + t * HEAD_DIM + piece * kVec;
-        key_raw[t][i] = read ? *reinterpret_cast<const uint4*>(key_cache + at) : make_uint4(0, 0, 0, 0);
-        value_raw[t][i] = read ? *reinterpret_cast<const uint4*>(value_cache + at) : make_uint4(0, 0, 0, 0);
+        key_raw[t][i] = read ? *reinterpret_cast<const Raw*>(key_cache + at) : Raw{};
+        value_raw[t][i] = read ? *reinterpret_cast<const Raw*>(value_cache + at) : Raw{};
       }
     }
 
@@ -230,7 +259,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
 #pragma unroll
         for (int i = 0; i < kPieces; ++i) {
           float k[kVec];
-          unpack<T>(key_raw[t][i], k);
+          unpack<C>(key_raw[t][i], k);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) s += q[i * kVec + e] * k[e];
         }
@@ -264,7 +293,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
 #pragma unroll
       for (int i = 0; i < kPieces; ++i) {
         float v[kVec];
-        unpack<T>(value_raw[t][i], v);
+        unpack<C>(value_raw[t][i], v);
 #pragma unroll
         for (int h = 0; h < kMaxHeads; ++h) {
           if (h >= heads) continue;
@@ -340,6 +369,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
       o += warp_acc_s[w][h][d] * weight;
     }
     o /= total;
+    if (p.v_scale != nullptr) o *= p.v_scale[kv_head];  // an fp8 cache's values, scaled once
     const int head = first_head + h;
     if (!split_sequence) {
       out[head * p.out_head_stride + d] = from_float<T>(o);
@@ -411,9 +441,10 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
                                           int64_t block_table_stride, const int* seq_lens, int num_seqs,
                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
                                           int max_context_len, float scale, int sliding_window,
-                                          float logits_soft_cap, void* workspace, cudaStream_t stream) {
+                                          float logits_soft_cap, void* workspace, cudaStream_t stream,
+                                          KVFormat kv_format, const float* k_scale, const float* v_scale) {
   if (num_seqs == 0) return cudaSuccess;
-  const int max_heads = max_heads_per_block(dtype, head_dim);
+  const int max_heads = max_heads_per_block(dtype, kv_format, head_dim);
   if (max_heads == 0 || !is_supported_block_size(block_size) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
       sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
@@ -446,6 +477,8 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
   p.scale_log2 = scale * kLog2e;
   p.sliding_window = sliding_window;
   p.soft_cap_log2 = logits_soft_cap * kLog2e;
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   if (plan.max_splits > 1) {
     const int64_t results = static_cast<int64_t>(num_seqs) * num_heads * plan.max_splits;
     p.partial_out = static_cast<float*>(workspace);
@@ -456,14 +489,17 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(plan.max_splits));
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = typename decltype(dtype_tag)::type;
-    return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
-      constexpr int kHeadDim = decltype(head_dim_tag)::value;
-      paged_attention_decode_kernel<T, kHeadDim><<<grid, kDecodeThreads, 0, stream>>>(p);
-      if (plan.max_splits > 1) {
-        const unsigned pairs = static_cast<unsigned>(static_cast<int64_t>(num_seqs) * num_heads);
-        paged_attention_decode_merge_kernel<T><<<pairs, kMergeThreads, 0, stream>>>(p, kHeadDim);
-      }
-      return cudaGetLastError();
+    return dispatch_cache<T>(kv_format, [&](auto cache_tag) {
+      using C = typename decltype(cache_tag)::type;
+      return dispatch_head_dim(head_dim, [&](auto head_dim_tag) {
+        constexpr int kHeadDim = decltype(head_dim_tag)::value;
+        paged_attention_decode_kernel<T, C, kHeadDim><<<grid, kDecodeThreads, 0, stream>>>(p);
+        if (plan.max_splits > 1) {
+          const unsigned pairs = static_cast<unsigned>(static_cast<int64_t>(num_seqs) * num_heads);
+          paged_attention_decode_merge_kernel<T><<<pairs, kMergeThreads, 0, stream>>>(p, kHeadDim);
+        }
+        return cudaGetLastError();
+      });
     });
   });
 }

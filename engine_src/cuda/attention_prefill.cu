@@ -44,6 +44,10 @@
 //      probabilities go through shared memory so that, for step 4, lanes switch to owning
 //      head_dim elements instead of keys;
 //   4. each lane accumulates its elements of probs x values.
+// fp8 caches (any activation dtype) take the CUDA-core kernel: step 1 widens the tile's keys and values to
+// the activations' dtype as it gathers them (exact), the key scale is folded into the queries' scale and the
+// value scale into the rows' normalisation. (Widening into the tensor-core kernel's swizzled tiles is not
+// done yet.)
 #include <cstdint>
 #include <type_traits>
 
@@ -94,6 +98,8 @@ struct PrefillParams {
   float scale_log2;  // softmax scale times log2(e): scores come out in base 2
   int sliding_window;   // 0 off
   float soft_cap_log2;  // logits_soft_cap times log2(e), 0 off
+  const float* k_scale;  // an fp8 cache's per-kv-head scales, or null
+  const float* v_scale;
 };
 
 // Tiles are numbered so that sequence i's tiles start at first_tile(i) = qsl[i] * group / kRows + i,
@@ -127,15 +133,26 @@ __device__ __forceinline__ float component(const float4& v, int i) {
 // Gathers keys key0 .. key0 + kKeyTile - 1 of one kv head into shared memory. Keys before kv_begin
 // (outside every row's sliding window) or at or past kv_end are zero-filled, not read: their
 // probabilities are 0, but 0 * NaN (stale shared memory) is not.
-template <typename T, int HEAD_DIM>
+// Cache elements C (T, or an fp8 format's bytes, widened exactly) at src[0..1] into dst[0..1].
+template <typename T, typename C>
+__device__ __forceinline__ void copy_pair(const C* src, T* dst) {
+  if constexpr (IsFp8<C>::value) {
+    dst[0] = from_float<T>(to_float(src[0]));
+    dst[1] = from_float<T>(to_float(src[1]));
+  } else {
+    using PairT = typename Pair<T>::type;
+    *reinterpret_cast<PairT*>(dst) = *reinterpret_cast<const PairT*>(src);
+  }
+}
+
+template <typename T, typename C, int HEAD_DIM>
 __device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int kv_head, int key0, int kv_begin,
                              int kv_end, T* key_s, T* value_s) {
   using Config = PrefillConfig<T, HEAD_DIM>;
-  using PairT = typename Pair<T>::type;
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const C* key_cache = static_cast<const C*>(p.key_cache);
+  const C* value_cache = static_cast<const C*>(p.value_cache);
   for (int n = warp; n < kKeyTile; n += kPrefillWarps) {
     const int key = key0 + n;
     T* key_dst = key_s + n * Config::kKeyStride;
@@ -144,8 +161,8 @@ __device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int
       const int64_t block = block_table[key / p.block_size];
       const int64_t row = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM;
       for (int d = 2 * lane; d < HEAD_DIM; d += 2 * kWarpSize) {
-        *reinterpret_cast<PairT*>(key_dst + d) = *reinterpret_cast<const PairT*>(key_cache + row + d);
-        *reinterpret_cast<PairT*>(value_dst + d) = *reinterpret_cast<const PairT*>(value_cache + row + d);
+        copy_pair(key_cache + row + d, key_dst + d);
+        copy_pair(value_cache + row + d, value_dst + d);
       }
     } else {
       for (int d = lane; d < HEAD_DIM; d += kWarpSize) {
@@ -156,7 +173,7 @@ __device__ void load_kv_tile(const PrefillParams& p, const int* block_table, int
   }
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kernel(const PrefillParams p) {
   using Config = PrefillConfig<T, HEAD_DIM>;
   constexpr int kRows = Config::kRows;
@@ -189,6 +206,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
 
   // Scaled queries of the block's rows (zeros past the sequence's rows).
   const T* query = static_cast<const T*>(p.query);
+  const float query_scale = p.k_scale != nullptr ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
   for (int i = threadIdx.x; i < kRows * HEAD_DIM / 2; i += kPrefillThreads) {
     const int r = i / (HEAD_DIM / 2);
     const int d = 2 * (i % (HEAD_DIM / 2));
@@ -197,7 +215,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     if (row < num_rows) {
       const int head = kv_head * group + row % group;
       const T* src = query + (query_start + row / group) * p.query_token_stride + head * p.query_head_stride;
-      q = make_float2(to_float(src[d]) * p.scale_log2, to_float(src[d + 1]) * p.scale_log2);
+      q = make_float2(to_float(src[d]) * query_scale, to_float(src[d + 1]) * query_scale);
     }
     *reinterpret_cast<float2*>(query_s + r * HEAD_DIM + d) = q;
   }
@@ -228,7 +246,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
 
   for (int key0 = kv_begin / kKeyTile * kKeyTile; key0 < kv_end; key0 += kKeyTile) {
     __syncthreads();  // the previous tile is no longer read
-    load_kv_tile<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
+    load_kv_tile<T, C, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
     __syncthreads();  // tile (and, the first time, the queries) visible to all warps
     // The whole tile in this warp's future, or past the windows of all its rows.
     if (key0 > warp_last_position || key0 + kKeyTile <= warp_first_key) continue;
@@ -301,7 +319,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     if (row >= num_rows) continue;
     const int head = kv_head * group + row % group;
     T* dst = out + (query_start + row / group) * p.out_token_stride + head * p.out_head_stride;
-    const float inv_total = 1.f / total;
+    float inv_total = 1.f / total;
+    if (p.v_scale != nullptr) inv_total *= p.v_scale[kv_head];  // an fp8 cache's values, scaled once
 #pragma unroll
     for (int st = 0; st < kSteps; ++st) {
       const int d = pair_index(st, lane);
@@ -327,9 +346,9 @@ inline cudaError_t launch_over_tiles(void (*kernel)(PrefillParams), const Prefil
   return cudaGetLastError();
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 cudaError_t launch_prefill(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
-  return launch_over_tiles(paged_attention_prefill_kernel<T, HEAD_DIM>, p, num_tiles, kPrefillThreads,
+  return launch_over_tiles(paged_attention_prefill_kernel<T, C, HEAD_DIM>, p, num_tiles, kPrefillThreads,
                            PrefillConfig<T, HEAD_DIM>::kSmemBytes, stream);
 }
 
@@ -688,7 +707,8 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            const int* query_start_loc, int num_seqs, int64_t num_tokens,
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                                            float scale, int sliding_window, float logits_soft_cap,
-                                           cudaStream_t stream) {
+                                           cudaStream_t stream, KVFormat kv_format, const float* k_scale,
+                                           const float* v_scale) {
   if (num_seqs == 0 || num_tokens == 0) return cudaSuccess;
   if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_kv_heads > 65535 ||
       num_heads % num_kv_heads != 0 || sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
@@ -717,7 +737,9 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.scale_log2 = scale * kLog2e;
   p.sliding_window = sliding_window;
   p.soft_cap_log2 = logits_soft_cap * kLog2e;
-  const bool tensor_cores = dtype != DType::kFloat32 &&
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
+  const bool tensor_cores = dtype != DType::kFloat32 && kv_format == KVFormat::same &&
                             tensor_cores_fit(out, out_token_stride, out_head_stride, query, query_token_stride,
                                              query_head_stride, key_cache, value_cache);
 
@@ -732,7 +754,9 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
         }
       }
       const int64_t num_tiles = num_tokens * group / PrefillConfig<T, kHeadDim>::kRows + num_seqs;
-      return launch_prefill<T, kHeadDim>(p, num_tiles, stream);
+      return dispatch_cache<T>(kv_format, [&](auto cache_tag) {
+        return launch_prefill<T, typename decltype(cache_tag)::type, kHeadDim>(p, num_tiles, stream);
+      });
     });
   });
 }

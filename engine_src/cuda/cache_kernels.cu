@@ -1,5 +1,6 @@
 // reshape_and_cache and copy_blocks: pure data movement, so the kernels copy opaque units
-// (16, 8, 4 or 2 bytes, the widest that every address and stride allows) instead of elements.
+// (16, 8, 4 or 2 bytes, the widest that every address and stride allows) instead of elements; except the
+// writes into fp8 caches, which quantize each element (../csrc/fp8.h).
 #include <algorithm>
 #include <cstdint>
 
@@ -32,6 +33,32 @@ __global__ void reshape_and_cache_kernel(const Unit* __restrict__ key, const Uni
     const int64_t dst = ((block * num_kv_heads + head) * block_size + offset) * head_units + d;
     key_cache[dst] = key_row[head * key_head_stride + d];
     value_cache[dst] = value_row[head * value_head_stride + d];
+  }
+}
+
+// reshape_and_cache into an fp8 cache: one thread block per token, a thread per element of its rows, each
+// stored as round(x / scale[head]) in the cache's format. Strides are in elements of T.
+template <typename T, KVFormat F>
+__global__ void reshape_and_cache_fp8_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                             uint8_t* __restrict__ key_cache, uint8_t* __restrict__ value_cache,
+                                             const int64_t* __restrict__ slot_mapping, int num_kv_heads, int head_dim,
+                                             int block_size, int64_t key_token_stride, int64_t key_head_stride,
+                                             int64_t value_token_stride, int64_t value_head_stride,
+                                             const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0) return;  // padding token
+  const int64_t block = slot / block_size;
+  const int64_t offset = slot % block_size;
+  const int elements = num_kv_heads * head_dim;
+  for (int i = threadIdx.x; i < elements; i += blockDim.x) {
+    const int head = i / head_dim;
+    const int d = i % head_dim;
+    const int64_t dst = ((block * num_kv_heads + head) * block_size + offset) * head_dim + d;
+    const float k = to_float(key[token * key_token_stride + head * key_head_stride + d]);
+    const float v = to_float(value[token * value_token_stride + head * value_head_stride + d]);
+    key_cache[dst] = float_to_fp8(k_scale != nullptr ? fp8_div_rn(k, k_scale[head]) : k, F);
+    value_cache[dst] = float_to_fp8(v_scale != nullptr ? fp8_div_rn(v, v_scale[head]) : v, F);
   }
 }
 
@@ -109,9 +136,24 @@ cudaError_t launch_reshape_and_cache(DType dtype, const void* key, const void* v
                                      void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                                      int num_kv_heads, int head_dim, int block_size, int64_t key_token_stride,
                                      int64_t key_head_stride, int64_t value_token_stride,
-                                     int64_t value_head_stride, cudaStream_t stream) {
+                                     int64_t value_head_stride, cudaStream_t stream, KVFormat kv_format,
+                                     const float* k_scale, const float* v_scale) {
   if (num_tokens == 0) return cudaSuccess;
   if (num_tokens > kMaxGridX || block_size <= 0) return cudaErrorInvalidValue;
+  if (kv_format != KVFormat::same) {
+    return dispatch_dtype(dtype, [&](auto dtype_tag) {
+      using T = typename decltype(dtype_tag)::type;
+      const auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(num_tokens), kCacheThreads, 0, stream>>>(
+            static_cast<const T*>(key), static_cast<const T*>(value), static_cast<uint8_t*>(key_cache),
+            static_cast<uint8_t*>(value_cache), slot_mapping, num_kv_heads, head_dim, block_size, key_token_stride,
+            key_head_stride, value_token_stride, value_head_stride, k_scale, v_scale);
+        return cudaGetLastError();
+      };
+      return kv_format == KVFormat::fp8_e5m2 ? launch(reshape_and_cache_fp8_kernel<T, KVFormat::fp8_e5m2>)
+                                             : launch(reshape_and_cache_fp8_kernel<T, KVFormat::fp8_e4m3>);
+    });
+  }
   const int elem = dtype == DType::kFloat32 ? 4 : 2;
   const int64_t strides_bytes[4] = {key_token_stride * elem, key_head_stride * elem, value_token_stride * elem,
                                     value_head_stride * elem};

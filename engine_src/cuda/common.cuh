@@ -139,6 +139,38 @@ cudaError_t dispatch_head_dim(int head_dim, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// fp8 cache elements (../csrc/fp8.h): one byte each, read as floats by the cache's format. A kernel over a
+// cache of T takes C = T; over an fp8 cache C = Fp8<format>, with the scales applied outside the loads.
+template <KVFormat F>
+struct Fp8 {
+  uint8_t bits;
+  static constexpr KVFormat kFormat = F;
+};
+
+template <typename C>
+struct IsFp8 : std::false_type {};
+template <KVFormat F>
+struct IsFp8<Fp8<F>> : std::true_type {};
+
+template <KVFormat F>
+__device__ __forceinline__ float to_float(Fp8<F> v) {
+  return fp8_to_float(v.bits, F);
+}
+
+// Calls f(Tag<C>{}) with C the cache element type: T itself, or the fp8 format's.
+template <typename T, typename F>
+cudaError_t dispatch_cache(KVFormat format, F&& f) {
+  switch (format) {
+    case KVFormat::same:
+      return f(Tag<T>{});
+    case KVFormat::fp8_e4m3:
+      return f(Tag<Fp8<KVFormat::fp8_e4m3>>{});
+    case KVFormat::fp8_e5m2:
+      return f(Tag<Fp8<KVFormat::fp8_e5m2>>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 inline bool is_supported_block_size(int block_size) {
   return block_size == 8 || block_size == 16 || block_size == 32;
 }

@@ -8,18 +8,22 @@
 
 namespace batchgen::cuda {
 
+// k_scale, v_scale: the per-kv-head float32 scales of fp8 caches (float8_e4m3fn, float8_e5m2), optional.
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
-                            double logits_soft_cap);
+                            double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
+                            const c10::optional<torch::Tensor>& v_scale);
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap);
+                             int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
+                             const c10::optional<torch::Tensor>& v_scale);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../csrc/fp8.h"
+
 namespace batchgen::kernels {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
@@ -19,7 +21,9 @@ cudaError_t launch_reshape_and_cache(DType dtype, const void* key, const void* v
                                      void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                                      int num_kv_heads, int head_dim, int block_size, int64_t key_token_stride,
                                      int64_t key_head_stride, int64_t value_token_stride,
-                                     int64_t value_head_stride, cudaStream_t stream);
+                                     int64_t value_head_stride, cudaStream_t stream,
+                                     KVFormat kv_format = KVFormat::same, const float* k_scale = nullptr,
+                                     const float* v_scale = nullptr);
 
 // key_caches/value_caches: host arrays of num_layers device pointers; block_mapping: device int64
 // [num_pairs, 2] of (src, dst) block ids; block_bytes: bytes of one block of one cache.
@@ -37,13 +41,18 @@ size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int h
 // sliding_window (0 off: else a query at position p sees keys p - sliding_window < j <= p, and the
 // keys before are not read) and logits_soft_cap (0 off: else each score s = scale * q.k becomes
 // logits_soft_cap * tanh(s / logits_soft_cap) before the softmax).
+// fp8 caches (kv_format, fp8.h): reshape_and_cache stores round(x / k_scale[kv head]) (v_scale for values)
+// and the attention launchers read byte * scale; k_scale and v_scale are device float32 [num_kv_heads], or
+// null for 1.0. `dtype` stays the activations' (query, key, value, out).
 cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_seq_stride, int64_t out_head_stride,
                                           const void* query, int64_t query_seq_stride, int64_t query_head_stride,
                                           const void* key_cache, const void* value_cache, const int* block_tables,
                                           int64_t block_table_stride, const int* seq_lens, int num_seqs,
                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
                                           int max_context_len, float scale, int sliding_window,
-                                          float logits_soft_cap, void* workspace, cudaStream_t stream);
+                                          float logits_soft_cap, void* workspace, cudaStream_t stream,
+                                          KVFormat kv_format = KVFormat::same, const float* k_scale = nullptr,
+                                          const float* v_scale = nullptr);
 
 // query/out [num_tokens, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1];
 // seq_lens int32 [num_seqs]: whole length after this step (cached context + new tokens).
@@ -55,7 +64,8 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            const int* query_start_loc, int num_seqs, int64_t num_tokens,
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                                            float scale, int sliding_window, float logits_soft_cap,
-                                           cudaStream_t stream);
+                                           cudaStream_t stream, KVFormat kv_format = KVFormat::same,
+                                           const float* k_scale = nullptr, const float* v_scale = nullptr);
 
 // Segmented LoRA (lora_kernels.cu; the CPU op's contract, engine_src/csrc/ops.h): for each segment of
 // `segments` (device int32 [num_segments, 3]: first row, end row, slot; max_segment_rows bounds end - first),

@@ -45,12 +45,29 @@ int to_int(int64_t value, const char* what) {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// fp8 caches (float8_e4m3fn, float8_e5m2) hold one byte an element beside activations of any dtype.
+KVFormat kv_format(const torch::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat8_e4m3fn:
+      return KVFormat::fp8_e4m3;
+    case torch::kFloat8_e5m2:
+      return KVFormat::fp8_e5m2;
+    default:
+      return KVFormat::same;
+  }
+}
+
+// An fp8 cache's per-kv-head scales (float32 on the cache's device), or null for 1.0.
+const float* scale_ptr(const c10::optional<torch::Tensor>& scale) {
+  return scale.has_value() ? scale->data_ptr<float>() : nullptr;
+}
+
 // The kernels read element pairs with one access, so a cache must start on a pair boundary.
 void check_cache(const torch::Tensor& cache, const torch::Tensor& like, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "batchgen: ", name,
               " must be a contiguous [num_blocks, num_kv_heads, block_size, head_dim] tensor");
-  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), "batchgen: ", name, " dtype ", cache.scalar_type(),
-              " differs from ", like.scalar_type());
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type() || kv_format(cache) != KVFormat::same, "batchgen: ", name,
+              " dtype ", cache.scalar_type(), " differs from ", like.scalar_type());
   const auto address = reinterpret_cast<uintptr_t>(cache.data_ptr());
   TORCH_CHECK(address % (2 * cache.element_size()) == 0, "batchgen: ", name, " is not aligned to two elements");
 }
@@ -83,7 +100,8 @@ int64_t block_bytes_of(const torch::Tensor& cache) {
 }  // namespace
 
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   const c10::cuda::CUDAGuard guard(key_cache.device());
   check_cache(key_cache, key, "key_cache");
   check_cache(value_cache, key, "value_cache");
@@ -91,19 +109,21 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   const torch::Tensor keys = unit_last_stride(key);
   const torch::Tensor values = unit_last_stride(value);
   const torch::Tensor slots = slot_mapping.to(key_cache.device(), torch::kLong).contiguous();
-  check_launch(k::launch_reshape_and_cache(kernel_dtype(key_cache), keys.data_ptr(), values.data_ptr(),
+  check_launch(k::launch_reshape_and_cache(kernel_dtype(key), keys.data_ptr(), values.data_ptr(),
                                            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr<int64_t>(),
                                            keys.size(0), to_int(key_cache.size(1), "num_kv_heads"),
                                            to_int(key_cache.size(3), "head_dim"),
                                            to_int(key_cache.size(2), "block_size"), keys.stride(0), keys.stride(1),
-                                           values.stride(0), values.stride(1), current_stream()),
+                                           values.stride(0), values.stride(1), current_stream(),
+                                           kv_format(key_cache), scale_ptr(k_scale), scale_ptr(v_scale)),
                "reshape_and_cache");
 }
 
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
-                            double logits_soft_cap) {
+                            double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
+                            const c10::optional<torch::Tensor>& v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -134,7 +154,8 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                      tables.stride(0), lens.data_ptr<int>(), num_seqs, num_heads,
                      to_int(key_cache.size(1), "num_kv_heads"), head_dim, block_size, max_context_len,
                      static_cast<float>(scale), window, static_cast<float>(logits_soft_cap),
-                     workspace_bytes > 0 ? workspace.data_ptr() : nullptr, stream),
+                     workspace_bytes > 0 ? workspace.data_ptr() : nullptr, stream, kv_format(key_cache),
+                     scale_ptr(k_scale), scale_ptr(v_scale)),
                  "paged_attention_decode");
   });
 }
@@ -142,7 +163,8 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap) {
+                             int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
+                             const c10::optional<torch::Tensor>& v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -161,7 +183,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                      to_int(key_cache.size(1), "num_kv_heads"), to_int(q.size(2), "head_dim"),
                      to_int(key_cache.size(2), "block_size"), static_cast<float>(scale),
                      static_cast<int>(std::min<int64_t>(sliding_window, 0x7fffffff)),
-                     static_cast<float>(logits_soft_cap), stream),
+                     static_cast<float>(logits_soft_cap), stream, kv_format(key_cache), scale_ptr(k_scale),
+                     scale_ptr(v_scale)),
                  "paged_attention_prefill");
   });
 }

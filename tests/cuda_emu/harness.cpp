@@ -152,6 +152,39 @@ int emu_prefill(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void
                                         block_size, scale, window, soft_cap, nullptr);
 }
 
+// The fp8 cache's launches: format 1 (e4m3) or 2 (e5m2), per-kv-head scales (or null).
+int emu_reshape_and_cache_fp8(int dtype, int format, const void* key, const void* value, void* key_cache,
+                              void* value_cache, const int64_t* slots, int64_t num_tokens, int num_kv_heads,
+                              int head_dim, int block_size, const float* k_scale, const float* v_scale) {
+  return launch_reshape_and_cache(static_cast<DType>(dtype), key, value, key_cache, value_cache, slots, num_tokens,
+                                  num_kv_heads, head_dim, block_size, int64_t{num_kv_heads} * head_dim, head_dim,
+                                  int64_t{num_kv_heads} * head_dim, head_dim, nullptr,
+                                  static_cast<batchgen::KVFormat>(format), k_scale, v_scale);
+}
+
+int emu_decode_fp8(int dtype, int format, void* out, const void* query, const void* key_cache,
+                   const void* value_cache, const int* block_tables, int64_t table_stride, const int* seq_lens,
+                   int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_context_len,
+                   float scale, const float* k_scale, const float* v_scale, void* workspace) {
+  const int64_t row = int64_t{num_heads} * head_dim;
+  return launch_paged_attention_decode(static_cast<DType>(dtype), out, row, head_dim, query, row, head_dim,
+                                       key_cache, value_cache, block_tables, table_stride, seq_lens, num_seqs,
+                                       num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale, 0, 0.f,
+                                       workspace, nullptr, static_cast<batchgen::KVFormat>(format), k_scale, v_scale);
+}
+
+int emu_prefill_fp8(int dtype, int format, void* out, const void* query, const void* key_cache,
+                    const void* value_cache, const int* block_tables, int64_t table_stride, const int* seq_lens,
+                    const int* query_start_loc, int num_seqs, int64_t num_tokens, int num_heads, int num_kv_heads,
+                    int head_dim, int block_size, float scale, const float* k_scale, const float* v_scale) {
+  const int64_t row = int64_t{num_heads} * head_dim;
+  return launch_paged_attention_prefill(static_cast<DType>(dtype), out, row, head_dim, query, row, head_dim,
+                                        key_cache, value_cache, block_tables, table_stride, seq_lens,
+                                        query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                                        block_size, scale, 0, 0.f, nullptr, static_cast<batchgen::KVFormat>(format),
+                                        k_scale, v_scale);
+}
+
 size_t emu_lora_workspace_bytes(int64_t num_rows, int capacity) { return lora_workspace_bytes(num_rows, capacity); }
 
 int emu_lora(int dtype, int y_float, void* y, int64_t y_stride, const void* x, int64_t x_stride, int64_t num_rows,

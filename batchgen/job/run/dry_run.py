@@ -134,7 +134,8 @@ def kv_bytes_per_token(job: Job) -> int | None:
     dtype = job.spec.model.dtype
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    element = 1 if job.spec.model.kv_cache_dtype != "auto" else _DTYPE_BYTES.get(dtype, 4)  # fp8: one byte
+    return 2 * layers * kv_heads * head_dim * element
 
 
 # ---------------------------------------------------------------------------------------- output

@@ -32,7 +32,7 @@ constexpr int64_t kMinKeysSpared = 64;
 
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale,
-                   int64_t sliding_window, double logits_soft_cap) {
+                   int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
   AttnArgs a;
   a.query = query.data_ptr();
   a.query_token_stride = query.stride(0);
@@ -52,6 +52,11 @@ AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::
   a.sliding_window = sliding_window;
   a.soft_cap = static_cast<float>(logits_soft_cap);
   a.inv_soft_cap = logits_soft_cap > 0 ? static_cast<float>(1.0 / logits_soft_cap) : 0.0f;
+  a.kv_format = kv_format_of(key_cache);
+  if (a.kv_format != KVFormat::same) {
+    a.k_scale = scales.k.has_value() ? scales.k->data_ptr<float>() : nullptr;
+    a.v_scale = scales.v.has_value() ? scales.v->data_ptr<float>() : nullptr;
+  }
   return a;
 }
 
@@ -185,6 +190,14 @@ void decode_shared(torch::Tensor& out, const AttnArgs& args, AttendFn attend, co
 
 }  // namespace
 
+KVFormat kv_format_of(const torch::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat8_e4m3fn: return KVFormat::fp8_e4m3;
+    case torch::kFloat8_e5m2: return KVFormat::fp8_e5m2;
+    default: return KVFormat::same;
+  }
+}
+
 DType dtype_of(const torch::Tensor& t) {
   switch (t.scalar_type()) {
     case torch::kFloat32: return DType::f32;
@@ -197,20 +210,20 @@ DType dtype_of(const torch::Tensor& t) {
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, const c10::optional<torch::Tensor>& seq_groups,
-                            int64_t sliding_window, double logits_soft_cap) {
+                            int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
   const int64_t num_seqs = query.size(0);
   const int64_t block_size = key_cache.size(2);
   check_lengths_and_blocks("paged_attention_decode", seq_lens, block_tables, block_size, key_cache.size(0));
   if (num_seqs == 0) return;
 
   const AttnArgs args =
-      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap);
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t group = args.num_heads / args.num_kv_heads;
   int64_t total_len = 0;  // keys read
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s] - first_key_read(args, lens[s] - 1);
-  const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * query.element_size());
+  const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * key_cache.element_size());
   // A task takes all kv heads of its sequence when there are sequences enough to keep the
   // workers busy (reading whole blocks, see AttnTask), one kv head otherwise. A sequence's keys are
   // never split between tasks: partial results combined afterwards would round differently from
@@ -232,7 +245,7 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap) {
+                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
   const char* op = "paged_attention_prefill";
   const int64_t num_seqs = seq_lens.size(0), num_tokens = query.size(0);
   check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
@@ -249,7 +262,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   }
 
   const AttnArgs args =
-      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap);
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int64_t group = args.num_heads / args.num_kv_heads;
   auto count_tasks = [&](int64_t tokens_per_task) {
@@ -277,7 +290,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
     return x.q_pos + x.q_count - x.kv_begin > y.q_pos + y.q_count - y.kv_begin;
   });
-  const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * query.element_size());
+  const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * key_cache.element_size());
   run_tasks(args, attend, tasks, workers, attend_scratch_floats(tile * group, args.head_dim));
 }
 

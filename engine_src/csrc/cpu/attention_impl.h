@@ -158,6 +158,57 @@ struct Prefetcher {
   }
 };
 
+// fp8 caches (AttnArgs::kv_format): each tile's K and V are widened to T in scratch memory before the
+// scores and values run on them as on any cache of T, so every path (decode, prefill, shared runs, the
+// transposed and tile-unit paths) reads fp8 without a second copy of its loops. Both formats convert to
+// float32, bf16 and fp16 exactly; the scales are applied outside (the scores' scale, the output's
+// normalisation), so the tile holds the bytes' own values.
+
+// The 256 values of a format in T: for fp16, which has no exact widening through the vector path below.
+template <typename T>
+struct Fp8Values {
+  T value[256];
+
+  explicit Fp8Values(KVFormat f) {
+    for (int b = 0; b < 256; ++b) value[b] = from_float<T>(fp8_to_float(static_cast<uint8_t>(b), f));
+  }
+};
+
+template <typename T>
+const Fp8Values<T>& fp8_values(KVFormat f) {
+  static const Fp8Values<T> e4m3(KVFormat::fp8_e4m3), e5m2(KVFormat::fp8_e5m2);
+  return f == KVFormat::fp8_e5m2 ? e5m2 : e4m3;
+}
+
+// n fp8 bytes (a multiple of Vec::N) as T. float32 and bf16 go through fp16 bits: e5m2 is fp16's top
+// byte, and e4m3's bits shifted into fp16's place read as the value times 2^-8 (subnormals too), which
+// the multiply by 256 undoes exactly. e4m3's NaN (0x7f, never written by reshape_and_cache) reads 480.
+template <typename T>
+void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
+  if constexpr (std::is_same_v<T, F16>) {
+    const T* values = fp8_values<T>(f).value;
+    for (int64_t i = 0; i < n; ++i) dst[i] = values[src[i]];
+  } else {
+    const int shift = f == KVFormat::fp8_e5m2 ? 8 : 7;
+    const Vec unbias = Vec::set1(f == KVFormat::fp8_e5m2 ? 1.0f : 256.0f);
+    alignas(64) uint16_t half[Vec::N];
+    alignas(64) float wide[Vec::N];
+    for (int64_t i = 0; i < n; i += Vec::N) {
+      for (int j = 0; j < Vec::N; ++j) {
+        const uint32_t b = src[i + j];
+        half[j] = static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << shift));
+      }
+      const Vec x = Vec::load(reinterpret_cast<const F16*>(half)) * unbias;
+      if constexpr (std::is_same_v<T, float>) {
+        x.store(dst + i);
+      } else {
+        x.store(wide);
+        for (int j = 0; j < Vec::N; ++j) dst[i + j].bits = static_cast<uint16_t>(float_bits(wide[j]) >> 16);
+      }
+    }
+  }
+}
+
 // The K and V of one (block, kv head), and prefetchers for those of a block ahead.
 template <typename T>
 struct BlockKV {
@@ -652,7 +703,8 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
   for (int64_t r = 0; r < count; ++r) {
     const RowIndex at = row_index(task, group, r);
     T* dst = static_cast<T*>(a.out) + at.token * a.out_token_stride + at.head * a.out_head_stride;
-    const float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
+    float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
+    if (a.v_scale != nullptr) inv *= a.v_scale[at.head / group];  // an fp8 cache's values, scaled once
     const float* acc = rows.acc + r * D;
     int i = 0;
 #ifdef BATCHGEN_DOT_BF16
@@ -725,16 +777,19 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
 template <typename T>
 void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
                  const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt,
-                 [[maybe_unused]] const AmxWork* amx) {
+                 [[maybe_unused]] const AmxWork* amx, T* staging) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t heads = walk.heads;
-  const T* k_cache = static_cast<const T*>(a.key_cache);
-  const T* v_cache = static_cast<const T*>(a.value_cache);
+  const bool fp8 = a.kv_format != KVFormat::same;
+  const int64_t element = fp8 ? 1 : int64_t{sizeof(T)};  // bytes of a cached element
+  const char* k_cache = static_cast<const char*>(a.key_cache);
+  const char* v_cache = static_cast<const char*>(a.value_cache);
   const int64_t num_tiles = walk.tiles();
   const int64_t all_tiles = num_tiles + next_walk.tiles();
-  const int64_t bytes = walk.block_tile_elems * int64_t{sizeof(T)};
+  const int64_t bytes = walk.block_tile_elems * element;
+  AttnArgs scaled = a;  // an fp8 cache's kv head: its key scale folded into the scores' scale
   // Prefetch far enough ahead that about kPrefetchBytes of K and V are worked on between the
   // request and the use: one tile for large tiles, several for small ones, which go faster.
   const int64_t tile_bytes = bytes * walk.blocks_per_tile;
@@ -767,16 +822,24 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         kv = {nullptr, nullptr, {}, {}};
         continue;
       }
-      const int64_t offset = walk.offset(visit, b);
-      kv = {k_cache + offset, v_cache + offset, {}, {}};
+      const int64_t offset = walk.offset(visit, b) * element;
+      kv = {reinterpret_cast<const T*>(k_cache + offset), reinterpret_cast<const T*>(v_cache + offset), {}, {}};
       if (b < ahead_count && b >= ahead_skipped) {
-        const int64_t next = ahead_walk.offset(ahead_tile, b);
-        const char* next_k = reinterpret_cast<const char*>(k_cache + next);
-        const char* next_v = reinterpret_cast<const char*>(v_cache + next);
-        kv.next_k = {next_k, next_k + bytes};
-        kv.next_v = {next_v, next_v + bytes};
+        const int64_t next = ahead_walk.offset(ahead_tile, b) * element;
+        kv.next_k = {k_cache + next, k_cache + next + bytes};
+        kv.next_v = {v_cache + next, v_cache + next + bytes};
+      }
+      if (fp8) {  // widened into the staging tile, K then V, block b at keys b * BS
+        T* k = staging + int64_t{b} * BS * D;
+        T* v = k + int64_t{kTileKeys} * D;
+        widen_fp8(reinterpret_cast<const uint8_t*>(k_cache + offset), k, walk.block_tile_elems, a.kv_format);
+        widen_fp8(reinterpret_cast<const uint8_t*>(v_cache + offset), v, walk.block_tile_elems, a.kv_format);
+        kv.k = k;
+        kv.v = v;
       }
     }
+    if (fp8 && a.k_scale != nullptr) scaled.scale = a.scale * a.k_scale[walk.kv_head + h];  // folded in
+    const AttnArgs& tile_args = fp8 ? scaled : a;
 #ifdef BATCHGEN_DOT_BF16
     if (kt != nullptr) transpose_keys(tile, D, BS, kt);
 #endif
@@ -820,11 +883,12 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
       }
 #ifdef BATCHGEN_AMX
       if constexpr (kTilePath<T>) {
-        attend_tile_amx(a, ng, head_rows, r0, keys, src, amx->qt + (h * groups + r0 / group_rows) * qt_size, *amx);
+        attend_tile_amx(tile_args, ng, head_rows, r0, keys, src, amx->qt + (h * groups + r0 / group_rows) * qt_size,
+                        *amx);
         continue;
       }
 #endif
-      attend_tile_rows<T>(a, ng, head_rows, r0, keys, tile, kt);
+      attend_tile_rows<T>(tile_args, ng, head_rows, r0, keys, tile, kt);
     }
   }
 }
@@ -872,6 +936,11 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
 #endif
+  T* staging = nullptr;  // an fp8 cache's tile, widened
+  if (a.kv_format != KVFormat::same) {
+    const auto after_base = reinterpret_cast<uintptr_t>(scratch + attend_base_floats(count, D));
+    staging = reinterpret_cast<T*>((after_base + 63) / 64 * 64);
+  }
   load_queries<T>(a, task, group, rows.q);
   for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
   for (int64_t r = 0; r < count; ++r) {
@@ -881,17 +950,17 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   // The tiles after this task's last are the next task's.
   const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   if (task.member_lens == nullptr) {
-    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, amx);
+    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, amx, staging);
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
     attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head,
-                   kt, amx);
+                   kt, amx, staging);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(a, task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(a, task, j + 1)) : after;
       attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group,
-                     nullptr, amx);
+                     nullptr, amx, staging);
     }
   }
   write_rows<T>(a, task, group, rows);

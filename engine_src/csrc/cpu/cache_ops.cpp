@@ -1,4 +1,5 @@
-// CPU cache writes and block copies: all plain memcpy of contiguous rows or whole blocks.
+// CPU cache writes and block copies: plain memcpy of contiguous rows or whole blocks, except the writes
+// into fp8 caches, which quantize each row (fp8.h).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -6,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/dtype.h"
 #include "ops.h"
 
 namespace batchgen::cpu {
@@ -20,10 +22,63 @@ void parallel_memcpy(int64_t count, int64_t bytes, const Src& src, const Dst& ds
   });
 }
 
+// Calls write(t, h, row) for each kv head h of each token t that has a slot (a negative slot is padding), in
+// parallel over tokens; `row` numbers the token's row of head h in the cache, whose rows are
+// ((block * kv_heads + h) * block_size + offset).
+template <typename Write>
+void for_each_slot_row(int64_t num_tokens, int64_t kv_heads, int64_t block_size, const int64_t* slots,
+                       int64_t grain, const Write& write) {
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) write(t, h, (block * kv_heads + h) * block_size + offset);
+    }
+  });
+}
+
+// One row of n elements of T into fp8: round(x / scale), saturating.
+template <typename T>
+void quantize_row(const void* src, uint8_t* dst, int64_t n, float scale, KVFormat f) {
+  const T* x = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_fp8(to_float(x[i]) / scale, f);
+}
+
+using QuantizeRowFn = void (*)(const void* src, uint8_t* dst, int64_t n, float scale, KVFormat f);
+
+QuantizeRowFn quantize_row_for(const torch::Tensor& t) {
+  switch (dtype_of(t)) {
+    case DType::f32: return &quantize_row<float>;
+    case DType::bf16: return &quantize_row<BF16>;
+    default: return &quantize_row<F16>;
+  }
+}
+
+// reshape_and_cache into fp8 caches: each (token, kv head) row quantized with its head's scale.
+void quantize_into_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                         torch::Tensor& value_cache, const int64_t* slots, const KVScales& scales) {
+  const int64_t head_dim = key.size(2);
+  const KVFormat format = kv_format_of(key_cache);
+  const QuantizeRowFn quantize = quantize_row_for(key);
+  const float* k_scale = scales.k.has_value() ? scales.k->data_ptr<float>() : nullptr;
+  const float* v_scale = scales.v.has_value() ? scales.v->data_ptr<float>() : nullptr;
+  const int64_t element = key.element_size();
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  auto* k_dst = static_cast<uint8_t*>(key_cache.data_ptr());
+  auto* v_dst = static_cast<uint8_t*>(value_cache.data_ptr());
+  for_each_slot_row(key.size(0), key.size(1), key_cache.size(2), slots, 16, [&](int64_t t, int64_t h, int64_t row) {
+    quantize(k_src + (t * key.stride(0) + h * key.stride(1)) * element, k_dst + row * head_dim, head_dim,
+             k_scale != nullptr ? k_scale[h] : 1.0f, format);
+    quantize(v_src + (t * value.stride(0) + h * value.stride(1)) * element, v_dst + row * head_dim, head_dim,
+             v_scale != nullptr ? v_scale[h] : 1.0f, format);
+  });
+}
+
 }  // namespace
 
 void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+                       torch::Tensor& value_cache, const torch::Tensor& slot_mapping, const KVScales& scales) {
   const int64_t num_tokens = key.size(0), kv_heads = key.size(1);
   const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -31,8 +86,10 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
     TORCH_CHECK_VALUE(slots[t] < num_slots, "reshape_and_cache: slot_mapping[", t, "] = ", slots[t],
                       " is past the end of the cache (", num_slots, " slots)");
   }
-  // One row of head_dim elements per (token, kv head); a row's place in the cache is
-  // ((block * kv_heads + head) * block_size + offset) * head_dim.
+  if (kv_format_of(key_cache) != KVFormat::same) {
+    return quantize_into_cache(key, value, key_cache, value_cache, slots, scales);
+  }
+  // One row of head_dim elements per (token, kv head), copied.
   const int64_t element = key.element_size(), row_bytes = key.size(2) * element;
   const int64_t k_token = key.stride(0) * element, k_head = key.stride(1) * element;
   const int64_t v_token = value.stride(0) * element, v_head = value.stride(1) * element;
@@ -40,16 +97,9 @@ void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value, tor
   const auto* v_src = static_cast<const char*>(value.data_ptr());
   auto* k_dst = static_cast<char*>(key_cache.data_ptr());
   auto* v_dst = static_cast<char*>(value_cache.data_ptr());
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;  // padding
-      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t dst = ((block * kv_heads + h) * block_size + offset) * row_bytes;
-        std::memcpy(k_dst + dst, k_src + t * k_token + h * k_head, row_bytes);
-        std::memcpy(v_dst + dst, v_src + t * v_token + h * v_head, row_bytes);
-      }
-    }
+  for_each_slot_row(num_tokens, kv_heads, block_size, slots, 64, [&](int64_t t, int64_t h, int64_t row) {
+    std::memcpy(k_dst + row * row_bytes, k_src + t * k_token + h * k_head, row_bytes);
+    std::memcpy(v_dst + row * row_bytes, v_src + t * v_token + h * v_head, row_bytes);
   });
 }
 

@@ -9,6 +9,8 @@
 #pragma once
 #include <cstdint>
 
+#include "fp8.h"
+
 namespace batchgen::cpu {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
@@ -43,6 +45,13 @@ struct AttnArgs {
   int64_t sliding_window;  // 0: off; else the query at position p sees keys (p - sliding_window, p]
   float soft_cap;          // 0: off; else each scaled score s becomes soft_cap * tanh(s / soft_cap)
   float inv_soft_cap;      // 1 / soft_cap
+  // The caches' elements: the query's dtype (same), or fp8 bytes (fp8.h) read as k * k_scale[kv head] and
+  // v * v_scale[kv head] (float32 [num_kv_heads]). The kernels widen an fp8 tile to the query's dtype
+  // (exactly: both formats fit in float32, bf16 and fp16) and fold the scales into the scores' scale and the
+  // output's normalisation.
+  KVFormat kv_format = KVFormat::same;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // The first key a query at position `pos` sees: 0, or with a sliding window pos - window + 1 (transformers'
@@ -91,13 +100,19 @@ constexpr int kMaxGroupRows = 16;  // the same on the tile unit (attention_amx.h
 // The tile path of the amx_bf16 table (attention_amx.h) takes the scores of kMaxGroupRows rows instead,
 // and then the queries as tile operands (each kv head's rows padded to whole groups of 16), one tile's
 // sums, probabilities, value sums, interleaved V and copied K, each on a 64-byte boundary.
-inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
+inline int64_t attend_base_floats(int64_t rows, int64_t head_dim) {
   const int64_t padded = (head_dim + 31) / 32 * 32;
   const int64_t vector_path = 2 * rows * head_dim + 2 * rows + kGroupRows * kTileKeys + kTileKeys * head_dim / 2 + 16;
   const int64_t tile_path = 2 * rows * head_dim + 2 * rows + kMaxGroupRows * kTileKeys + 8 * rows * padded +
                             4 * 16 * 16 + 16 * kTileKeys / 2 + 16 * head_dim + kTileKeys * head_dim / 2 +
                             kTileKeys * padded / 2 + 7 * 16;
   return vector_path > tile_path ? vector_path : tile_path;
+}
+// Then, for fp8 caches, one tile's K and V widened to the query's dtype (at most float32), on a 64-byte
+// boundary.
+inline int64_t fp8_staging_floats(int64_t head_dim) { return 2 * kTileKeys * head_dim + 16; }
+inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
+  return attend_base_floats(rows, head_dim) + fp8_staging_floats(head_dim);
 }
 
 // Row kernels of the element-wise layer ops and the sampler (layer_impl.h); float16 has none (nullptr).

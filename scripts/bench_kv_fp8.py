@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""The fp8 KV cache against the model's own dtype on one model (issue 53): quality, and what it saves.
+
+  perplexity  of tests/data/pride_and_prejudice_ch1.txt (the prompt's logprobs: every position's attention reads
+              its K/V back from the cache, so the fp8 rounding counts from the first token on), per KV cache dtype
+  agreement   greedy continuations of the first --agree-prompts mixed prompts, 64 tokens each (ignore_eos): the
+              share of tokens the fp8 cache gives where the model's dtype gives the same token after the same
+              prefix (tokens after a first difference counted as different), and the share of prompts whose 64
+              tokens are all the same
+  blocks      KV blocks that --kv-cache-memory holds per dtype (the sequences that fit side by side)
+
+Each configuration runs in a fresh process. On a processor without AVX-512 use float32 or float16 activations
+(bf16 runs on the scalar kernels there).
+
+    .venv/bin/python scripts/bench_kv_fp8.py --quick                          # smoke test
+    .venv/bin/python scripts/bench_kv_fp8.py --dtype float32 --json /tmp/kv_fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import SETTINGS, TEXT, agreement, isolated, make_workload, quality  # noqa: E402
+
+CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", help="the activations' (and auto cache's) dtype")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--agree-prompts", type=int, default=50)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every result here")
+    return parser.parse_args(argv)
+
+
+def cache_blocks(model: str, dtype: str, kv_cache_dtype: str, memory: str) -> int:
+    from batchgen import LLM
+
+    return LLM(model=model, dtype=dtype, kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype,
+               swap_space=0).llm_engine.scheduler.config.num_device_blocks
+
+
+def main(argv=None) -> dict:
+    from transformers import AutoTokenizer
+
+    args = parse_args(argv)
+    if args.model is None:
+        from batchgen.models.smollm2 import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    mixed = make_workload("mixed", tokenizer, args.seed, **SETTINGS[args.quick]["mixed"])
+    prompts = mixed.prompts[: 2 if args.quick else args.agree_prompts]
+    results = {name: isolated(True, quality, args.model, None, args.threads, prompts, args.dtype, name)
+               for name in CACHE_DTYPES}
+    blocks = {name: isolated(True, cache_blocks, args.model, args.dtype, name, args.kv_cache_memory)
+              for name in CACHE_DTYPES}
+    base = results["auto"]
+    report = dict(model=args.model, dtype=args.dtype, agreement_prompts=len(prompts), text=TEXT.name,
+                  text_tokens=base["text_tokens"], blocks=blocks,
+                  perplexity={name: r["perplexity"] for name, r in results.items()},
+                  agreement={name: agreement(base["continuations"], r["continuations"])
+                             for name, r in results.items() if name != "auto"})
+    print(f"{args.model} ({args.dtype}); perplexity of {TEXT.name} ({report['text_tokens']} tokens), greedy "
+          f"agreement with auto over 64 tokens of {len(prompts)} mixed prompts, blocks in {args.kv_cache_memory}:")
+    for name in CACHE_DTYPES:
+        ppl = report["perplexity"][name]
+        line = f"  {name:9s} perplexity {ppl:.4f} ({ppl / report['perplexity']['auto'] - 1:+.2%})"
+        if name in report["agreement"]:
+            a = report["agreement"][name]
+            line += f", agreement {a['token_share']:.1%} of tokens, {a['identical_share']:.0%} of prompts identical"
+        print(f"{line}, {blocks[name]} blocks")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
