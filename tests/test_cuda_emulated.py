@@ -659,13 +659,13 @@ def test_prefill_fp8(lib, dtype, fp8):
     scale = 0.125
 
     def prefill(query_lens, query, table_rows):
-        lens = [seq_lens[i] for i in table_rows]
+        lens = torch.tensor([seq_lens[i] for i in table_rows], dtype=torch.int32)
         out = torch.full((query.shape[0], num_heads, head_dim), float("nan"), dtype=dtype)
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         chosen = tables[table_rows].contiguous()
         rc = lib.emu_prefill_fp8(DTYPE_CODE[dtype], FP8_CODE[fp8], ptr(out), ptr(query), ptr(key_cache),
                                  ptr(value_cache), ptr(chosen), chosen.stride(0),
-                                 ptr(torch.tensor(lens, dtype=torch.int32)), ptr(starts), len(lens), query.shape[0],
+                                 ptr(lens), ptr(starts), len(lens), query.shape[0],
                                  num_heads, num_kv_heads, head_dim, 16, scale, ptr(k_scale), ptr(v_scale))
         assert rc == 0
         return out
