@@ -164,47 +164,21 @@ struct Prefetcher {
 // float32, bf16 and fp16 exactly; the scales are applied outside (the scores' scale, the output's
 // normalisation), so the tile holds the bytes' own values.
 
-// The 256 values of a format in T: for fp16, which has no exact widening through the vector path below.
-template <typename T>
-struct Fp8Values {
-  T value[256];
-
-  explicit Fp8Values(KVFormat f) {
-    for (int b = 0; b < 256; ++b) value[b] = from_float<T>(fp8_to_float(static_cast<uint8_t>(b), f));
-  }
-};
-
-template <typename T>
-const Fp8Values<T>& fp8_values(KVFormat f) {
-  static const Fp8Values<T> e4m3(KVFormat::fp8_e4m3), e5m2(KVFormat::fp8_e5m2);
-  return f == KVFormat::fp8_e5m2 ? e5m2 : e4m3;
-}
-
-// n fp8 bytes (a multiple of Vec::N) as T. float32 and bf16 go through fp16 bits: e5m2 is fp16's top
-// byte, and e4m3's bits shifted into fp16's place read as the value times 2^-8 (subnormals too), which
-// the multiply by 256 undoes exactly. e4m3's NaN (0x7f, never written by reshape_and_cache) reads 480.
+// n fp8 bytes (a multiple of Vec::N) as T, exactly: the bytes go through fp16 bits, where e5m2 is fp16's top
+// byte, and e4m3's bits shifted into fp16's place read as the value times 2^-8 (subnormals too), which the
+// multiply by 256 undoes. e4m3's NaN (0x7f, never written by reshape_and_cache) reads 480.
 template <typename T>
 void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
-  if constexpr (std::is_same_v<T, F16>) {
-    const T* values = fp8_values<T>(f).value;
-    for (int64_t i = 0; i < n; ++i) dst[i] = values[src[i]];
-  } else {
-    const int shift = f == KVFormat::fp8_e5m2 ? 8 : 7;
-    const Vec unbias = Vec::set1(f == KVFormat::fp8_e5m2 ? 1.0f : 256.0f);
-    alignas(64) uint16_t half[Vec::N];
-    alignas(64) float wide[Vec::N];
-    for (int64_t i = 0; i < n; i += Vec::N) {
-      for (int j = 0; j < Vec::N; ++j) {
-        const uint32_t b = src[i + j];
-        half[j] = static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << shift));
-      }
-      const Vec x = Vec::load(reinterpret_cast<const F16*>(half)) * unbias;
-      if constexpr (std::is_same_v<T, float>) {
-        x.store(dst + i);
-      } else {
-        x.store(wide);
-        for (int j = 0; j < Vec::N; ++j) dst[i + j].bits = static_cast<uint16_t>(float_bits(wide[j]) >> 16);
-      }
+  const int shift = f == KVFormat::fp8_e5m2 ? 8 : 7;
+  const Vec unbias = Vec::set1(f == KVFormat::fp8_e5m2 ? 1.0f : 256.0f);
+  alignas(64) float wide[Vec::N];
+  for (int64_t i = 0; i < n; i += Vec::N) {
+    const Vec x = Vec::load_fp8_as_half(src + i, shift) * unbias;
+    if constexpr (std::is_same_v<T, BF16>) {  // bf16 holds the value: its float's top half
+      x.store(wide);
+      for (int j = 0; j < Vec::N; ++j) dst[i + j].bits = static_cast<uint16_t>(float_bits(wide[j]) >> 16);
+    } else {
+      x.store(dst + i);
     }
   }
 }

@@ -18,7 +18,18 @@ struct Vec {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static Vec load(const F16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`), as floats
+  // (attention_impl.h's widen_fp8).
+  static Vec load_fp8_as_half(const uint8_t* p, int shift) {
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_sll_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7f)), _mm_cvtsi32_si128(shift));
+    return {_mm256_cvtph_ps(_mm_or_si128(sign, rest))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(F16* p) const {  // rounded to nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
 };
 
 inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }

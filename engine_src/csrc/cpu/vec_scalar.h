@@ -23,8 +23,21 @@ struct Vec {
     for (int i = 0; i < N; ++i) r.x[i] = to_float(p[i]);
     return r;
   }
+  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`), as floats
+  // (attention_impl.h's widen_fp8).
+  static Vec load_fp8_as_half(const uint8_t* p, int shift) {
+    Vec r;
+    for (int i = 0; i < N; ++i) {
+      const uint32_t b = p[i];
+      r.x[i] = to_float(F16{static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << shift))});
+    }
+    return r;
+  }
   void store(float* p) const {
     for (int i = 0; i < N; ++i) p[i] = x[i];
+  }
+  void store(F16* p) const {  // rounded to nearest even
+    for (int i = 0; i < N; ++i) p[i] = from_float<F16>(x[i]);
   }
 };
 
