@@ -36,13 +36,8 @@ def image_memory(spec: InputSpec) -> int:
 
 
 def takes_images(llm: Any) -> bool:
-    """Whether the engine's model reads images: ``llm.supports_images`` where the engine says it, else (``batchgen.LLM``
-    today) whether its prompt encoder has an image preprocessor. An engine saying neither takes none."""
-    said = getattr(llm, "supports_images", None)
-    if said is not None:
-        return bool(said)
-    prompts = getattr(getattr(llm, "engine", None), "prompts", None)
-    return getattr(prompts, "images", None) is not None
+    """Whether the engine's model reads images (``LLM.supports_images``); an engine that does not say takes none."""
+    return bool(getattr(llm, "supports_images", False))
 
 
 def has_images(row: Row) -> bool:
