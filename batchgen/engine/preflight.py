@@ -17,7 +17,8 @@ from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
 from batchgen.errors import first_line
 from batchgen.models.architectures import architecture, attention_geometry, pick_impl, text_config
-from batchgen.models.loader import missing_tokenizer, missing_weights, resolve_model_dir
+from batchgen.models.loader import missing_tokenizer, resolve_model_dir
+from batchgen.models.native import missing_weights
 from batchgen.models.quantized import checkpoint_quantization
 from batchgen.ops import SUPPORTED_HEAD_DIMS, has_gemm_bf16
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..storage import Location
-
 SAVED_KEY = "line_ids_from"
 FIRST_LINE = 1  # new output dirs
 LEGACY_FIRST_LINE = 0  # output dirs whose saved job predates SAVED_KEY
@@ -24,10 +22,3 @@ def line_ids_from(saved: Mapping[str, Any] | None) -> int:
     if saved is None:
         return FIRST_LINE
     return int(saved.get(SAVED_KEY, LEGACY_FIRST_LINE))
-
-
-def dir_line_ids_from(out_dir: Location) -> int:
-    """The numbering of the output dir's derived ids (FIRST_LINE for a dir not begun yet)."""
-    from .outputs.saved import read_saved  # the output side's file, read as job state
-
-    return line_ids_from(read_saved(out_dir))

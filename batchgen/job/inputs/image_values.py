@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .rows import BadValue
-from .values import decode, type_name
+from .rows import BadValue, decode, type_name
 
 TEXT, IMAGE_URL, IMAGE = "text", "image_url", "image"
 IMAGE_KINDS = (IMAGE_URL, IMAGE)

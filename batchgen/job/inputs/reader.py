@@ -24,7 +24,8 @@ import pyarrow as pa
 from ...storage import Location, StorageOptions
 from ..errors import JobError, JobInvalid, Problem
 from ..ids import BATCH, DoneIds, batches, hash_ids, id_array
-from ..line_ids import FIRST_LINE, dir_line_ids_from
+from ..line_ids import FIRST_LINE
+from ..outputs.saved import dir_line_ids_from
 from ..shard import Shard
 from ..spec import InputSpec, Job
 from . import openai_batch

@@ -153,3 +153,18 @@ class Row:
     lora_field: str = ""  # where the row chose its model (input.lora_column, body.model); "": sampling.lora's
     images: list[Any] = field(default_factory=list)  # input.images_column's values, read but not decoded yet
     image_base: Location | None = None  # where relative image paths are read from: the input file's directory
+
+
+def decode(v: Any) -> Any:
+    """Bytes as text (``BAD_UTF8`` when they are not UTF-8); anything else as it is."""
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            return BAD_UTF8
+    return v
+
+
+def type_name(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)

@@ -7,17 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .rows import BAD_UTF8, BadValue
-
-
-def decode(v: Any) -> Any:
-    """Bytes as text (``BAD_UTF8`` when they are not UTF-8); anything else as it is."""
-    if isinstance(v, bytes):
-        try:
-            return v.decode("utf-8")
-        except UnicodeDecodeError:
-            return BAD_UTF8
-    return v
+from .image_values import clean_content, content_problem
+from .rows import BadValue, decode, type_name
 
 
 def encodable(s: str) -> bool:
@@ -27,11 +18,6 @@ def encodable(s: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
-
-
-def type_name(v: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def check_prompt(v: Any, what: str = "prompt") -> str | None:
@@ -85,18 +71,13 @@ def check_messages(v: Any) -> str | None:
 
 
 def _parts_problem(i: int, parts: list[Any]) -> str | None:
-    """Message ``i``'s content as a list of OpenAI parts (text, images): ``image_values`` checks it
-    (imported here, since it uses this module's helpers)."""
-    from .image_values import content_problem
-
+    """Message ``i``'s content as a list of OpenAI parts (text, images): ``image_values`` checks it."""
     return content_problem(i, parts)
 
 
 def clean_messages(v: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Drop null keys (Parquet structs have every field) and decode bytes; content parts of text alone
     become one string (``image_values.clean_content``)."""
-    from .image_values import clean_content
-
     return [{k: clean_content(x) if k == "content" else decode(x) for k, x in m.items() if x is not None}
             for m in v]
 

@@ -65,3 +65,8 @@ def load_saved_job(out_dir: Location) -> Job:
         return Job.from_saved(saved)
     except (KeyError, ValueError) as e:
         raise JobError(f"{out_dir / SAVED_JSON} is not usable: {e}") from None
+
+
+def dir_line_ids_from(out_dir: Location) -> int:
+    """The numbering of the output dir's derived ids (line_ids.FIRST_LINE for a dir not begun yet)."""
+    return line_ids_from(read_saved(out_dir))

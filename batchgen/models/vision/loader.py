@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from batchgen.models.architectures import VISION_DECODERS
-from batchgen.models.loader import checkpoint_tensors, empty_native, native_config
+from batchgen.models.native import checkpoint_tensors, empty_native, native_config
 from batchgen.models.vision.backend import load_backend_vision_model
 from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
