@@ -98,14 +98,21 @@ def flip_a_data_page_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("fmt,damage", [("parquet", truncate), ("parquet", flip_last_byte), ("jsonl", truncate)])
-def test_a_part_that_is_not_whole_is_named_set_aside_and_redone(tmp_path, fmt, damage):
+def finished_then_damaged(tmp_path, fmt: str, damage):
+    """(what the job writes, the job file, its output dir, the part damaged): a finished run whose second part
+    `damage` then breaks."""
     expected = reference(tmp_path, format=fmt)
     job = setup_job(tmp_path / "job", rows=ROWS, output={**OUT, "format": fmt})
     assert run(job).exit_code == 0
     out = tmp_path / "job" / "out"
     broken = out / f"part-00000-of-00001-000001.{fmt}"
     damage(broken)
+    return expected, job, out, broken
+
+
+@pytest.mark.parametrize("fmt,damage", [("parquet", truncate), ("parquet", flip_last_byte), ("jsonl", truncate)])
+def test_a_part_that_is_not_whole_is_named_set_aside_and_redone(tmp_path, fmt, damage):
+    expected, job, out, broken = finished_then_damaged(tmp_path, fmt, damage)
     st = cli("status", out)
     assert st.exit_code == 0 and f"warning: {'cannot read part ' if fmt == 'parquet' else 'part '}{broken}" in st.output
     assert "the next run of its shard sets it aside" in st.output, st.output
@@ -131,12 +138,7 @@ def test_a_flipped_byte_is_found_by_verify_set_aside_and_redone(tmp_path, fmt, d
     """A byte changed inside the data, the footer and sizes intact: only reading the part whole can tell (page
     checksums, a JSONL part's sha256), which `status --verify` and `run --verify` do; plain status and resume read
     footers and indexes only, and say nothing."""
-    expected = reference(tmp_path, format=fmt)
-    job = setup_job(tmp_path / "job", rows=ROWS, output={**OUT, "format": fmt})
-    assert run(job).exit_code == 0
-    out = tmp_path / "job" / "out"
-    broken = out / f"part-00000-of-00001-000001.{fmt}"
-    damage(broken)
+    expected, job, out, broken = finished_then_damaged(tmp_path, fmt, damage)
     assert "warning" not in cli("status", out).output
     st = cli("status", out, "--verify")
     assert st.exit_code == 0 and f"{broken}" in st.output and "warning" in st.output, st.output
