@@ -18,6 +18,12 @@ pip() {
   fi
 }
 : >"$LOG"
+# The pip a fresh venv brings (23.x on Python 3.11) backtracks for some 15 minutes over boto3 and
+# botocore releases to fit s3fs, moto and ray together; pip 25+ resolves the same set in under a minute.
+if ! "$VENV/bin/python" -c "import pip, sys; sys.exit(int(pip.__version__.split('.')[0]) < 25)" 2>/dev/null; then
+  echo "[setup] upgrading pip (the venv's own resolves the test extras slowly)"
+  pip install --upgrade "pip>=25"
+fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==${BATCHGEN_TORCH_VERSION:-2.13.0}"
   pip install "torch==${BATCHGEN_TORCH_VERSION:-2.13.0}"
