@@ -74,6 +74,7 @@ def _bind(lib):
     lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p]
     lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, i32,
                                 f32]
+    lib.emu_prefill_limits.argtypes = [*lib.emu_prefill.argtypes, p]
     lib.emu_reshape_and_cache_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, i32, i32, i32, p, p]
     lib.emu_decode_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, *[i32] * 6, f32, p, p, p]
     lib.emu_prefill_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, p, p]
@@ -118,9 +119,9 @@ def paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype, table_p
     return key_cache, value_cache, tables, keys, values
 
 
-def reference(query, keys, values, positions, scale, window=0, cap=0.0):
-    """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j], with a
-    window only those after positions[j] - window; a soft cap bends scores s to cap * tanh(s / cap)."""
+def reference(query, keys, values, positions, scale, window=0, cap=0.0, limits=None):
+    """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j] (0..limits[j] when
+    given), with a window only those after positions[j] - window; a soft cap bends scores s to cap * tanh(s / cap)."""
     group = query.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
@@ -128,7 +129,8 @@ def reference(query, keys, values, positions, scale, window=0, cap=0.0):
     if cap:
         scores = cap * torch.tanh(scores / cap)
     key_pos, query_pos = torch.arange(k.shape[0])[None, :], torch.tensor(positions)[:, None]
-    hidden = (key_pos > query_pos) | ((key_pos <= query_pos - window) if window else False)
+    last = query_pos if limits is None else torch.as_tensor(limits)[:, None]
+    hidden = (key_pos > last) | ((key_pos <= query_pos - window) if window else False)
     probs = scores.masked_fill(hidden[None], float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", probs, v)
 
@@ -378,6 +380,49 @@ def test_prefill_variants(lib, dtype, head_dim, block_size, num_heads, num_kv_he
     # plain prefill, chunks behind a cached context across the window's edge, a single token
     run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, [50, 90, 9, 130], [50, 23, 1, 40],
                 window=window, cap=cap, scale=scale)
+
+
+# Key limits (Gemma 3's image tokens see their whole image): images within a 64-key tile, across tiles (the
+# tensor-core kernel's), starting in the cached context (a chunk after a prefix-cache hit), with windows.
+KEY_LIMIT_CASES = [
+    (torch.float32, 64, 16, 4, 2, 0),
+    (torch.float32, 128, 8, 8, 1, 7),
+    (torch.float16, 64, 16, 4, 2, 0),
+    (torch.bfloat16, 128, 32, 7, 1, 20),
+    (torch.float16, 256, 16, 2, 1, 45),
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, window", KEY_LIMIT_CASES)
+def test_prefill_key_limits(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, window):
+    torch.manual_seed(8)
+    seq_lens, query_lens = [60, 200, 9, 150], [60, 180, 1, 70]
+    images = [[(3, 20), (30, 34)], [(15, 25), (40, 140), (150, 190)], [], [(75, 90), (100, 101), (120, 149)]]
+    key_cache, value_cache, tables, keys, values = paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype)
+    poison_before_windows(key_cache, value_cache, tables, [n - q for n, q in zip(seq_lens, query_lens, strict=True)],
+                          window)
+    num_tokens, scale = sum(query_lens), head_dim**-0.5
+    query = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    positions = [list(range(n - q, n)) for n, q in zip(seq_lens, query_lens, strict=True)]
+    limits = [[next((end - 1 for start, end in spans if start <= p < end), p) for p in own]
+              for own, spans in zip(positions, images, strict=True)]
+    limit_tensor = torch.tensor([x for row in limits for x in row], dtype=torch.int32)
+    rc = lib.emu_prefill_limits(
+        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
+        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
+        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, 0.0,
+        ptr(limit_tensor))
+    assert rc == 0
+    want, causal = [], []
+    for i in range(len(seq_lens)):
+        rows = query[starts[i]:starts[i + 1]]
+        want.append(reference(rows, keys[i], values[i], positions[i], scale, window, limits=limits[i]))
+        causal.append(reference(rows, keys[i], values[i], positions[i], scale, window))
+    assert_close(out, torch.cat(want), dtype)
+    assert not torch.allclose(torch.cat(want), torch.cat(causal))  # the limits changed the result
 
 
 def test_prefill_unaligned_rows_take_the_cuda_core_kernel(lib):

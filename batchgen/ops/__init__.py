@@ -130,16 +130,20 @@ def paged_attention_prefill(
     logits_soft_cap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens `[num_tokens, num_heads, head_dim]`; the
     tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it
     (row j at position `context + j`, `context = seq_lens[i] - q_len`). `sliding_window` and
-    `logits_soft_cap`, `k_scale` and `v_scale` as for `paged_attention_decode`."""
+    `logits_soft_cap`, `k_scale` and `v_scale` as for `paged_attention_decode`. `key_limit` (int32
+    `[num_tokens]`, optional): row t sees the keys up to position key_limit[t] (at least its own, at most its
+    sequence's last) instead of up to its own, the sliding window still counted from its own (Gemma 3's
+    image tokens, which see their whole image)."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
-        int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale,
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale, key_limit,
     )
     return out
 

@@ -74,10 +74,11 @@ def attend(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    key_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 attention of query `[n, num_heads, head_dim]` over keys/values
-    `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i], or with a
-    sliding window only keys j with positions[i] - sliding_window < j <= positions[i] (transformers'
+    `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i] (0 .. key_limit[i] when
+    `key_limit` is given), with a sliding window only keys j > positions[i] - sliding_window (transformers'
     `kv_idx > q_idx - sliding_window`). A soft cap c turns each score s into c * tanh(s / c)."""
     group = query.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
@@ -86,7 +87,8 @@ def attend(
     if logits_soft_cap:  # 0 or None: off
         scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     key_pos = torch.arange(keys.shape[0], device=keys.device)
-    hidden = key_pos[None, :] > positions[:, None]
+    last = positions if key_limit is None else key_limit.to(positions)
+    hidden = key_pos[None, :] > last[:, None]
     if sliding_window:  # 0 or None: off
         hidden |= key_pos[None, :] <= positions[:, None] - sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
@@ -125,6 +127,7 @@ def paged_attention_prefill(
     logits_soft_cap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
@@ -137,8 +140,9 @@ def paged_attention_prefill(
         values = gather_sequence(value_cache, block_tables[i], seq_len, v_scale)
         context = seq_len - (end - begin)
         positions = torch.arange(context, seq_len, device=query.device)
+        limit = None if key_limit is None else key_limit[begin:end]
         out[begin:end] = attend(query[begin:end], keys, values, positions, scale, sliding_window,
-                                logits_soft_cap).to(out.dtype)
+                                logits_soft_cap, limit).to(out.dtype)
     return out
 
 

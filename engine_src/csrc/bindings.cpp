@@ -238,7 +238,8 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_
 void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                              double scale, int64_t sliding_window, double logits_soft_cap,
-                             const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                             const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                             const c10::optional<Tensor>& key_limit) {
   const char* op = "paged_attention_prefill";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
@@ -248,12 +249,19 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
   TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, op, ": query_start_loc has ",
                     query_start_loc.size(0), " entries but seq_lens has ", seq_lens.size(0),
                     " sequences (need num_seqs + 1)");
+  if (key_limit.has_value()) {
+    check_index(op, "key_limit", *key_limit, torch::kInt32, 1, "[num_tokens]");
+    check_same_device(op, "key_limit", *key_limit, key_cache, "key_cache");
+    TORCH_CHECK_VALUE(key_limit->size(0) == query.size(0), op, ": key_limit has ", key_limit->size(0),
+                      " entries but query has ", query.size(0), " tokens");
+  }
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_prefill, out, query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, sliding_window, logits_soft_cap, k_scale, v_scale);
+                       query_start_loc, scale, sliding_window, logits_soft_cap, k_scale, v_scale, key_limit);
   } else {
     batchgen::cpu::paged_attention_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           query_start_loc, scale, sliding_window, logits_soft_cap, scales);
+                                           query_start_loc, scale, sliding_window, logits_soft_cap, scales,
+                                           key_limit);
   }
 }
 
@@ -612,7 +620,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
+        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("key_limit") = py::none(), no_gil);
   m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),

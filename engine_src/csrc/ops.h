@@ -37,10 +37,13 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             double logits_soft_cap, const KVScales& scales = {});
 
 // sliding_window (0 off) and logits_soft_cap (0 off) as in engine_src/README.md, for both ops.
+// key_limit (optional, int32 [num_tokens]): the last key position each query token sees, in place of its own
+// (Gemma 3's image tokens see their whole image); each in [its position, its seq_len - 1].
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales = {});
+                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales = {},
+                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

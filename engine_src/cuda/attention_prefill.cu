@@ -33,6 +33,10 @@
 // for bit (probabilities 0, rescale factor exactly 1, exact zeros added), so a row's bits do not
 // depend on the rows beside it in its thread block or launch, nor on how its prompt was chunked.
 // Needs sm_80 and 16-byte aligned query/out rows and caches; otherwise the CUDA-core kernel runs.
+// Key limits (Gemma 3's image tokens, which see their whole image): with key_limit set, row j sees keys up to
+// key_limit[query_start + j] instead of its position (the window still counted from its position); a thread
+// block reads keys up to its rows' largest limit, a warp skips tiles past its rows' largest limit, and the
+// mask is applied on tiles past its rows' smallest.
 //
 // float32 (true fp32 products, for parity with transformers): CUDA cores. A thread block takes kRows
 // consecutive rows of one sequence and one kv head (warp w owns kRowsPerWarp of them) and walks the
@@ -100,7 +104,23 @@ struct PrefillParams {
   float soft_cap_log2;  // logits_soft_cap times log2(e), 0 off
   const float* k_scale;  // an fp8 cache's per-kv-head scales, or null
   const float* v_scale;
+  const int* key_limit;  // [num_tokens]: the last key each query token sees; null: its own position
 };
+
+// The last key query token `token` (of the flat batch) at `position` sees.
+__device__ __forceinline__ int last_key(const PrefillParams& p, int64_t token, int position) {
+  return p.key_limit != nullptr ? p.key_limit[token] : position;
+}
+
+// One past the last key any of a sequence's query tokens first .. last (counted from its first, query_start in
+// the flat batch, at positions from context on) sees: context + last + 1 when causal. Every thread computes it
+// alike.
+__device__ __forceinline__ int keys_end(const PrefillParams& p, int query_start, int context, int first, int last) {
+  if (p.key_limit == nullptr) return context + last + 1;
+  int end = 0;
+  for (int j = first; j <= last; ++j) end = max(end, p.key_limit[query_start + j] + 1);
+  return end;
+}
 
 // Tiles are numbered so that sequence i's tiles start at first_tile(i) = qsl[i] * group / kRows + i,
 // which leaves each sequence at least ceil(q_len * group / kRows) tiles and needs no prefix sum.
@@ -198,7 +218,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   const int first_row = static_cast<int>(tile) * kRows;
   const int context = p.seq_lens[seq] - query_len;
   const int last_row = min(first_row + kRows, num_rows) - 1;
-  const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
+  // keys the block's rows see (its last row's when causal)
+  const int kv_end = keys_end(p, query_start, context, first_row / group, last_row / group);
   const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
   const int warp = threadIdx.x / kWarpSize;
@@ -223,16 +244,18 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   // Per-warp row state. position -1 marks a row past the sequence's rows: it sees no key.
   const int warp_row0 = warp * kRowsPerWarp;
   int position[kRowsPerWarp];
+  int limit[kRowsPerWarp];  // the row's last key (its position when causal)
   float row_max[kRowsPerWarp];
   float row_sum[kRowsPerWarp];  // this lane's share; the lanes are summed at the end
   float2 acc[kRowsPerWarp][kSteps];
-  int warp_last_position = -1;
+  int warp_last_key = -1;  // the last key any of the warp's rows sees
   int warp_first_key = 0x7fffffff;  // the first key any of the warp's rows sees
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = first_row + warp_row0 + i;
     position[i] = row < num_rows ? context + row / group : -1;
-    warp_last_position = max(warp_last_position, position[i]);
+    limit[i] = row < num_rows ? last_key(p, query_start + row / group, position[i]) : -1;
+    warp_last_key = max(warp_last_key, limit[i]);
     if (position[i] >= 0) warp_first_key = min(warp_first_key, window_begin(position[i], p.sliding_window));
     row_max[i] = -INFINITY;
     row_sum[i] = 0.f;
@@ -249,7 +272,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     load_kv_tile<T, C, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
     __syncthreads();  // tile (and, the first time, the queries) visible to all warps
     // The whole tile in this warp's future, or past the windows of all its rows.
-    if (key0 > warp_last_position || key0 + kKeyTile <= warp_first_key) continue;
+    if (key0 > warp_last_key || key0 + kKeyTile <= warp_first_key) continue;
 
     // Step 2: lane scores key key0 + lane against each row.
     float score[kRowsPerWarp];
@@ -270,7 +293,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     const int key = key0 + lane;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const bool seen = key <= position[i] && key >= window_begin(position[i], p.sliding_window);
+      const bool seen = key <= limit[i] && key >= window_begin(position[i], p.sliding_window);
       const float s = seen ? soft_capped(score[i], p.soft_cap_log2) : -INFINITY;
       const float new_max = fmaxf(row_max[i], warp_max(s));
       const float alpha = exp2_shifted(row_max[i], new_max);
@@ -444,7 +467,8 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   const int first_row = static_cast<int>(num_row_tiles - 1 - local) * kRows;
   const int context = p.seq_lens[seq] - query_len;
   const int last_row = min(first_row + kRows, num_rows) - 1;
-  const int kv_end = context + last_row / group + 1;  // keys the block's last row sees
+  // keys the block's rows see (its last row's when causal)
+  const int kv_end = keys_end(p, query_start, context, first_row / group, last_row / group);
   const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
   const int warp = threadIdx.x / kWarpSize;
@@ -480,10 +504,20 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   const int warp_s0 = warp * Config::kWarpRows;  // the warp's first row in query_s
   const int warp_row0 = first_row + warp_s0;
   const bool warp_has_rows = warp_row0 < num_rows;
-  // The warp's rows see keys warp_first_key .. warp_last_position; all of them see the keys from
-  // warp_last_first_key to warp_first_position (a tile inside that range needs no mask).
+  // The warp's rows see keys warp_first_key .. warp_last_key; all of them see the keys from
+  // warp_last_first_key to warp_min_key (a tile inside that range needs no mask). Causal: the last key is the
+  // last row's position, the smallest last key the first row's.
   const int warp_first_position = context + warp_row0 / group;
   const int warp_last_position = context + (min(warp_row0 + Config::kWarpRows - 1, num_rows - 1)) / group;
+  int warp_min_key = warp_first_position;
+  int warp_last_key = warp_last_position;
+  if (p.key_limit != nullptr && warp_has_rows) {
+    warp_min_key = 0x7fffffff;
+    warp_last_key = keys_end(p, query_start, context, warp_row0 / group, warp_last_position - context) - 1;
+    for (int j = warp_row0 / group; j <= warp_last_position - context; ++j) {
+      warp_min_key = min(warp_min_key, p.key_limit[query_start + j]);
+    }
+  }
   const int warp_first_key = window_begin(warp_first_position, p.sliding_window);
   const int warp_last_first_key = window_begin(warp_last_position, p.sliding_window);
 
@@ -516,7 +550,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
     __syncthreads();     // ... for every thread's copies
 
     // A warp skips tiles wholly past its rows or before their windows (no row of it sees a key there).
-    if (warp_has_rows && key0 <= warp_last_position && key0 + kKeys > warp_first_key) {
+    if (warp_has_rows && key0 <= warp_last_key && key0 + kKeys > warp_first_key) {
       const T* key_tile = key_s + stage * Config::kTileElems;
       const T* value_tile = value_s + stage * Config::kTileElems;
 
@@ -560,7 +594,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
           for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e] * p.scale_log2, p.soft_cap_log2);
         }
       }
-      if (key0 + kKeys - 1 > warp_first_position || key0 < warp_last_first_key) {
+      if (key0 + kKeys - 1 > warp_min_key || key0 < warp_last_first_key) {
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -569,13 +603,14 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
             // out here rather than kept in registers across the loop.
             const int row = warp_row0 + 16 * m + g + 8 * h;
             const int position = row < num_rows ? context + row / group : -1;
+            const int limit = row < num_rows ? last_key(p, query_start + row / group, position) : -1;
             const int first_key = window_begin(position, p.sliding_window);
 #pragma unroll
             for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
               for (int e = 2 * h; e < 2 * h + 2; ++e) {
                 const int key = key0 + 8 * j + 2 * t + e % 2;
-                if (key > position || key < first_key) score[m][j][e] = -INFINITY;
+                if (key > limit || key < first_key) score[m][j][e] = -INFINITY;
               }
             }
           }
@@ -708,7 +743,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                                            float scale, int sliding_window, float logits_soft_cap,
                                            cudaStream_t stream, KVFormat kv_format, const float* k_scale,
-                                           const float* v_scale) {
+                                           const float* v_scale, const int* key_limit) {
   if (num_seqs == 0 || num_tokens == 0) return cudaSuccess;
   if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_kv_heads > 65535 ||
       num_heads % num_kv_heads != 0 || sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
@@ -739,6 +774,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.soft_cap_log2 = logits_soft_cap * kLog2e;
   p.k_scale = k_scale;
   p.v_scale = v_scale;
+  p.key_limit = key_limit;
   const bool tensor_cores = dtype != DType::kFloat32 && kv_format == KVFormat::same &&
                             tensor_cores_fit(out, out_token_stride, out_head_stride, query, query_token_stride,
                                              query_head_stride, key_cache, value_cache);

@@ -23,7 +23,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
-                             const c10::optional<torch::Tensor>& v_scale);
+                             const c10::optional<torch::Tensor>& v_scale,
+                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

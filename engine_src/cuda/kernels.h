@@ -65,7 +65,8 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                                            float scale, int sliding_window, float logits_soft_cap,
                                            cudaStream_t stream, KVFormat kv_format = KVFormat::same,
-                                           const float* k_scale = nullptr, const float* v_scale = nullptr);
+                                           const float* k_scale = nullptr, const float* v_scale = nullptr,
+                                           const int* key_limit = nullptr);
 
 // Segmented LoRA (lora_kernels.cu; the CPU op's contract, engine_src/csrc/ops.h): for each segment of
 // `segments` (device int32 [num_segments, 3]: first row, end row, slot; max_segment_rows bounds end - first),

@@ -164,7 +164,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
-                             const c10::optional<torch::Tensor>& v_scale) {
+                             const c10::optional<torch::Tensor>& v_scale,
+                             const c10::optional<torch::Tensor>& key_limit) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -173,6 +174,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   const torch::Tensor tables = int32_contiguous(block_tables, "block_tables");
   const torch::Tensor lens = int32_contiguous(seq_lens, "seq_lens");
   const torch::Tensor starts = int32_contiguous(query_start_loc, "query_start_loc");
+  const torch::Tensor limits = key_limit.has_value() ? int32_contiguous(*key_limit, "key_limit") : torch::Tensor();
   const cudaStream_t stream = current_stream();
   write_into(out, [&](torch::Tensor& target) {
     check_launch(k::launch_paged_attention_prefill(
@@ -184,7 +186,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                      to_int(key_cache.size(2), "block_size"), static_cast<float>(scale),
                      static_cast<int>(std::min<int64_t>(sliding_window, 0x7fffffff)),
                      static_cast<float>(logits_soft_cap), stream, kv_format(key_cache), scale_ptr(k_scale),
-                     scale_ptr(v_scale)),
+                     scale_ptr(v_scale), limits.defined() ? limits.data_ptr<int>() : nullptr),
                  "paged_attention_prefill");
   });
 }

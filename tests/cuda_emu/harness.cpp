@@ -152,6 +152,19 @@ int emu_prefill(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void
                                         block_size, scale, window, soft_cap, nullptr);
 }
 
+// The same with key limits (int32 [num_tokens], the last key each query token sees).
+int emu_prefill_limits(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
+                       int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
+                       int64_t table_stride, const int* seq_lens, const int* query_start_loc, int num_seqs,
+                       int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                       int window, float soft_cap, const int* key_limit) {
+  return launch_paged_attention_prefill(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
+                                        key_cache, value_cache, block_tables, table_stride, seq_lens,
+                                        query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                                        block_size, scale, window, soft_cap, nullptr, batchgen::KVFormat::same,
+                                        nullptr, nullptr, key_limit);
+}
+
 // The fp8 cache's launches: format 1 (e4m3) or 2 (e5m2), per-kv-head scales (or null).
 int emu_reshape_and_cache_fp8(int dtype, int format, const void* key, const void* value, void* key_cache,
                               void* value_cache, const int64_t* slots, int64_t num_tokens, int num_kv_heads,

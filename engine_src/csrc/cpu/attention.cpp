@@ -245,7 +245,8 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
+                             int64_t sliding_window, double logits_soft_cap, const KVScales& scales,
+                             const c10::optional<torch::Tensor>& key_limit) {
   const char* op = "paged_attention_prefill";
   const int64_t num_seqs = seq_lens.size(0), num_tokens = query.size(0);
   check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
@@ -260,9 +261,19 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                       " query tokens (query_start_loc[", s + 1, "] - query_start_loc[", s, "]) but seq_lens[", s,
                       "] = ", lens[s], "; need 0 <= query tokens <= seq_len");
   }
+  const int32_t* limits = key_limit.has_value() ? key_limit->data_ptr<int32_t>() : nullptr;
+  for (int64_t s = 0; limits != nullptr && s < num_seqs; ++s) {
+    const int64_t context = lens[s] - (starts[s + 1] - starts[s]);
+    for (int64_t t = starts[s]; t < starts[s + 1]; ++t) {
+      const int64_t position = context + t - starts[s];
+      TORCH_CHECK_VALUE(limits[t] >= position && limits[t] < lens[s], op, ": key_limit[", t, "] = ", limits[t],
+                        " is outside [its position ", position, ", seq_lens[", s, "] - 1 = ", lens[s] - 1, "]");
+    }
+  }
 
-  const AttnArgs args =
+  AttnArgs args =
       make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales);
+  args.key_limit = limits;
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int64_t group = args.num_heads / args.num_kv_heads;
   auto count_tasks = [&](int64_t tokens_per_task) {
@@ -279,16 +290,22 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
     for (int64_t j = 0; j < q_len; j += tile) {
       const int64_t count = std::min(tile, q_len - j);
       const int64_t begin = first_key_read(args, context + j);
-      keys_read += args.num_kv_heads * (context + j + count - begin);
+      int64_t keys_end = 0;  // with key limits: one past the largest of the task's rows
+      for (int64_t t = starts[s] + j; limits != nullptr && t < starts[s] + j + count; ++t) {
+        keys_end = std::max<int64_t>(keys_end, limits[t] + 1);
+      }
+      keys_read += args.num_kv_heads * ((keys_end > 0 ? keys_end : context + j + count) - begin);
       for (int64_t h = 0; h < args.num_kv_heads; ++h) {
-        tasks.push_back({s, h, starts[s] + j, count, context + j, begin, lens[s]});
+        tasks.push_back({s, h, starts[s] + j, count, context + j, begin, lens[s], 1, nullptr, keys_end});
       }
     }
   }
   // Costliest first (a task's cost grows with the keys its last row reads), so the tail of the
   // dynamic schedule is made of short tasks.
   std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
-    return x.q_pos + x.q_count - x.kv_begin > y.q_pos + y.q_count - y.kv_begin;
+    const int64_t x_end = x.keys_end > 0 ? x.keys_end : x.q_pos + x.q_count;
+    const int64_t y_end = y.keys_end > 0 ? y.keys_end : y.q_pos + y.q_count;
+    return x_end - x.kv_begin > y_end - y.kv_begin;
   });
   const int64_t workers = useful_workers(keys_read * 2 * args.head_dim * key_cache.element_size());
   run_tasks(args, attend, tasks, workers, attend_scratch_floats(tile * group, args.head_dim));

@@ -719,8 +719,16 @@ struct TileWalk {
   }
 };
 
-// The end of the keys the task's last row sees.
-inline int64_t keys_seen(const AttnTask& task) { return min_i64(task.kv_end, task.q_pos + task.q_count); }
+// The end of the keys the task's rows see (its last row's when causal).
+inline int64_t keys_seen(const AttnTask& task) {
+  return min_i64(task.kv_end, task.keys_end > 0 ? task.keys_end : task.q_pos + task.q_count);
+}
+
+// One past the last key the task's query token j sees: its own position's, or its key_limit's.
+inline int64_t row_stop(const AttnArgs& a, const AttnTask& task, int64_t j) {
+  const int64_t last = a.key_limit != nullptr ? a.key_limit[task.q_begin + j] : task.q_pos + j;
+  return min_i64(task.kv_end, last + 1);
+}
 
 // The position of the task's query token j: q_pos + j, or for the shared keys of samples (member_lens)
 // sample j's own last position.
@@ -834,8 +842,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
       keys.any_low = false;
       int any = 0;
       for (int i = 0; i < ng; ++i) {
-        const int64_t row_stop = min_i64(task.kv_end, task.q_pos + (r0 + i) / group + 1);
-        const int64_t visible = row_stop - start;
+        const int64_t visible = row_stop(a, task, (r0 + i) / group) - start;
         keys.limit[i] = visible <= 0 ? 0 : static_cast<int>(min_i64(visible, tile_keys));
         keys.low[i] = 0;
         any |= keys.limit[i];

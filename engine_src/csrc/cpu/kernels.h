@@ -52,6 +52,9 @@ struct AttnArgs {
   KVFormat kv_format = KVFormat::same;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  // Prefill only, optional: query token t (a row of `query`) sees keys up to position key_limit[t] instead of
+  // its own (Gemma 3's image tokens see their whole image); the sliding window still starts from its own.
+  const int32_t* key_limit = nullptr;
 };
 
 // The first key a query at position `pos` sees: 0, or with a sliding window pos - window + 1 (transformers'
@@ -72,7 +75,8 @@ inline int64_t window_begin(int64_t pos, int64_t window) {
 // With `member_lens` set (decode of samples sharing their first blocks), the task's query tokens are
 // sequences q_begin + j, which all read the shared keys [kv_begin, kv_end) of sequence `seq`, and then
 // each its own keys [kv_end, member_lens[q_begin + j]) from its own block table (kv_end a multiple of
-// kTileKeys too).
+// kTileKeys too). With AttnArgs::key_limit, row j reads up to min(kv_end, key_limit[q_begin + j] + 1) and
+// keys_end is one past the largest of its rows' limits (the task's tiles end there).
 struct AttnTask {
   int64_t seq;
   int64_t kv_head;
@@ -83,6 +87,7 @@ struct AttnTask {
   int64_t kv_end;
   int64_t kv_head_count = 1;
   const int32_t* member_lens = nullptr;
+  int64_t keys_end = 0;  // 0: q_pos + q_count (causal)
 };
 
 // `next`, the task the calling thread runs after this one (or null), has its first K/V tile prefetched
