@@ -1,14 +1,15 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
 `generate` on tiny random LLaVA (over a Llama decoder, and over OLMo 2 on the transformers backend), Qwen2-VL,
-Qwen2.5-VL, Idefics3, SmolVLM and Mistral 3 models, with one and several images a prompt (as vLLM's prompt dicts,
-inline placeholders, chat image parts), chunked prefill cutting through image tokens, the prefix cache on and off,
-preemption by swap and by recompute, and n samples sharing the prompt's blocks."""
+Qwen2.5-VL, Idefics3, SmolVLM, Mistral 3 and Gemma 3 models, with one and several images a prompt (as vLLM's
+prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through image tokens (Gemma 3's
+ending before them), the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
+prompt's blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from vision_kit import build_idefics3, build_llava, build_mistral3, build_qwen2_vl, hf_greedy, image
+from vision_kit import build_gemma3, build_idefics3, build_llava, build_mistral3, build_qwen2_vl, hf_greedy, image
 
 from batchgen import LLM, SamplingParams
 from batchgen.models.vision.backend import BackendDecoder
@@ -16,13 +17,14 @@ from batchgen.models.vision.backend import BackendDecoder
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
             "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3,
             "smolvlm": lambda path: build_idefics3(path, family="smolvlm"), "mistral3": build_mistral3,
+            "gemma3": build_gemma3,
             # OLMo 2 has no native decoder: LLaVA's language model on the transformers backend
             "llava_olmo2": lambda path: build_llava(path, decoder="olmo2")}
 MAX_TOKENS = 10
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
     "plain": dict(enable_prefix_caching=False),
-    # chunks of 10 tokens cut every image's tokens; blocks of 8 split them over blocks
+    # chunks of 10 tokens cut every image's tokens (Gemma 3's end before one); blocks of 8 split them over blocks
     "chunked": dict(block_size=8, max_num_batched_tokens=10, max_num_seqs=4),
     # a KV cache that holds the longest request alone (see test_greedy_matches_transformers)
     "swap": dict(block_size=8, swap_space="8MiB", preemption_mode="swap"),
@@ -60,12 +62,14 @@ def vlm(tmp_path_factory):
 
 
 # The setups on the paths where they differ: LLaVA (images in one run each), Qwen2-VL (M-RoPE), Idefics3 (tiles),
-# Mistral 3 (an image in one run a row);
+# Mistral 3 (an image in one run a row), Gemma 3 (image tokens attending to each other both ways: chunks end
+# before an image rather than inside it);
 # Qwen2.5-VL differs from Qwen2-VL, and SmolVLM from Idefics3, in their vision modules alone; Idefics3's tiles are
 # placed as LLaVA's runs are, and run unchunked (their long prompts make many 10-token steps).
 CASES = [("llava", "plain"), ("llava", "chunked"), ("llava", "swap"), ("qwen2_vl", "plain"),
          ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "plain"), ("qwen2_5_vl", "swap"),
-         ("idefics3", "plain"), ("smolvlm", "plain"), ("mistral3", "chunked"), ("llava_olmo2", "chunked")]
+         ("idefics3", "plain"), ("smolvlm", "plain"), ("mistral3", "chunked"), ("llava_olmo2", "chunked"),
+         ("gemma3", "plain"), ("gemma3", "chunked"), ("gemma3", "swap"), ("gemma3", "recompute")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)

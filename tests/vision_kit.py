@@ -1,6 +1,6 @@
-"""Tiny random vision-language models (LLaVA with a CLIP tower, Qwen2-VL) saved with the tiny tokenizer, its
-image tokens added, an image processor config and a chat template that renders image parts; and the
-transformers reference (greedy `generate`) that batchgen's outputs must match."""
+"""Tiny random vision-language models (LLaVA with a CLIP tower, Qwen2-VL, Idefics3, Mistral 3, Gemma 3) saved with
+the tiny tokenizer, its image tokens added, an image processor config and a chat template that renders image parts;
+and the transformers reference (greedy `generate`) that batchgen's outputs must match."""
 
 from __future__ import annotations
 
@@ -124,6 +124,38 @@ def build_mistral3(path, seed: int = 0):
     return path
 
 
+GEMMA3_SPECIALS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+
+
+def build_gemma3(path, seed: int = 0):
+    """Gemma 3: a 2-layer SigLIP tower on 32x32 images of 8x8 patches, average-pooled 2x2 into 4 image tokens
+    (`mm_tokens_per_image`), each image `\n\n<start_of_image>` + its tokens + `<end_of_image>\n\n`; a Gemma 3
+    decoder of a sliding layer (a window of 3, shorter than an image's run) and a global one."""
+    import transformers as tf
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": GEMMA3_SPECIALS})
+    tok.chat_template = chat_template("<start_of_image>")
+    boi, image_id, eoi = tok.convert_tokens_to_ids(GEMMA3_SPECIALS)
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    text = tf.Gemma3TextConfig(vocab_size=len(tok), head_dim=64, **TEXT, hidden_activation="gelu_pytorch_tanh",
+                               query_pre_attn_scalar=64, sliding_window=3,
+                               layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
+    vision = tf.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=boi,
+                             eoi_token_index=eoi, image_token_index=image_id, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             tie_word_embeddings=False)  # tied, the scaled embeddings make it repeat its input
+    save_random_model(path, tf.Gemma3ForConditionalGeneration, config, tok, seed)
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
 def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
@@ -157,6 +189,8 @@ def reference_images(model, ids: torch.Tensor, images: list) -> dict:
     if images[0].pixel_mask is not None:  # Idefics3: the tiles as one sample's images
         kwargs["pixel_values"] = kwargs["pixel_values"][None]
         kwargs["pixel_attention_mask"] = torch.cat([i.pixel_mask for i in images])[None]
+    if model.config.model_type == "gemma3":  # its image tokens see each other both ways
+        kwargs["token_type_ids"] = (ids == model.config.image_token_id).int()
     if images[0].grid_thw is not None:
         kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()

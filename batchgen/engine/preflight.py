@@ -60,6 +60,7 @@ def plan_model(config: EngineConfig) -> ModelPlan:
     quantization, refused = _quantization(config, hf_config, impl, device, dtype)
     problems += refused
     problems += _kv_cache_problems(config, impl)
+    problems += _image_chunk_problems(config, hf_config)
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size,
                        kv_cache_dtype(config.kv_cache_dtype, dtype))
     if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
@@ -110,6 +111,18 @@ def _kv_cache_problems(config: EngineConfig, impl: str) -> list[ConfigProblem]:
     return [ConfigProblem("kv_cache_dtype", f"{config.kv_cache_dtype} cannot be combined with enable_lora on this "
                                             "processor (its adapters run in the decoder stack, which has no fp8 "
                                             "cache yet); use kv_cache_dtype auto")]
+
+
+def _image_chunk_problems(config: EngineConfig, hf_config: Any) -> list[ConfigProblem]:
+    """Gemma 3's image tokens attend to each other both ways, so a prefill chunk holds an image's tokens whole
+    (scheduler._chunk): a step's token budget must hold one image."""
+    if getattr(hf_config, "model_type", "") != "gemma3":
+        return []
+    image_tokens = hf_config.mm_tokens_per_image
+    if config.max_num_batched_tokens >= image_tokens:
+        return []
+    return [ConfigProblem("max_num_batched_tokens", f"{config.max_num_batched_tokens} is less than one image's "
+                                                    f"{image_tokens} tokens, which Gemma 3 prefills in one step")]
 
 
 def too_few_blocks(num_blocks: int, shape: CacheShape) -> ConfigProblem | None:

@@ -273,6 +273,15 @@ class Scheduler:
             out.lora_slots[seq.lora_id] = self.adapters.slot_of(seq.lora_id)
         self._tokens_left -= num_tokens
 
+    def _chunk(self, seq: Sequence) -> int:
+        """The tokens of seq's next prefill chunk: what the budget allows, and with images whose tokens attend
+        both ways (Gemma 3) never ending inside one (0: the image waits for a step with room for it)."""
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_uncomputed_tokens, self._tokens_left)
+        if seq.multi_modal is not None:
+            end = seq.multi_modal.chunk_end(start, end)
+        return end - start
+
     def _decode_writes(self, group: SequenceGroup) -> list[tuple[Sequence, int, int]]:
         writes = []
         for seq in group.unfinished_seqs():
@@ -347,8 +356,8 @@ class Scheduler:
             for seq in group.unfinished_seqs():
                 if self._tokens_left == 0:
                     return
-                if seq.num_uncomputed_tokens > 1:
-                    self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
+                if seq.num_uncomputed_tokens > 1 and (tokens := self._chunk(seq)):
+                    self._feed(out, group, seq, tokens)
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Step 4. A request whose LoRA adapter gets no slot waits, and those behind it may pass; once
@@ -388,7 +397,8 @@ class Scheduler:
             for seq in seqs:
                 if self._tokens_left == 0:
                     break
-                self._feed(out, group, seq, min(seq.num_uncomputed_tokens, self._tokens_left))
+                if tokens := self._chunk(seq):
+                    self._feed(out, group, seq, tokens)
 
     def _take_adapter(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """Whether the group's adapter (if any) has a device slot now, given one if it can have it without

@@ -25,6 +25,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
     prefill_seq_lens: torch.Tensor | None  # int32 [num_prefills]
     prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefills + 1], rows after the decodes
+    # int32 [prefill rows], only in steps that feed image tokens attending both ways (Gemma 3): the last key
+    # position each prefill row sees (its own for text, its image's last for an image token); None: causal
+    prefill_key_limit: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -104,5 +107,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
         ops.paged_attention_prefill(
             q[d:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, variant.scale, out=out[d:], sliding_window=variant.sliding_window,
-            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+            key_limit=meta.prefill_key_limit)
     return out

@@ -25,11 +25,12 @@ NATIVE_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "vision",
     "SmolVLMForConditionalGeneration": "vision",
     "Mistral3ForConditionalGeneration": "vision",
+    "Gemma3ForConditionalGeneration": "vision",
 }
 # A vision-language model's language model (its text config's model type) -> the native decoder that runs it.
 VISION_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
-                   "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+                   "qwen2_5_vl_text": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Families whose vision part also runs over a language model of the transformers backend (models/vision/backend.py).
 BACKEND_VISION_FAMILIES = {"llava"}
 # Layers with a state instead of attention over a KV cache.

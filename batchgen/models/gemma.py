@@ -70,8 +70,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
                                              cfg.local_rope_scaling))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.run_layers(self.scaled_embeddings(input_ids), positions, meta)
+
+    def scaled_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+        return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder on input embeddings `x` (Gemma 3's images are placed after the scaling)."""
         global_rope = self.rotary.angles(positions)
         local_rope = global_rope if self.local_rotary is None else self.local_rotary.angles(positions)
         residual = None

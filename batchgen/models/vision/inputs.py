@@ -40,6 +40,9 @@ class MultiModalInputs:
     images: list[ImageInput]
     mrope_positions: torch.Tensor | None = None  # int64 [3, prompt tokens]
     rope_delta: int = 0  # M-RoPE: a token at index i >= the prompt's length sits at position i + rope_delta
+    # Gemma 3: an image's tokens attend to each other both ways, so a prefill chunk holds all of an image's tokens
+    # from its first one it feeds on (see chunk_end), and their attention sees up to the image's last position.
+    bidirectional: bool = False
     # image index -> its embeddings [length, hidden], computed once for the request's prefill
     features: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -55,6 +58,26 @@ class MultiModalInputs:
         """The content hashes of the images whose tokens fall in positions [start, end): what a KV block of
         those positions depends on besides its tokens (and its parent block)."""
         return tuple(image.content_hash for image in self.images if image.start < end and image.end > start)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """The end of the prefill chunk that may feed positions [start, end) at most: with bidirectional images,
+        `end` pulled back to the start of an image it would cut, or to `start` (nothing this step) when the chunk
+        begins at or inside that image (a prefix-cache hit may end inside one): the K/V of an image's later
+        tokens must be in the cache when its earlier tokens attend."""
+        if not self.bidirectional:
+            return end
+        for image in self.images:
+            if image.start < end < image.end:
+                return max(start, image.start)
+        return end
+
+    def key_limits(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """With bidirectional images: (first, stop, last) for each image with tokens among positions [start,
+        end): those tokens, positions [first, stop), see the keys up to position `last`, the image's last."""
+        if not self.bidirectional:
+            return []
+        return [(max(image.start, start), min(image.end, end), image.end - 1) for image in self.images
+                if image.start < end and image.end > start]
 
     def drop_features_before(self, position: int) -> None:
         """Forgets the embeddings of images wholly before `position` (their prefill is done)."""

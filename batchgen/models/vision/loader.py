@@ -12,6 +12,7 @@ import torch
 from batchgen.models.architectures import VISION_DECODERS
 from batchgen.models.native import checkpoint_tensors, empty_native, native_config
 from batchgen.models.vision.backend import load_backend_vision_model
+from batchgen.models.vision.gemma3 import Gemma3Model
 from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.mistral3 import Mistral3Model
@@ -19,7 +20,7 @@ from batchgen.models.vision.model import VisionLanguageModel
 from batchgen.models.vision.qwen2_vl import Qwen2VLModel
 
 FAMILIES = {"llava": LlavaModel, "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel,
-            "idefics3": Idefics3Model, "smolvlm": Idefics3Model, "mistral3": Mistral3Model}
+            "idefics3": Idefics3Model, "smolvlm": Idefics3Model, "mistral3": Mistral3Model, "gemma3": Gemma3Model}
 
 
 def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,

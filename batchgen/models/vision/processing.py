@@ -41,6 +41,7 @@ class ImagePreprocessor:
     """The model's image processor and its placeholder expansion (see the module's docstring)."""
 
     placeholder: str  # what one image stands as in a prompt's text
+    bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3; see MultiModalInputs)
 
     def __init__(self, model_dir: Path, hf_config: Any, tokenizer: Any):
         from transformers import AutoImageProcessor
@@ -49,7 +50,8 @@ class ImagePreprocessor:
         self.tokenizer = tokenizer
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.image_token_id: int = hf_config.image_token_id
-        self.placeholder_token = tokenizer.convert_ids_to_tokens(self.image_token_id) if tokenizer else None
+        self.placeholder_id = self.image_token_id  # the token one image stands as (Gemma 3: <start_of_image>)
+        self.placeholder_token = tokenizer.convert_ids_to_tokens(self.placeholder_id) if tokenizer else None
 
     def replacements(self, images: list[Any]) -> list[Replacement]:
         """Per image, in order: what its placeholder token becomes. By default one run of image tokens (`split`)."""
@@ -68,7 +70,7 @@ class ImagePreprocessor:
     def expand(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
         """`token_ids` with each placeholder token replaced by its image's tokens, and the images' inputs. A
         one-line ValueError when the placeholders and the images differ in number."""
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        slots = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholder(s) ({self.placeholder_token!r}) in the text "
                              f"for {len(images)} image(s)")
@@ -91,7 +93,7 @@ class ImagePreprocessor:
             last = slot + 1
         out += token_ids[last:]
         mrope, delta = self.positions(out, inputs)
-        return out, MultiModalInputs(inputs, mrope, delta)
+        return out, MultiModalInputs(inputs, mrope, delta, bidirectional=self.bidirectional)
 
 
 class LlavaPreprocessor(ImagePreprocessor):
@@ -212,9 +214,39 @@ class Mistral3Preprocessor(ImagePreprocessor):
         return out
 
 
+class Gemma3Preprocessor(ImagePreprocessor):
+    """Gemma 3: the prompt's `<start_of_image>` becomes `\n\n<start_of_image>`, `mm_tokens_per_image` image
+    tokens, `<end_of_image>\n\n` (Gemma3Processor's `full_image_sequence`); one crop an image. The image's
+    tokens attend to each other both ways."""
+
+    placeholder = "<start_of_image>"
+    bidirectional = True
+
+    def __init__(self, model_dir, hf_config, tokenizer):
+        super().__init__(model_dir, hf_config, tokenizer)
+        if getattr(self.image_processor, "do_pan_and_scan", False):
+            raise ValueError("model: Gemma 3's pan-and-scan crops (do_pan_and_scan) are not supported; set it to "
+                             "false in preprocessor_config.json")
+        self.placeholder_id = hf_config.boi_token_index
+        self.placeholder_token = tokenizer.convert_ids_to_tokens(self.placeholder_id) if tokenizer else None
+        self.length = hf_config.mm_tokens_per_image
+        around = tokenizer("\n\n", add_special_tokens=False)["input_ids"] if tokenizer else []
+        self.before = [*around, hf_config.boi_token_index]
+        self.after = [hf_config.eoi_token_index, *around]
+
+    def replacements(self, images):
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        out = []
+        for i in range(len(images)):
+            one = pixels[i:i + 1]
+            ids = [*self.before, *[self.image_token_id] * self.length, *self.after]
+            out.append(Replacement(ids, [ImageInput(one, len(self.before), self.length, content_hash(one))]))
+        return out
+
+
 PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor,
                  "idefics3": Idefics3Preprocessor, "smolvlm": Idefics3Preprocessor,
-                 "mistral3": Mistral3Preprocessor}
+                 "mistral3": Mistral3Preprocessor, "gemma3": Gemma3Preprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
