@@ -14,7 +14,14 @@ import itertools
 import pytest
 import torch
 from kernel_cases import DEVICES, paged_kv, random_query, rel_err, single_threaded, tolerance
-from test_attention_variants import PREFILL_SEQS, VARIANT_CASES, poison_outside_windows, use, variant_id
+from test_attention_variants import (
+    PREFILL_SEQS,
+    VARIANT_CASES,
+    poison_outside_windows,
+    prefill_batch,
+    use,
+    variant_id,
+)
 
 from batchgen import ops
 from batchgen.ops import reference
@@ -125,13 +132,9 @@ def limit_cases():
 @pytest.mark.parametrize("case", limit_cases(), ids=lambda c: f"{variant_id(c[:-1])}-{c[-1]}")
 def test_prefill_with_key_limits_matches_reference(device, isas, case):
     *variant_case, kind = case
-    dtype, block_size, (heads, kv_heads), head_dim, window, cap, scale = variant_case
+    dtype, _, _, _, window, cap, scale = variant_case
     gen = torch.Generator().manual_seed(21)
-    seqs = [*SEQS, (2 * block_size - 1, 3 * block_size + 1), (300, 90)]
-    lens = [c + n for c, n in seqs]
-    kv = paged_kv(lens, kv_heads, head_dim, block_size, dtype, "cpu", gen)
-    starts = torch.tensor([0, *itertools.accumulate(n for _, n in seqs)], dtype=torch.int32)
-    query = random_query(int(starts[-1]), heads, head_dim, dtype, "cpu", gen)
+    seqs, kv, starts, query = prefill_batch(variant_case, SEQS, gen)
     limits = limits_of(seqs, image_spans(seqs, gen)) if kind == "images" else random_limits(seqs, gen)
     own = torch.cat([torch.arange(c, c + n) for c, n in seqs]).int()
     assert (limits > own).sum() >= 50  # rows that see keys after their own

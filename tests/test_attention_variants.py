@@ -150,16 +150,21 @@ def test_decode_variants_match_reference(device, isas, case):
             assert err < tolerance(dtype, device), f"isa={isa} threads={threads}: rel_err {err:.3g}"
 
 
+def prefill_batch(case, seqs, gen):
+    """A random flat prefill batch of a VARIANT_CASES case for `seqs` [(context, q_len)] and two more sequences
+    (one across block edges, one long behind a long context): (the seqs, paged K/V, query_start_loc, queries)."""
+    dtype, block_size, (heads, kv_heads), head_dim, *_ = case
+    seqs = [*seqs, (2 * block_size - 1, 3 * block_size + 1), (300, 90)]
+    kv = paged_kv([c + n for c, n in seqs], kv_heads, head_dim, block_size, dtype, "cpu", gen)
+    starts = torch.tensor([0, *itertools.accumulate(n for _, n in seqs)], dtype=torch.int32)
+    return seqs, kv, starts, random_query(int(starts[-1]), heads, head_dim, dtype, "cpu", gen)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=variant_id)
 def test_prefill_variants_match_reference(device, isas, case):
-    dtype, block_size, (heads, kv_heads), head_dim, window, cap, scale = case
-    gen = torch.Generator().manual_seed(12)
-    seqs = [*PREFILL_SEQS, (2 * block_size - 1, 3 * block_size + 1), (300, 90)]
-    lens = [c + n for c, n in seqs]
-    kv = paged_kv(lens, kv_heads, head_dim, block_size, dtype, "cpu", gen)
-    starts = torch.tensor([0, *itertools.accumulate(n for _, n in seqs)], dtype=torch.int32)
-    query = random_query(int(starts[-1]), heads, head_dim, dtype, "cpu", gen)
+    dtype, _, _, _, window, cap, scale = case
+    seqs, kv, starts, query = prefill_batch(case, PREFILL_SEQS, torch.Generator().manual_seed(12))
     variant = dict(sliding_window=window, logits_soft_cap=cap)
     with single_threaded():
         expected = reference.paged_attention_prefill(query, kv.key_cache, kv.value_cache, kv.block_tables,
