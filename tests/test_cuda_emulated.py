@@ -403,19 +403,30 @@ def test_prefill_key_limits(lib, dtype, head_dim, block_size, num_heads, num_kv_
                           window)
     num_tokens, scale = sum(query_lens), head_dim**-0.5
     query = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
-    out = torch.full_like(query, float("nan"))
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     positions = [list(range(n - q, n)) for n, q in zip(seq_lens, query_lens, strict=True)]
     limits = [[next((end - 1 for start, end in spans if start <= p < end), p) for p in own]
               for own, spans in zip(positions, images, strict=True)]
     limit_tensor = torch.tensor([x for row in limits for x in row], dtype=torch.int32)
-    rc = lib.emu_prefill_limits(
-        DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
-        ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
-        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, 0.0,
-        ptr(limit_tensor))
-    assert rc == 0
+
+    def launch(key_limit):
+        result = torch.full_like(query, float("nan"))
+        rc = lib.emu_prefill_limits(
+            DTYPE_CODE[dtype], ptr(result), *result.stride()[:2], ptr(query), *query.stride()[:2],
+            ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
+            len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, 0.0,
+            ptr(key_limit))
+        assert rc == 0
+        return result
+
+    out = launch(limit_tensor)
+    # Limits outside [position, seq_len - 1] are kept within it (the host does not check the device's values).
+    own = torch.tensor([p for row in positions for p in row], dtype=torch.int32)
+    ends = torch.repeat_interleave(lens, torch.tensor(query_lens))
+    skewed = torch.where(limit_tensor == own, own - 3, limit_tensor)
+    skewed = torch.where(own == ends - 1, ends + 7, skewed)
+    assert torch.equal(launch(skewed.int()), out)
     want, causal = [], []
     for i in range(len(seq_lens)):
         rows = query[starts[i]:starts[i + 1]]

@@ -107,18 +107,21 @@ struct PrefillParams {
   const int* key_limit;  // [num_tokens]: the last key each query token sees; null: its own position
 };
 
-// The last key query token `token` (of the flat batch) at `position` sees.
-__device__ __forceinline__ int last_key(const PrefillParams& p, int64_t token, int position) {
-  return p.key_limit != nullptr ? p.key_limit[token] : position;
+// The last key query token `token` (of the flat batch) at `position` of a sequence of seq_len keys sees: its
+// key limit, kept within [position, seq_len - 1] (the device's limits are not checked on the host), or its
+// position.
+__device__ __forceinline__ int last_key(const PrefillParams& p, int64_t token, int position, int seq_len) {
+  return p.key_limit != nullptr ? min(max(p.key_limit[token], position), seq_len - 1) : position;
 }
 
 // One past the last key any of a sequence's query tokens first .. last (counted from its first, query_start in
 // the flat batch, at positions from context on) sees: context + last + 1 when causal. Every thread computes it
 // alike.
-__device__ __forceinline__ int keys_end(const PrefillParams& p, int query_start, int context, int first, int last) {
+__device__ __forceinline__ int keys_end(const PrefillParams& p, int query_start, int context, int seq_len, int first,
+                                        int last) {
   if (p.key_limit == nullptr) return context + last + 1;
   int end = 0;
-  for (int j = first; j <= last; ++j) end = max(end, p.key_limit[query_start + j] + 1);
+  for (int j = first; j <= last; ++j) end = max(end, last_key(p, query_start + j, context + j, seq_len) + 1);
   return end;
 }
 
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   const int context = p.seq_lens[seq] - query_len;
   const int last_row = min(first_row + kRows, num_rows) - 1;
   // keys the block's rows see (its last row's when causal)
-  const int kv_end = keys_end(p, query_start, context, first_row / group, last_row / group);
+  const int kv_end = keys_end(p, query_start, context, p.seq_lens[seq], first_row / group, last_row / group);
   const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
   const int warp = threadIdx.x / kWarpSize;
@@ -254,7 +257,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int row = first_row + warp_row0 + i;
     position[i] = row < num_rows ? context + row / group : -1;
-    limit[i] = row < num_rows ? last_key(p, query_start + row / group, position[i]) : -1;
+    limit[i] = row < num_rows ? last_key(p, query_start + row / group, position[i], p.seq_lens[seq]) : -1;
     warp_last_key = max(warp_last_key, limit[i]);
     if (position[i] >= 0) warp_first_key = min(warp_first_key, window_begin(position[i], p.sliding_window));
     row_max[i] = -INFINITY;
@@ -468,7 +471,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   const int context = p.seq_lens[seq] - query_len;
   const int last_row = min(first_row + kRows, num_rows) - 1;
   // keys the block's rows see (its last row's when causal)
-  const int kv_end = keys_end(p, query_start, context, first_row / group, last_row / group);
+  const int kv_end = keys_end(p, query_start, context, p.seq_lens[seq], first_row / group, last_row / group);
   const int kv_begin = window_begin(context + first_row / group, p.sliding_window);  // its first row's first
 
   const int warp = threadIdx.x / kWarpSize;
@@ -513,9 +516,10 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   int warp_last_key = warp_last_position;
   if (p.key_limit != nullptr && warp_has_rows) {
     warp_min_key = 0x7fffffff;
-    warp_last_key = keys_end(p, query_start, context, warp_row0 / group, warp_last_position - context) - 1;
+    const int seq_len = p.seq_lens[seq];
+    warp_last_key = keys_end(p, query_start, context, seq_len, warp_row0 / group, warp_last_position - context) - 1;
     for (int j = warp_row0 / group; j <= warp_last_position - context; ++j) {
-      warp_min_key = min(warp_min_key, p.key_limit[query_start + j]);
+      warp_min_key = min(warp_min_key, last_key(p, query_start + j, context + j, seq_len));
     }
   }
   const int warp_first_key = window_begin(warp_first_position, p.sliding_window);
@@ -603,7 +607,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
             // out here rather than kept in registers across the loop.
             const int row = warp_row0 + 16 * m + g + 8 * h;
             const int position = row < num_rows ? context + row / group : -1;
-            const int limit = row < num_rows ? last_key(p, query_start + row / group, position) : -1;
+            const int limit = row < num_rows ? last_key(p, query_start + row / group, position, p.seq_lens[seq]) : -1;
             const int first_key = window_begin(position, p.sliding_window);
 #pragma unroll
             for (int j = 0; j < kKeys / 8; ++j) {
