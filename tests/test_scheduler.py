@@ -334,3 +334,33 @@ def test_blocks_filled_by_generated_tokens_are_cached_too():
 def test_config_is_validated(kw, field):
     with pytest.raises(ValueError, match=f"SchedulerConfig.{field}"):
         SchedulerConfig(**kw)
+
+
+def test_an_image_whose_tokens_attend_both_ways_is_prefilled_in_one_chunk_and_is_not_starved():
+    """Gemma 3's images: a chunk ends before an image it would cut; an image that does not fit the budget left
+    after the decodes waits, and no request is admitted meanwhile, so the decodes run out and it gets room
+    while new requests keep coming."""
+    import torch
+
+    from batchgen.models.vision.inputs import ImageInput, MultiModalInputs
+
+    eng = engine(max_num_batched_tokens=8, max_num_seqs=6)
+    for i in range(3):
+        eng.add(prompt(3, 100 * i), max_tokens=6)
+    eng.step()
+    image = ImageInput(torch.zeros(1), 2, 6, 1)
+    group = eng.add(prompt(12, 1000), max_tokens=2)
+    group.seqs[0].multi_modal = MultiModalInputs([image], bidirectional=True)
+    chunks, admitted_while_waiting = [], 0
+    for step in range(30):
+        eng.add(prompt(3, 5000 + 10 * step), max_tokens=6)  # a new text request every step
+        waiting = group.seqs[0].num_computed_tokens == image.start
+        out = eng.step()
+        chunks += [(step, s.start, s.end) for s in out.scheduled if s.seq is group.seqs[0] and s.start < 12]
+        waited = waiting and not any(s.seq is group.seqs[0] for s in out.scheduled)
+        admitted_while_waiting += waited and any(s.start == 0 for s in out.scheduled)
+    assert len(chunks) >= 2, f"the image never got room: {chunks}"
+    assert chunks[0][1:] == (0, 2) and chunks[1][1] == 2 and chunks[1][2] >= 8  # before the image, then all of it
+    assert chunks[1][0] < 10  # while the new requests keep coming
+    assert all(not image.start < end < image.end for _, _, end in chunks)
+    assert group.seqs[0].output_token_ids and admitted_while_waiting == 0

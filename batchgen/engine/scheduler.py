@@ -8,10 +8,14 @@ Each step, in this order:
 2. swapped requests come back, oldest first, before anything new is admitted (none in a step
    that preempted).
 3. running sequences that are prefilling get chunks of the remaining token budget, oldest
-   first, so a huge prompt is spread over steps and never stalls decoding.
+   first, so a huge prompt is spread over steps and never stalls decoding. A chunk never ends
+   inside an image whose tokens attend to each other both ways (Gemma 3's): it ends before the
+   image, or the image waits for a step whose budget holds it.
 4. waiting requests are admitted first come first served while blocks (less a watermark),
    sequence slots and token budget allow; each gets all its blocks at admission and a first
-   chunk at once.
+   chunk at once (unless that chunk would be an image that does not fit, as in 3). None is
+   admitted in a step where an image waits for room: the running requests' decodes, which take
+   the budget before it, then run out.
 
 Requests are kept in arrival order in every queue, so the newest is always the victim and the
 oldest always progresses: no preemption loop can starve it.
@@ -105,6 +109,7 @@ class Scheduler:
         self._rejected: list[SequenceGroup] = []  # reported by the next schedule()
         self._pending: SchedulerOutput | None = None
         self._prefilling = False
+        self._image_waits = False
         self._overtaken: dict[str, int] = {}  # request id -> newer requests admitted while its adapter had no slot
         self._num_swap_preemptions = 0
         self._num_recompute_preemptions = 0
@@ -240,6 +245,7 @@ class Scheduler:
         self._rejected = []
         self._tokens_left = self.config.max_num_batched_tokens
         self._prefilling = False  # whether a running sequence may have a chunk to compute (_decode_writes)
+        self._image_waits = False  # whether a prefill chunk waits for room for a whole image (_chunk)
         preempted = self._schedule_decodes(out)
         # Sequence slots left for swap-ins and admissions (steps 2 and 4); with nothing swapped or waiting, no
         # step reads them, and the count would cost a call per running request.
@@ -248,7 +254,7 @@ class Scheduler:
         if not preempted:
             self._swap_in(out)
         self._schedule_prefill_chunks(out)
-        if not preempted and not self.swapped:
+        if not preempted and not self.swapped and not self._image_waits:
             self._admit(out)
         self._pending = out
         return out
@@ -280,6 +286,7 @@ class Scheduler:
         end = start + min(seq.num_uncomputed_tokens, self._tokens_left)
         if seq.multi_modal is not None:
             end = seq.multi_modal.chunk_end(start, end)
+            self._image_waits |= end == start
         return end - start
 
     def _decode_writes(self, group: SequenceGroup) -> list[tuple[Sequence, int, int]]:
