@@ -60,6 +60,6 @@ def with_key_limits(meta: AttentionMetadata, positions: torch.Tensor, rows: list
             if r.row < first or last == lo == hi - 1:
                 continue
             if limits is None:
-                limits = positions[first:].to(torch.int32)
+                limits = positions[first:].to(torch.int32, copy=True)  # never the positions themselves
             limits[r.row - first + lo - r.start:r.row - first + hi - r.start] = last
     return meta if limits is None else replace(meta, prefill_key_limit=limits)
