@@ -172,10 +172,11 @@ print(json.dumps({"extra": (kib("VmHWM") - before) * 1024, "rows": rows, "vocab"
 def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir):
     """A prompt 8x max_num_batched_tokens long (4,096 tokens): its logits in one piece would be 4,096 x 49,152
     float32 = 805 MB. Bound asserted: the head is never given more than LOGIT_ROWS rows at once, and the peak
-    RSS of a fresh process grows by less than 1.5 x max_num_batched_tokens x vocab x 4 bytes (144 MiB; the
-    whole prompt's logits would be 805 MB), against the same prompt run just before without prompt logprobs
-    (same KV blocks, same activations). Measured 8-46 MiB on AVX-512 machines, 82-107 MiB on an AVX2-only Zen 2
-    where the bf16 head runs as a float32 copy (not explained yet: scripts/PERF.md)."""
+    RSS of a fresh process grows by less than 2 x max_num_batched_tokens x vocab x 4 bytes (192 MiB, a quarter
+    of the whole prompt's logits), against the same prompt run just before without prompt logprobs (same KV
+    blocks, same activations). The growth is the C library's heap, not anything batchgen keeps: on an AVX2 Zen 2
+    it measured 3.5-134 MiB from run to run with the same inputs, 71 MiB for a prompt twice as long, 60 MiB
+    with MALLOC_ARENA_MAX=1, while Python's own objects grew by 3.4 MiB (scripts/PERF.md)."""
     chunk = 512
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(smollm2_dir), str(chunk)], env=env,
@@ -185,6 +186,6 @@ def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir):
     assert probe["ok"]
     assert max(probe["rows"]) <= probe["logit_rows"], probe["rows"]
     assert sum(probe["rows"]) == 8 * chunk  # every prompt position but the last, and the sampled row
-    bound = chunk * probe["vocab"] * 4 * 3 // 2
+    bound = 2 * chunk * probe["vocab"] * 4
     print(f"peak RSS growth {probe['extra'] / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
     assert probe["extra"] < bound, (probe["extra"], bound)
