@@ -7,6 +7,8 @@ class PromptThenOutputs:
     """Mixed into a class whose `token_ids` are the prompt followed by the outputs and whose `num_prompt_tokens`
     is the prompt's length: the two parts as new lists, made when asked, and the outputs' count without one."""
 
+    __slots__ = ()  # a class with slots that mixes it in keeps them
+
     token_ids: list[int]
     num_prompt_tokens: int
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.flat_batch import flat_batch
 
 
@@ -63,10 +64,15 @@ def _reference(rows: list[_Row], bs: int) -> dict:
 
 @pytest.mark.parametrize("decodes,prefills", [(7, 0), (0, 5), (6, 4), (1, 1), (64, 3)])
 @pytest.mark.parametrize("bs", [1, 16])
-def test_flat_batch_matches_a_token_by_token_build(decodes, prefills, bs):
+@pytest.mark.parametrize("kept", [False, True], ids=["fresh", "kept-tables"])
+def test_flat_batch_matches_a_token_by_token_build(decodes, prefills, bs, kept):
     rng = random.Random(decodes * 100 + prefills + bs)
     rows = _rows(rng, decodes, prefills, bs)
-    got, want = flat_batch(rows, bs), _reference(rows, bs)
+    tables = BlockTables() if kept else None
+    if tables is not None:  # a step before, with half the rows and one of their tables grown since
+        flat_batch(rows[::2], bs, tables=tables)
+        rows[0].seq.block_table.append(499)
+    got, want = flat_batch(rows, bs, tables=tables), _reference(rows, bs)
     for name, expected in want.items():
         value = getattr(got, name)
         if expected is None:

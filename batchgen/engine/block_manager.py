@@ -290,6 +290,24 @@ class BlockManager:
             copies += count if self.ref_count(block_id, on_cpu) > count else count - 1
         return new + copies
 
+    def decode_writes(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """For decoding each device sequence's last token, in one pass: those whose write takes a call to
+        prepare_write (their table is full: one new block each, as decoding goes), in order; the others write
+        into a block they hold alone. None where a sequence's last block is shared, whose copies depend on which
+        of its holders write (num_blocks_to_write counts them)."""
+        bs, device, writes = self.block_size, self._device, []
+        for seq in seqs:
+            table, i = seq.block_table, (len(seq.token_ids) - 1) // bs
+            if i >= len(table):
+                writes.append(seq)
+                continue
+            block = device[table[i]]
+            if block.ref_count > 1:
+                return None
+            if block.hash is not None:  # never for a decode; prepare_write says so
+                writes.append(seq)
+        return writes
+
     def prepare_write(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
         """Makes seq's blocks for positions [start, end) exist and be its own: appends a block
         when the last is full, copies a shared block first (copy-on-write). Returns (src, dst)
@@ -310,10 +328,26 @@ class BlockManager:
                 new_id = self._allocate()
                 self._set_filled(new_id, block.num_filled)
                 self._decref(block_id)
-                table[i] = new_id
+                # A new list: a table list changes in place only by appends (engine/block_tables.py relies on it).
+                table = seq.block_table = [*table[:i], new_id, *table[i + 1:]]
                 copies.append((block_id, new_id))
         self._copied += len(copies)
         return copies
+
+    def mark_decoded(self, seqs: list[Sequence]) -> None:
+        """mark_computed of each sequence's one newest position, in order (the step's decodes, which have just
+        set num_computed_tokens past it), in one call."""
+        bs, device, caching, filled_slots = self.block_size, self._device, self.enable_prefix_caching, 0
+        for seq in seqs:
+            end = seq.num_computed_tokens
+            i = (end - 1) // bs
+            filled = end - i * bs
+            block = device[seq.block_table[i]]
+            filled_slots += filled - block.num_filled
+            block.num_filled = filled
+            if filled == bs and caching:
+                self._register(seq, i, seq.block_table[i])
+        self._filled_slots += filled_slots
 
     def mark_computed(self, seq: Sequence, start: int, end: int) -> None:
         """Positions [start, end) of seq now hold K/V: count them, register blocks that got full."""

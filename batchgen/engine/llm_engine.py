@@ -31,9 +31,9 @@ from batchgen.engine.preflight import plan_model, too_few_blocks
 from batchgen.engine.prompt_logprobs import LogprobBatch, PromptLogprobs, name_tokens
 from batchgen.engine.prompts import EncodedPrompt, Prompt, PromptEncoder
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from batchgen.engine.sequence import Sequence, SequenceGroup
-from batchgen.engine.stopping import StopChecker, StopDecision
-from batchgen.layers.sampler import SamplingRow, mix_seed, sample
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.engine.stopping import StopChecker, StopDecision, StopWatch
+from batchgen.layers.sampler import SampledTokens, SamplingRow, mix_seed, sample
 from batchgen.lora.manager import LoRAManager
 from batchgen.lora.request import LoRARequest
 from batchgen.models.loader import load_model, load_tokenizer
@@ -65,7 +65,7 @@ class ModelConfig:
     dtype: torch.dtype
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read for each of its sequences at every step
 class _Request:
     group: SequenceGroup
     prompt: str | None
@@ -79,7 +79,12 @@ class _Request:
     reader: PromptLogprobs | Pooler | None = None
     pooling: tuple[bool, int | None] | None = None  # embed: (normalize, dimensions) as resolved
     lora_request: LoRARequest | None = None
+    rows: dict[int, SamplingRow] = field(default_factory=dict)  # seq id -> its sampling row, where kept
+    watch: StopWatch | None = None  # generation: when its samples' tokens need a stop check
+    sampling: bool = False  # its samples have had a token (metrics.first_token_time is set)
 
+
+_FINISHED = SequenceStatus.FINISHED
 
 # A step's forward that fails is traced to a request (LLMEngine._step_failed). A failure after this
 # many requests were blamed in a row, with no step succeeding in between, is the engine's own and
@@ -247,7 +252,7 @@ class LLMEngine:
         group = SequenceGroup(request_id, arrival, params, [seq], beam_width=beams.params.beam_width if beams else 0)
         reader = None if params.prompt_logprobs is None else PromptLogprobs(token_ids, 1, params.prompt_logprobs)
         return _Request(group, text, params, seed, RequestMetrics(time.time()), grammar=grammar, beams=beams,
-                        reader=reader)
+                        reader=reader, watch=self.stopper.watch(params, len(token_ids)))
 
     def _prefill_only_request(self, request_id: str, text: str | None, token_ids: list[int],
                               params: PoolingParams | ScoringParams, reader: PromptLogprobs | Pooler) -> _Request:
@@ -349,46 +354,47 @@ class LLMEngine:
         self._blamed_in_a_row = 0
         self.scheduler.on_step_done(out)
         now = time.time()
-        sampled: list[ScheduledSeq] = []
-        for s in out.scheduled:
-            if s.samples:
-                sampled.append(s)
-            elif s.group.prefill_only and s.end == len(s.seq):
-                self._requests[s.group.request_id].metrics.first_scheduled_time = now
-                self.scheduler.finish_seq(s.seq, "stop")
+        sampled: list[ScheduledSeq] = [s for s in out.scheduled if s.samples]
+        if len(sampled) < len(out.scheduled):
+            for s in out.scheduled:
+                if not s.samples and s.group.prefill_only and s.end == len(s.seq):
+                    self._requests[s.group.request_id].metrics.first_scheduled_time = now
+                    self.scheduler.finish_seq(s.seq, "stop")
         rows: list[SamplingRow] = []
         targets: list[tuple[_Request, Sequence]] = []
         row_of_logits: list[int] = []
         beam_rows: list[tuple[_Request, Sequence, int]] = []
+        requests = self._requests
         for i, s in enumerate(sampled):
-            req = self._requests[s.group.request_id]
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            req, seq = requests[s.group.request_id], s.seq
             if req.beams is not None:
-                beam_rows.append((req, s.seq, i))
+                req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+                beam_rows.append((req, seq, i))
                 continue
-            seqs = [s.seq]
-            if req.params.n > 1 and len(s.group.seqs) == 1 and s.seq.num_prompt_tokens == len(s.seq.token_ids):
-                seqs += self.scheduler.fork(s.group, s.seq, req.params.n - 1)
-                if req.grammar is not None:
-                    for child in seqs[1:]:
-                        req.grammar.fork(s.seq.seq_id, child.seq_id)
-            for seq in seqs:
-                rows.append(self._sampling_row(req, seq))
-                targets.append((req, seq))
-                row_of_logits.append(i)
+            if not req.sampling:  # its first token this step (the metrics, read once rather than every step)
+                req.sampling = True
+                req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+                req.metrics.first_token_time = req.metrics.first_token_time or now
+            rows.append(req.rows.get(seq.seq_id) or self._sampling_row(req, seq))
+            targets.append((req, seq))
+            row_of_logits.append(i)
+            if req.params.n > 1 and len(s.group.seqs) == 1 and seq.num_prompt_tokens == len(seq.token_ids):
+                for child in self.scheduler.fork(s.group, seq, req.params.n - 1):
+                    if req.grammar is not None:
+                        req.grammar.fork(seq.seq_id, child.seq_id)
+                    rows.append(self._sampling_row(req, child))
+                    targets.append((req, child))
+                    row_of_logits.append(i)
         beam_logprobs = self._beam_logprobs(logits, beam_rows)
         if rows:
             self._fill_grammar_masks(rows, targets)
             if len(row_of_logits) != len(sampled):
                 logits = logits[torch.tensor(row_of_logits, device=logits.device)]
-            result = sample(logits, rows)
-            for (req, seq), token, logprob, top in zip(targets, result.token_ids, result.logprobs,
-                                                       result.top_logprobs, strict=True):
-                self._append(req, seq, token, logprob, top, now)
+            self._append_tokens(targets, sample(logits, rows), now)
         for req in {req.group.request_id: req for req, _, _ in beam_rows}.values():
             self._beam_step(req, beam_logprobs, now)
         # A group is finished only when every sequence it scheduled is: the cheap test first.
-        done = (s.group.request_id for s in out.scheduled if s.seq.is_finished() and s.group.is_finished())
+        done = (s.group.request_id for s in out.scheduled if s.seq.status is _FINISHED and s.group.is_finished())
         for request_id in dict.fromkeys(done):
             finished.append(self._finish_request(request_id))
         return finished
@@ -463,6 +469,7 @@ class LLMEngine:
         req.group = SequenceGroup(request_id, next(self._arrivals), req.params, [seq], beam_width=req.group.beam_width,
                                   prefill_only=req.group.prefill_only)
         req.stop_reasons.clear()
+        req.rows.clear()
         if req.beams is not None:
             req.beams.reset()
         if req.reader is not None:
@@ -474,11 +481,17 @@ class LLMEngine:
         self.scheduler.add(req.group)
 
     def _sampling_row(self, req: _Request, seq: Sequence) -> SamplingRow:
+        """The row that samples seq's next token. Kept in req.rows for the next steps where nothing in it can
+        change: no grammar (its mask is set on the row every step) and no banned tokens (bans fall away once
+        min_tokens is reached, and never come back); the row reads seq's token list in place."""
         params, outputs = req.params, len(seq.token_ids) - seq.num_prompt_tokens
         banned = self.stopper.banned_tokens(params, outputs) if outputs < params.min_tokens else []
         if req.grammar is not None:  # the grammar says when a constrained output may end
             banned = [t for t in banned if t not in self.stopper.eos_token_ids]
-        return SamplingRow(params, req.seed, seq.sample_index, seq.token_ids, seq.num_prompt_tokens, banned)
+        row = SamplingRow(params, req.seed, seq.sample_index, seq.token_ids, seq.num_prompt_tokens, banned)
+        if not banned and req.grammar is None:
+            req.rows[seq.seq_id] = row
+        return row
 
     @staticmethod
     def _beam_logprobs(logits: torch.Tensor | None,
@@ -526,20 +539,26 @@ class LLMEngine:
         for i, r in enumerate(constrained):
             rows[r].allowed = bitmask[i]
 
-    def _append(self, req: _Request, seq: Sequence, token: int, logprob: float,
-                top: dict[int, float] | None, now: float) -> None:
-        seq.token_ids.append(token)  # Sequence.append_token, without a call per sequence and step
-        seq.cumulative_logprob += logprob
-        if top is not None:
-            seq.logprobs.append(top)
-        req.metrics.first_token_time = req.metrics.first_token_time or now
-        self.num_output_tokens += 1
-        decision = self.stopper.check(req.params, seq.token_ids, seq.num_prompt_tokens)
-        if req.grammar is not None and req.grammar.accept(seq.seq_id, token) and decision is None:
-            decision = StopDecision("stop", token)  # the grammar has ended (e.g. EOS with ignore_eos)
-        if decision is not None:
-            req.stop_reasons[seq.seq_id] = decision.stop_reason
-            self.scheduler.finish_seq(seq, decision.reason)
+    def _append_tokens(self, targets: list[tuple[_Request, Sequence]], result: SampledTokens, now: float) -> None:
+        """Each sampled token onto its sequence, then its stop check: the sequence finishes where it says so."""
+        check, finish = self.stopper.check, self.scheduler.finish_seq
+        for (req, seq), token, logprob, top in zip(targets, result.token_ids, result.logprobs, result.top_logprobs,
+                                                   strict=True):
+            seq.token_ids.append(token)  # Sequence.append_token, without a call per sequence and step
+            seq.cumulative_logprob += logprob
+            if top is not None:
+                seq.logprobs.append(top)
+            watch = req.watch
+            if watch.tokens is None or token in watch.tokens or len(seq.token_ids) >= watch.length:
+                decision = check(req.params, seq.token_ids, seq.num_prompt_tokens)
+            else:
+                decision = None
+            if req.grammar is not None and req.grammar.accept(seq.seq_id, token) and decision is None:
+                decision = StopDecision("stop", token)  # the grammar has ended (e.g. EOS with ignore_eos)
+            if decision is not None:
+                req.stop_reasons[seq.seq_id] = decision.stop_reason
+                finish(seq, decision.reason)
+        self.num_output_tokens += len(targets)
 
     def _finish_request(self, request_id: str) -> AnyOutput:
         req = self._requests.pop(request_id)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from batchgen import ops
+from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.flat_batch import flat_batch
 from batchgen.layers.attention import AttentionMetadata, fp8_kv_scales
@@ -59,6 +60,7 @@ class ModelRunner:
         self.model, self.shape, self.device, self.lora = model, shape, device, lora
         self.graphs = graphs  # decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py), or None
         self.block_size = shape.block_size
+        self._tables = BlockTables()  # the block tables of the steps' rows, kept from step to step
         pin = device.type == "cuda"
         # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
         # their blocks are first written: start-up does not wait for gigabytes of zeros, and RSS
@@ -94,17 +96,20 @@ class ModelRunner:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             ops.copy_blocks([k for k, _ in self.device_caches], [v for _, v in self.device_caches], mapping)
 
-    def _group_ids(self, groups: list[int]) -> torch.Tensor | None:
-        """Small ids of the decodes' requests (the scheduler keeps a request's samples side by
-        side), or None when no request decodes more than one sample."""
+    def _group_ids(self, groups: list) -> torch.Tensor | None:
+        """Small ids of the decodes' requests (`groups`: their SequenceGroups, hashed by identity; the scheduler
+        keeps a request's samples side by side), or None when no request decodes more than one sample."""
         if len(set(groups)) == len(groups):
             return None
-        ids: dict[int, int] = {}
+        ids: dict = {}
         numbered = [ids.setdefault(g, len(ids)) for g in groups]
         return torch.tensor(numbered, dtype=torch.int32, device=self.device)
 
     def _tensor(self, array: np.ndarray | None) -> torch.Tensor | None:
-        return None if array is None else torch.from_numpy(array).to(self.device)
+        if array is None:
+            return None
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)  # to() is a dispatch even when a no-op
 
     def prepare(self, scheduled, lora_slots: dict[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -113,21 +118,26 @@ class ModelRunner:
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
         its first token (its last is that plus num_new_tokens - 1)."""
         adapter_slot = lora_slots or {}
+        news = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         if adapter_slot:
             order = sorted(range(len(scheduled)), key=lambda i: (scheduled[i].num_new_tokens != 1,
                                                                  adapter_slot.get(scheduled[i].seq.lora_id, -1)))
-        else:  # no adapter in this step: no per-row slot lookup on the engine's hot path
-            order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
-        rows = [scheduled[i] for i in order]
-        batch = flat_batch(rows, self.block_size)
-        first_row = np.empty(len(scheduled), dtype=np.int64)
-        first_row[order] = batch.first_row
+        else:  # no adapter in this step: the one-token rows first, which the scheduler's order mostly is already
+            multi = news != 1
+            order = np.argsort(multi, kind="stable") if (multi[:-1] & ~multi[1:]).any() else None
+        rows = scheduled if order is None else [scheduled[i] for i in order]
+        batch = flat_batch(rows, self.block_size, news if order is None else news[order], self._tables)
+        if order is None:
+            first_row = batch.first_row
+        else:
+            first_row = np.empty(len(scheduled), dtype=np.int64)
+            first_row[order] = batch.first_row
         meta = AttentionMetadata(
             slot_mapping=self._tensor(batch.slot_mapping),
             num_decode_tokens=batch.num_decodes,
             decode_block_tables=self._tensor(batch.decode_tables),
             decode_seq_lens=self._tensor(batch.decode_lens),
-            decode_seq_groups=self._group_ids([id(s.group) for s in rows[:batch.num_decodes]]),
+            decode_seq_groups=self._group_ids([s.group for s in rows[:batch.num_decodes]]),
             prefill_block_tables=self._tensor(batch.prefill_tables),
             prefill_seq_lens=self._tensor(batch.prefill_lens),
             prefill_query_start_loc=self._tensor(batch.query_starts),
@@ -153,10 +163,11 @@ class ModelRunner:
             hidden = self.graphs.forward(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)
-        rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order (decode)
-            picked = hidden
+        if len(first_row) == hidden.shape[0] and all([s.samples for s in out.scheduled]) \
+                and first_row == list(range(len(first_row))):  # every row one token that samples, in order (decode)
+            picked, rows = hidden, first_row
         else:
+            rows = [first_row[i] + s.num_new_tokens - 1 for i, s in enumerate(out.scheduled) if s.samples]
             picked = hidden[torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device)] if rows else None
         logits = self.model.compute_logits(picked) if rows else None
         return StepOutput(logits, hidden, first_row)

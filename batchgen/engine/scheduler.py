@@ -37,8 +37,10 @@ from batchgen.engine.block_manager import BlockManager, BlockStats
 from batchgen.engine.config import SchedulerConfig, samples_problem
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
+_FINISHED = SequenceStatus.FINISHED
 
-@dataclass(slots=True)  # one per sequence and step: slots make it cheaper to build and read
+
+@dataclass(slots=True, init=False)  # one per sequence and step: slots, and an __init__ that is one call
 class ScheduledSeq:
     """Feed seq.token_ids[start:start + num_new_tokens] at positions start.. this step."""
 
@@ -48,11 +50,14 @@ class ScheduledSeq:
     start: int  # == seq.num_computed_tokens when scheduled
     # The last token is fed: this step's logits give the sequence's next token (never for a
     # prefill-only group, whose step ends its request instead). Fixed when scheduled, so it stays
-    # true after the engine appends that token.
-    samples: bool = field(init=False)
+    # true after the engine appends that token. Worked out here unless the caller knows it.
+    samples: bool
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids) and not self.group.prefill_only
+    def __init__(self, seq: Sequence, group: SequenceGroup, num_new_tokens: int, start: int,
+                 samples: bool | None = None) -> None:
+        self.seq, self.group, self.num_new_tokens, self.start = seq, group, num_new_tokens, start
+        self.samples = (start + num_new_tokens == len(seq.token_ids) and not group.prefill_only
+                        if samples is None else samples)
 
     @property
     def end(self) -> int:
@@ -264,12 +269,20 @@ class Scheduler:
         if out is not self._pending:
             raise RuntimeError("on_step_done() got an output that is not the last schedule()'s")
         self._pending = None
+        bm, decoded = self.block_manager, []
         for s in out.scheduled:
-            if s.seq.status is SequenceStatus.FINISHED:
+            seq, start = s.seq, s.start
+            if seq.status is _FINISHED:
                 continue  # aborted meanwhile
-            assert s.seq.num_computed_tokens == s.start, f"sequence {s.seq.seq_id} moved under the runner"
-            s.seq.num_computed_tokens = s.end
-            self.block_manager.mark_computed(s.seq, s.start, s.end)
+            assert seq.num_computed_tokens == start, f"sequence {seq.seq_id} moved under the runner"
+            seq.num_computed_tokens = end = start + s.num_new_tokens
+            if end - start == 1:
+                decoded.append(seq)
+                continue
+            bm.mark_decoded(decoded)  # the decodes before it first: blocks are registered in the step's order
+            decoded = []
+            bm.mark_computed(seq, start, end)
+        bm.mark_decoded(decoded)
 
     def _feed(self, out: SchedulerOutput, group: SequenceGroup, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed_tokens
@@ -307,6 +320,8 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> bool:
         """Step 1. Returns whether anything was preempted."""
+        if self._decode_all(out):
+            return False
         bm = self.block_manager
         queue, kept, preempted = deque(self.running), [], False
         while queue:
@@ -329,6 +344,56 @@ class Scheduler:
             kept.append(group)
         self.running = kept
         return preempted
+
+    def _decode_all(self, out: SchedulerOutput) -> bool:
+        """Step 1 in one pass when it preempts nothing: every running sequence with one token left decodes, and
+        the blocks they take all together fit. Feeds them as the loop of _schedule_decodes would (same order,
+        same blocks) and returns True; returns False, having fed nothing, where that loop must decide group by
+        group: the blocks do not fit, a block is shared (copy-on-write counts depend on the group), or a
+        sequence was sampled without getting a token (where the loop raises). The common step, at a cost per
+        sequence of a few attribute reads instead of calls.
+
+        A group that never forked holds its one sequence's partly written last block alone (the prefix cache
+        shares full blocks only), so its decode takes a block exactly when its table is full, which is read
+        off the table's length; the block manager looks at the blocks of the others (decode_writes)."""
+        bm, bs = self.block_manager, self.config.block_size
+        seqs: list[Sequence] = []
+        groups: list[SequenceGroup] = []
+        writes: list[Sequence] = []  # the decodes that take a new block (or a copy), in order
+        for group in self.running:
+            if not group.forked and len(group.seqs) == 1:
+                seq = group.seqs[0]
+                length = len(seq.token_ids)
+                left = length - seq.num_computed_tokens
+                if left == 1:
+                    seqs.append(seq)
+                    groups.append(group)
+                    if (length - 1) // bs >= len(seq.block_table):
+                        writes.append(seq)
+                elif left > 1:
+                    self._prefilling = True
+                elif not group.beam_width:
+                    return False
+                continue
+            decodes = [seq for seq, _, _ in self._decode_writes(group)]
+            group_writes = bm.decode_writes(decodes)
+            if group_writes is None:
+                return False
+            seqs += decodes
+            groups += [group] * len(decodes)
+            writes += group_writes
+        if len(writes) > bm.num_free_device_blocks:
+            return False
+        for seq in writes:  # as _feed's prepare_write in the loop's order: the others' are no-ops
+            start = seq.num_computed_tokens
+            out.blocks_to_copy += bm.prepare_write(seq, start, start + 1)
+        scheduled = out.scheduled
+        for seq, group in zip(seqs, groups, strict=True):
+            scheduled.append(ScheduledSeq(seq, group, 1, seq.num_computed_tokens, not group.prefill_only))
+            if seq.lora_id:
+                out.lora_slots[seq.lora_id] = self.adapters.slot_of(seq.lora_id)
+        self._tokens_left -= len(seqs)
+        return True
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         """Step 2."""

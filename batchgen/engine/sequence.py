@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
 _FINISHED = SequenceStatus.FINISHED
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: every step reads each sequence's fields several times
 class Sequence(PromptThenOutputs):
     """Token ids are the prompt followed by the generated tokens.
 
@@ -43,6 +43,7 @@ class Sequence(PromptThenOutputs):
     sample_index: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Grown in place by appends only; any other change is a new list (engine/block_tables.py keeps tables by list).
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
@@ -94,7 +95,7 @@ class Sequence(PromptThenOutputs):
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SequenceGroup:
     """One request. It starts with one sequence holding the prompt; after the prompt's prefill
     the engine forks n-1 children from it (Scheduler.fork), or, for beam search, replaces its

@@ -18,6 +18,16 @@ class StopDecision:
     stop_reason: int | str | None = None
 
 
+@dataclass(frozen=True)
+class StopWatch:
+    """What can end a sample, for a test cheaper than StopChecker.check at every token: check decides only for a
+    token in `tokens` or a sample `length` tokens long (prompt and outputs) or longer; every other token goes on.
+    tokens None: check must see every token (stop strings)."""
+
+    tokens: frozenset[int] | None
+    length: int
+
+
 class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
@@ -30,6 +40,15 @@ class StopChecker:
             return []
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(params.stop_token_ids)
+
+    def watch(self, params: SamplingParams, num_prompt_tokens: int) -> StopWatch:
+        """The tokens and the length at which check may stop a sample of `params` after this prompt."""
+        tokens = None if params.stop else frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.eos_token_ids)
+        length = self.max_model_len
+        if params.max_tokens is not None:
+            length = min(length, num_prompt_tokens + params.max_tokens)
+        return StopWatch(tokens, length)
 
     def check(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> StopDecision | None:
         """Called after a token was appended to `token_ids` (prompt + outputs), which it reads in place: a copy of
