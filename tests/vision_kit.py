@@ -16,6 +16,14 @@ TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
 QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 
 
+def clip_config():
+    """LLaVA's and LLaVA-NeXT's tower: 2 CLIP layers on 32x32 crops of 8x8 patches (16 tokens a crop)."""
+    import transformers as tf
+
+    return tf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=32, patch_size=8, projection_dim=64)
+
+
 def chat_template(placeholder: str) -> str:
     return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + placeholder +
@@ -32,8 +40,7 @@ def build_llava(path, seed: int = 0, decoder: str = "llama"):
     tok = _tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = chat_template("<image>")
-    vision = tf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                 image_size=32, patch_size=8, projection_dim=64)
+    vision = clip_config()
     text_class = tf.Olmo2Config if decoder == "olmo2" else tf.LlamaConfig
     text = text_class(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -156,6 +163,60 @@ def build_gemma3(path, seed: int = 0):
     return path
 
 
+GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def build_llava_next(path, seed: int = 0):
+    """LLaVA-NeXT (the generic path): LLaVA's CLIP tower and Llama decoder, an image as a 32x32 base crop and up to
+    2x2 crops of its best-fitting grid, unpadded, each row of crop tokens ending in the image newline (`<image>`
+    tokens all); its own processor saved beside it."""
+    import transformers as tf
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = chat_template("<image>")
+    text = tf.LlamaConfig(vocab_size=len(tok), head_dim=64, **TEXT, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = tf.LlavaNextConfig(vision_config=clip_config(), text_config=text, vision_feature_layer=-2,
+                                image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                image_grid_pinpoints=GRID_PINPOINTS)
+    save_random_model(path, tf.LlavaNextForConditionalGeneration, config, tok, seed)
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                        image_grid_pinpoints=GRID_PINPOINTS)
+    tf.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+                          num_additional_image_tokens=1).save_pretrained(path)
+    return path
+
+
+AYA_SPECIALS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE",
+                "TILE_GLOBAL"]
+
+
+def build_aya_vision(path, seed: int = 0):
+    """Aya Vision (the generic path): a 2-layer SigLIP tower on 32x32 tiles of 8x8 patches, pixel-shuffled by 2 into
+    4 tokens a tile; an image split into up to 4 tiles and a global view, each tile's `<|IMG_PATCH|>` tokens after
+    its tag (a run a tile); a Cohere 2 decoder (the transformers backend's); its own processor saved beside it."""
+    import transformers as tf
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": AYA_SPECIALS})
+    tok.chat_template = chat_template("<image>")
+    text = tf.Cohere2Config(vocab_size=len(tok), head_dim=64, **{k: v for k, v in TEXT.items() if k != "rms_norm_eps"},
+                            sliding_window=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    vision = tf.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    config = tf.AyaVisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
+                                image_token_id=tok.convert_tokens_to_ids("<|IMG_PATCH|>"))
+    save_random_model(path, tf.AyaVisionForConditionalGeneration, config, tok, seed)
+    images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True, max_patches=4)
+    tf.AyaVisionProcessor(image_processor=images, tokenizer=tok, patch_size=8, img_size=32,
+                          downsample_factor=2).save_pretrained(path)
+    return path
+
+
 def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
@@ -185,6 +246,8 @@ def reference_images(model, ids: torch.Tensor, images: list) -> dict:
         pad = torch.nn.functional.pad
         return {"pixel_values": torch.cat([pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in unique]),
                 "image_sizes": torch.tensor(sizes)}
+    if images[0].extras or model.config.model_type in ("llava_next", "aya_vision"):  # the generic path's
+        return generic_reference_images(images)
     kwargs = {"pixel_values": torch.cat([i.pixel_values for i in images])}
     if images[0].pixel_mask is not None:  # Idefics3: the tiles as one sample's images
         kwargs["pixel_values"] = kwargs["pixel_values"][None]
@@ -195,3 +258,15 @@ def reference_images(model, ids: torch.Tensor, images: list) -> dict:
         kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     return kwargs
+
+
+def generic_reference_images(images: list) -> dict:
+    """The processor's tensors of a prompt's images as one call of it gives them: LLaVA-NeXT's crops padded to the
+    most any image has (its model reads each image's own count from image_sizes)."""
+    unique = list({id(i.pixel_values): i for i in images}.values())
+    pixels = [i.pixel_values for i in unique]
+    if pixels[0].dim() == 5:
+        most = max(p.shape[1] for p in pixels)
+        pixels = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pixels]
+    return {"pixel_values": torch.cat(pixels)} | {key: torch.cat([i.extras[key] for i in unique])
+                                                  for key in unique[0].extras}

@@ -26,13 +26,27 @@ NATIVE_ARCHITECTURES = {
     "SmolVLMForConditionalGeneration": "vision",
     "Mistral3ForConditionalGeneration": "vision",
     "Gemma3ForConditionalGeneration": "vision",
+    # ... and the generic path's: transformers' own model on the transformers backend (models/vision/generic.py)
+    "LlavaNextForConditionalGeneration": "vision",
+    "AyaVisionForConditionalGeneration": "vision",
 }
 # A vision-language model's language model (its text config's model type) -> the native decoder that runs it.
 VISION_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
                    "qwen2_5_vl_text": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# Vision-language families run by transformers' own model API (get_image_features, the processor's placeholder
+# expansion), their language model always on the transformers backend (models/vision/generic.py).
+GENERIC_VISION_FAMILIES = {"llava_next", "aya_vision"}
 # Families whose vision part also runs over a language model of the transformers backend (models/vision/backend.py).
-BACKEND_VISION_FAMILIES = {"llava"}
+BACKEND_VISION_FAMILIES = {"llava"} | GENERIC_VISION_FAMILIES
+# Vision-language families that do not fit: their images do not enter as embeddings at image tokens of a causal
+# decoder with 1-D positions (M-RoPE models are found by their rope parameters' `mrope_section`).
+VISION_MISFITS = {
+    "paligemma": "its image and prompt tokens attend to each other both ways (a bidirectional prefix), which "
+                 "batchgen's causal paged attention does not do",
+    "mllama": "its images enter through cross-attention layers of the language model, not as embeddings at image "
+              "tokens",
+}
 # Layers with a state instead of attention over a KV cache.
 RECURRENT_MODEL_TYPES = {
     "mamba", "mamba2", "falcon_mamba", "falcon_h1", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
@@ -124,6 +138,10 @@ def vision_refusal(hf_config: Any) -> str | None:
     if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) != "vision":
         return None
     text_type = text_config(hf_config).model_type
+    if getattr(hf_config, "model_type", "") in GENERIC_VISION_FAMILIES:
+        backend_why = transformers_refusal(text_config(hf_config))
+        return None if backend_why is None else (f"its language model {text_type!r} cannot run on the transformers "
+                                                 f"backend: {backend_why}")
     if text_type in VISION_DECODERS:
         return None
     why = f"its language model {text_type!r} has no native decoder in batchgen (native: {', '.join(VISION_DECODERS)})"
@@ -151,6 +169,8 @@ def transformers_refusal(hf_config: Any) -> str | None:
     if model_type in RECURRENT_MODEL_TYPES or layer_types:
         kinds = ", ".join(sorted(layer_types)) or "recurrent/state-space"
         return f"it has {kinds} layers, which keep a state instead of a KV cache"
+    if getattr(hf_config, "vision_config", None) is not None:
+        return vision_misfit(hf_config)
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", CLASSIFIER_SUFFIX)) for a in archs):
         return ("it has neither a causal language-model head (...ForCausalLM) nor a classification head "
                 f"(...{CLASSIFIER_SUFFIX})")
@@ -169,6 +189,21 @@ def transformers_refusal(hf_config: Any) -> str | None:
     if not getattr(model_class, "_supports_attention_backend", False) and model_type not in ADAPTED_MODEL_TYPES:
         return "its transformers code does not call attention through transformers' attention interface"
     return None
+
+
+def vision_misfit(hf_config: Any) -> str:
+    """Why a vision-language family batchgen does not list cannot run: its images' way into the language model, or
+    that the generic path has not been checked on it."""
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type in VISION_MISFITS:
+        return VISION_MISFITS[model_type]
+    text = text_config(hf_config)
+    params = [getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)]
+    if any(isinstance(p, dict) and "mrope_section" in p for p in params):
+        return ("its language model's positions are 3-D (M-RoPE), which batchgen runs natively for Qwen2-VL and "
+                "Qwen2.5-VL only")
+    return (f"its vision-language family {model_type!r} is not one batchgen runs (natively, or by transformers' own "
+            f"model API: {', '.join(sorted(GENERIC_VISION_FAMILIES))}; docs/vision.md)")
 
 
 @dataclass(frozen=True)

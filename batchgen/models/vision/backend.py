@@ -1,11 +1,13 @@
 """LLaVA over a language model batchgen has no native decoder for (OLMo 2, GPT-NeoX, Phi, ... any decoder the
-transformers backend runs): the whole model is transformers' (`from_pretrained`, its own weight names and ties),
-its vision tower and projector run as for the native LLaVA, and its language model runs on batchgen's paged
-attention through the transformers backend (models/transformers_backend.py), fed input embeddings in which
-the image tokens carry their images' embeddings."""
+transformers backend runs), and the generic path's families (models/vision/generic.py): the whole model is
+transformers' (`from_pretrained`, its own weight names and ties), its vision part runs as for the native LLaVA
+(the generic path: by the model's own `get_image_features`), and its language model runs on batchgen's paged
+attention through the transformers backend (models/transformers_backend.py), fed input embeddings in which the
+image tokens carry their images' embeddings."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +61,10 @@ class BackendDecoder(TransformersModel):
         return self.decode(self.embed_tokens(input_ids), positions, meta)
 
 
-class BackendLlava(LlavaModel):
-    """LLaVA's vision part (transformers' loaded modules) over a `BackendDecoder`."""
+class OnBackend:
+    """What a vision part over a `BackendDecoder` does differently from one over a native decoder."""
 
-    def __init__(self, hf_vlm: nn.Module, decoder: BackendDecoder):
-        VisionLanguageModel.__init__(self, decoder)
-        self.hf_config = hf_vlm.config
-        self.vision_tower = hf_vlm.model.vision_tower
-        self.multi_modal_projector = hf_vlm.model.multi_modal_projector
+    language_model: BackendDecoder
 
     def rope(self, positions: torch.Tensor, images: list[MultiModalRow]) -> torch.Tensor:
         return positions  # the decoder's own rotary embedding turns them
@@ -75,10 +73,22 @@ class BackendLlava(LlavaModel):
         self.language_model.pack_weights()  # LoRA wraps packed projections as unpacked ones
 
 
-def load_backend_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
-                              device: torch.device) -> BackendLlava:
-    """The model from transformers' `AutoModelForImageTextToText`, its language model's attention batchgen's; a
-    ConfigError naming the architecture when the language model's layers do not fit batchgen's attention."""
+class BackendLlava(OnBackend, LlavaModel):
+    """LLaVA's vision part (transformers' loaded modules) over a `BackendDecoder`."""
+
+    def __init__(self, hf_vlm: nn.Module, decoder: BackendDecoder):
+        VisionLanguageModel.__init__(self, decoder)
+        self.hf_config = hf_vlm.config
+        self.vision_tower = hf_vlm.model.vision_tower
+        self.multi_modal_projector = hf_vlm.model.multi_modal_projector
+
+
+def load_backend_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
+                              family: Callable[[nn.Module, BackendDecoder], VisionLanguageModel] = BackendLlava
+                              ) -> VisionLanguageModel:
+    """The model from transformers' `AutoModelForImageTextToText`, its language model's attention batchgen's, its
+    vision part `family`'s; a ConfigError naming the architecture when the language model's layers do not fit
+    batchgen's attention."""
     from transformers import AutoModelForImageTextToText
 
     register_attention()
@@ -91,6 +101,6 @@ def load_backend_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtyp
     except NotImplementedError as e:
         message = f"architecture {architecture(hf_config)} cannot run in batchgen: its language model: {e}"
         raise ConfigError([ConfigProblem("model", message)]) from None
-    model = BackendLlava(hf, decoder)
+    model = family(hf, decoder)
     model.pack_weights()
     return model

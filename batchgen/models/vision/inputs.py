@@ -27,6 +27,9 @@ class ImageInput:
     # Mistral 3: one image's tokens in several runs (one a row), each an ImageInput sharing the image's pixel
     # values (the same tensor) and hash; its embeddings start at this row of the image's.
     feature_offset: int = 0
+    # The generic path (models/vision/generic.py): the processor's other tensors for this image (LLaVA-NeXT's
+    # image_sizes), handed to the model's `get_image_features` with the pixel values.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def end(self) -> int:

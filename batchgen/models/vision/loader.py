@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from batchgen.models.architectures import VISION_DECODERS
+from batchgen.models.architectures import GENERIC_VISION_FAMILIES, VISION_DECODERS
 from batchgen.models.native import checkpoint_tensors, empty_native, native_config
 from batchgen.models.vision.backend import load_backend_vision_model
 from batchgen.models.vision.gemma3 import Gemma3Model
+from batchgen.models.vision.generic import GenericVisionModel
 from batchgen.models.vision.idefics3 import Idefics3Model
 from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.mistral3 import Mistral3Model
@@ -28,6 +29,8 @@ def load_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, devic
     text = hf_config.get_text_config()
     if quantization:
         raise ValueError("quantization: int8 compute is not available for vision-language models yet")
+    if hf_config.model_type in GENERIC_VISION_FAMILIES:  # transformers' own model API, on the backend
+        return load_backend_vision_model(model_dir, hf_config, dtype, device, GenericVisionModel)
     if text.model_type not in VISION_DECODERS:  # preflight let it through: a family the backend runs
         return load_backend_vision_model(model_dir, hf_config, dtype, device)
     arch = VISION_DECODERS[text.model_type]

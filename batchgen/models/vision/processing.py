@@ -244,9 +244,56 @@ class Gemma3Preprocessor(ImagePreprocessor):
         return out
 
 
+class ProcessorPreprocessor(ImagePreprocessor):
+    """The generic path's families (models/vision/generic.py): the model's own processor (`AutoProcessor`) expands
+    one image's placeholder, alone; its image tokens come in one run (LLaVA-NeXT's crops and image newlines) or
+    several (Aya Vision's tiles between their tags), each run an ImageInput sharing the image's pixel values (see
+    ImageInput.feature_offset) and the processor's other tensors (`extras`)."""
+
+    TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "pixel_values"})
+
+    def __init__(self, model_dir, hf_config, tokenizer):
+        from transformers import AutoProcessor
+
+        super().__init__(model_dir, hf_config, tokenizer)
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.placeholder = self.processor.image_token
+        self.placeholder_id = self.processor.tokenizer.convert_tokens_to_ids(self.placeholder)
+        self.placeholder_token = self.placeholder
+
+    def replacements(self, images):
+        out = []
+        for one in images:
+            processed = self.processor(text=[self.placeholder], images=[one], return_tensors="pt",
+                                       add_special_tokens=False)
+            ids = processed["input_ids"][0].tolist()
+            pixels = processed["pixel_values"]
+            extras = {k: v for k, v in processed.items() if k not in self.TEXT_KEYS and isinstance(v, torch.Tensor)}
+            digest, inputs, offset = content_hash(pixels), [], 0
+            for start, length in token_runs(ids, self.image_token_id):
+                inputs.append(ImageInput(pixels, start, length, digest, feature_offset=offset, extras=extras))
+                offset += length
+            out.append(Replacement(ids, inputs))
+        return out
+
+
+def token_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in `token_ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(token_ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 PREPROCESSORS = {"llava": LlavaPreprocessor, "qwen2_vl": Qwen2VLPreprocessor, "qwen2_5_vl": Qwen2VLPreprocessor,
                  "idefics3": Idefics3Preprocessor, "smolvlm": Idefics3Preprocessor,
-                 "mistral3": Mistral3Preprocessor, "gemma3": Gemma3Preprocessor}
+                 "mistral3": Mistral3Preprocessor, "gemma3": Gemma3Preprocessor,
+                 "llava_next": ProcessorPreprocessor, "aya_vision": ProcessorPreprocessor}
 
 
 def load_preprocessor(model_dir: Path, hf_config: Any, tokenizer: Any) -> ImagePreprocessor | None:
