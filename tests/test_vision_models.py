@@ -1,25 +1,40 @@
 """Vision-language models on the paged engine: float32 greedy outputs token-identical to transformers'
 `generate` on tiny random LLaVA (over a Llama decoder, and over OLMo 2 on the transformers backend), Qwen2-VL,
-Qwen2.5-VL, Idefics3, SmolVLM, Mistral 3 and Gemma 3 models, with one and several images a prompt (as vLLM's
-prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through image tokens (Gemma 3's
-ending before them), the prefix cache on and off, preemption by swap and by recompute, and n samples sharing the
-prompt's blocks."""
+Qwen2.5-VL, Idefics3, SmolVLM, Mistral 3 and Gemma 3 models, and LLaVA-NeXT and Aya Vision on the generic path
+(transformers' own model API, the language model on the transformers backend), with one and several images a
+prompt (as vLLM's prompt dicts, inline placeholders, chat image parts), chunked prefill cutting through image
+tokens (Gemma 3's ending before them), the prefix cache on and off, preemption by swap and by recompute, and n
+samples sharing the prompt's blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from vision_kit import build_gemma3, build_idefics3, build_llava, build_mistral3, build_qwen2_vl, hf_greedy, image
+from vision_kit import (
+    build_aya_vision,
+    build_gemma3,
+    build_idefics3,
+    build_llava,
+    build_llava_next,
+    build_mistral3,
+    build_qwen2_vl,
+    hf_greedy,
+    image,
+)
 
 from batchgen import LLM, SamplingParams
 from batchgen.models.vision.backend import BackendDecoder
+from batchgen.models.vision.generic import GenericVisionModel
 
 FAMILIES = {"llava": build_llava, "qwen2_vl": build_qwen2_vl,
             "qwen2_5_vl": lambda path: build_qwen2_vl(path, version="2.5"), "idefics3": build_idefics3,
             "smolvlm": lambda path: build_idefics3(path, family="smolvlm"), "mistral3": build_mistral3,
             "gemma3": build_gemma3,
             # OLMo 2 has no native decoder: LLaVA's language model on the transformers backend
-            "llava_olmo2": lambda path: build_llava(path, decoder="olmo2")}
+            "llava_olmo2": lambda path: build_llava(path, decoder="olmo2"),
+            # the generic path: transformers' get_image_features and processor, the decoder on the backend
+            "llava_next": build_llava_next, "aya_vision": build_aya_vision}
+GENERIC = ("llava_next", "aya_vision")
 MAX_TOKENS = 10
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 64 * 4  # K and V, 2 layers, 2 KV heads, blocks of 8, head_dim 64, float32
 SETUPS = {
@@ -69,7 +84,10 @@ def vlm(tmp_path_factory):
 CASES = [("llava", "plain"), ("llava", "chunked"), ("llava", "swap"), ("qwen2_vl", "plain"),
          ("qwen2_vl", "chunked"), ("qwen2_vl", "recompute"), ("qwen2_5_vl", "plain"), ("qwen2_5_vl", "swap"),
          ("idefics3", "plain"), ("smolvlm", "plain"), ("mistral3", "chunked"), ("llava_olmo2", "chunked"),
-         ("gemma3", "plain"), ("gemma3", "chunked"), ("gemma3", "swap"), ("gemma3", "recompute")]
+         ("gemma3", "plain"), ("gemma3", "chunked"), ("gemma3", "swap"), ("gemma3", "recompute"),
+         # LLaVA-NeXT: an image's crops and newlines in one run; Aya Vision: a run a tile, between tile tags
+         ("llava_next", "plain"), ("llava_next", "chunked"), ("aya_vision", "chunked"), ("aya_vision", "swap"),
+         ("aya_vision", "recompute")]
 
 
 @pytest.mark.parametrize(("family", "setup"), CASES)
@@ -82,8 +100,15 @@ def test_greedy_matches_transformers(vlm, family, setup):
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)]
     assert got == want
+    model = llm.engine.runner.model
+    assert isinstance(model, GenericVisionModel) == (family in GENERIC)
+    if family in GENERIC:
+        assert isinstance(model.language_model, BackendDecoder)
+        runs = [i for e in llm.encode_batch(family_prompts) for i in e.multi_modal.images]
+        # Aya Vision's tiles: an image in several runs, each its slice of the image's embeddings
+        assert (len(runs) > len({id(i.pixel_values) for i in runs})) == (family == "aya_vision")
     if family == "llava_olmo2":  # the transformers backend's decoder, and the prefix cache reused through it
-        assert isinstance(llm.engine.runner.model.language_model, BackendDecoder)
+        assert isinstance(model.language_model, BackendDecoder)
         assert [o.outputs[0].token_ids for o in llm.generate(family_prompts, greedy, use_tqdm=False)] == want
         assert llm.stats()["prefix_cache_hits"] > 0
     stats = llm.stats()
@@ -127,4 +152,18 @@ def test_idefics3_token_ids_are_the_processors(vlm):
                                   tokenizer=AutoTokenizer.from_pretrained(path), image_seq_len=4)
     prompt = family_prompts[1]
     want = processor(text=[prompt["prompt"]], images=[prompt["multi_modal_data"]["image"]], return_tensors="pt")
+    assert llm.encode_batch([prompt])[0].token_ids == want["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_generic_token_ids_are_the_processors(vlm, family):
+    """The generic path's placeholder expansion, one image at a time, as the model's processor writes a prompt
+    with two images (LLaVA-NeXT's crops and newlines, Aya Vision's tiles and tags)."""
+    from transformers import AutoProcessor
+
+    path, family_prompts, _, _ = vlm[family]
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    prompt = family_prompts[1]
+    want = AutoProcessor.from_pretrained(path)(text=[prompt["prompt"]], images=[prompt["multi_modal_data"]["image"]],
+                                               return_tensors="pt")
     assert llm.encode_batch([prompt])[0].token_ids == want["input_ids"][0].tolist()

@@ -165,3 +165,24 @@ def test_a_language_model_neither_native_nor_on_the_backend_is_refused_before_lo
     problems = [str(p) for p in LLM.check_config(tmp_path) if p.option == "model"]
     assert any("'mamba' has no native decoder" in p and "the transformers backend cannot run it: it has " in p
                and "which keep a state instead of a KV cache" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    ("PaliGemmaConfig", "attend to each other both ways (a bidirectional prefix)"),
+    ("MllamaConfig", "enter through cross-attention layers of the language model"),
+    ("Qwen3VLConfig", "positions are 3-D (M-RoPE), which batchgen runs natively for Qwen2-VL and Qwen2.5-VL only"),
+    ("Florence2Config", "it is an encoder-decoder model"),
+    ("LlavaOnevisionConfig", "family 'llava_onevision' is not one batchgen runs"),  # its processor needs torchvision
+])
+def test_vision_families_that_do_not_fit_are_refused_in_one_line(tmp_path, config, why):
+    """The vision-language families whose images do not enter as embeddings at image tokens of a causal decoder with
+    1-D positions (or that no test has checked): one line naming the architecture and why, before loading."""
+    import transformers as tf
+
+    hf_config = getattr(tf, config)()
+    hf_config.architectures = [config.removesuffix("Config") + "ForConditionalGeneration"]
+    hf_config.save_pretrained(tmp_path)
+    problems = [str(p) for p in LLM.check_config(tmp_path) if p.option == "model"]
+    assert len(problems) == 1, problems
+    assert f"architecture {hf_config.architectures[0]} cannot run in batchgen: " in problems[0], problems
+    assert why in problems[0] and "\n" not in problems[0], problems

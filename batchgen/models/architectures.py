@@ -40,7 +40,7 @@ GENERIC_VISION_FAMILIES = {"llava_next", "aya_vision"}
 # Families whose vision part also runs over a language model of the transformers backend (models/vision/backend.py).
 BACKEND_VISION_FAMILIES = {"llava"} | GENERIC_VISION_FAMILIES
 # Vision-language families that do not fit: their images do not enter as embeddings at image tokens of a causal
-# decoder with 1-D positions (M-RoPE models are found by their rope parameters' `mrope_section`).
+# decoder with 1-D positions (M-RoPE models are found by `is_mrope`).
 VISION_MISFITS = {
     "paligemma": "its image and prompt tokens attend to each other both ways (a bidirectional prefix), which "
                  "batchgen's causal paged attention does not do",
@@ -197,13 +197,24 @@ def vision_misfit(hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", "")
     if model_type in VISION_MISFITS:
         return VISION_MISFITS[model_type]
-    text = text_config(hf_config)
-    params = [getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)]
-    if any(isinstance(p, dict) and "mrope_section" in p for p in params):
+    if is_mrope(hf_config):
         return ("its language model's positions are 3-D (M-RoPE), which batchgen runs natively for Qwen2-VL and "
                 "Qwen2.5-VL only")
     return (f"its vision-language family {model_type!r} is not one batchgen runs (natively, or by transformers' own "
             f"model API: {', '.join(sorted(GENERIC_VISION_FAMILIES))}; docs/vision.md)")
+
+
+def is_mrope(hf_config: Any) -> bool:
+    """Whether a vision-language model's positions are M-RoPE's 3-D ones: its rope parameters' `mrope_section`, or
+    (configs that leave it to the checkpoint) its transformers model computing them (`get_rope_index`)."""
+    from transformers import AutoModel
+
+    text = text_config(hf_config)
+    params = [getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)]
+    if any(isinstance(p, dict) and "mrope_section" in p for p in params):
+        return True
+    return type(hf_config) in AutoModel._model_mapping and hasattr(AutoModel._model_mapping[type(hf_config)],
+                                                                   "get_rope_index")
 
 
 @dataclass(frozen=True)
