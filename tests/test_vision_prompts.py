@@ -186,3 +186,14 @@ def test_vision_families_that_do_not_fit_are_refused_in_one_line(tmp_path, confi
     assert len(problems) == 1, problems
     assert f"architecture {hf_config.architectures[0]} cannot run in batchgen: " in problems[0], problems
     assert why in problems[0] and "\n" not in problems[0], problems
+
+
+def test_a_generic_family_over_a_language_model_the_backend_cannot_run_is_refused_before_loading(tmp_path):
+    """The generic path's language model always runs on the transformers backend: a state-space one is refused."""
+    import transformers as tf
+
+    tf.LlavaNextConfig(text_config={"model_type": "mamba"}, architectures=["LlavaNextForConditionalGeneration"]
+                       ).save_pretrained(tmp_path)
+    problems = [str(p) for p in LLM.check_config(tmp_path) if p.option == "model"]
+    assert any("'mamba' cannot run on the transformers backend: it has " in p and "LlavaNext" in p
+               for p in problems), problems

@@ -158,7 +158,8 @@ def transformers_refusal(hf_config: Any) -> str | None:
     if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) == "vision":
         why = vision_refusal(hf_config)
         return (f"{why + '; ' if why else ''}vision-language models run on batchgen's native decoders, and LLaVA "
-                "on a language model of the transformers backend, with model_impl auto (docs/vision.md)")
+                f"and {', '.join(sorted(GENERIC_VISION_FAMILIES))} on a language model of the transformers backend, "
+                "with model_impl auto (docs/vision.md)")
 
     model_type = getattr(hf_config, "model_type", "")
     archs = getattr(hf_config, "architectures", None) or []
@@ -169,9 +170,9 @@ def transformers_refusal(hf_config: Any) -> str | None:
     if model_type in RECURRENT_MODEL_TYPES or layer_types:
         kinds = ", ".join(sorted(layer_types)) or "recurrent/state-space"
         return f"it has {kinds} layers, which keep a state instead of a KV cache"
-    if getattr(hf_config, "vision_config", None) is not None:
-        return vision_misfit(hf_config)
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", CLASSIFIER_SUFFIX)) for a in archs):
+        if getattr(hf_config, "vision_config", None) is not None:  # a vision-language model batchgen does not list
+            return vision_misfit(hf_config)
         return ("it has neither a causal language-model head (...ForCausalLM) nor a classification head "
                 f"(...{CLASSIFIER_SUFFIX})")
     if type(hf_config) not in auto_class._model_mapping:
