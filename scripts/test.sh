@@ -4,4 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${BATCHGEN_VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Test files run in parallel worker processes (pytest-xdist), one file to a worker at a time so that a
+# file's module fixtures are built once: one worker a core, at most 4 (each loads models). Much of the
+# suite waits on subprocesses (`batchgen run` jobs, the S3 server), so two workers on two cores finish
+# it well before one. The long files go first (tests/conftest.py's LONG_FILES). BATCHGEN_TEST_WORKERS=0
+# runs it in this process.
+workers="${BATCHGEN_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}"
+parallel=()
+[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+exec "${BATCHGEN_VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"

@@ -85,8 +85,18 @@ def tiny_model_dirs(tmp_path_factory):
     return {arch: build_tiny_model(root / arch, arch) for arch in ARCHITECTURES}
 
 
+# The files whose tests take minutes (scripts/test.sh's two workers, session 17: 100-300 s each). Collected
+# first, and with xdist's `--no-loadscope-reorder` handed out first, so that no worker starts one of them
+# while the other has nothing left to do.
+LONG_FILES = ("test_bench_shards.py", "test_prompt_logprobs.py", "test_structured.py", "test_ray_chaos.py",
+              "test_buckets.py", "test_reproducibility.py", "test_kv_fp8.py", "test_beam_search.py",
+              "test_cuda_compile.py", "test_cuda_emulated.py", "test_job_structured.py", "test_ray.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test on the real SmolLM2 must be marked slow, so that `-m "not slow"` leaves it out."""
+    """A test on the real SmolLM2 must be marked slow, so that `-m "not slow"` leaves it out. The long
+    files go first (a stable sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: item.path.name not in LONG_FILES)
     unmarked = [item.nodeid for item in items
                 if "smollm2_dir" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
     if unmarked:
