@@ -134,9 +134,12 @@ def test_sigkill_at_random_moments_then_resume_on_a_bucket(tmp_path, bucket):
 
 
 def test_one_run_per_shard_and_a_killed_runs_lease_is_taken_over_at_once_on_its_host(tmp_path, bucket):
-    rows = 1500  # ~20 s at this pace: still running when the second run starts
+    rows = 3000  # ~40 s at this pace: still running when the second run starts
     expected = local_reference(tmp_path, rows)
-    lease = 20.0  # long enough that the run started right after the kill starts within it, even on a busy machine
+    # Long enough that the run started right after the kill finds the lease still live, even on a busy machine
+    # (at 20 s, with two test workers and builds beside it, the status call and the run's start took longer
+    # than what was left of it: that run took over an expired lease, which says nothing).
+    lease = 45.0
     job = bucket_job(tmp_path / "b", bucket, rows=rows, storage={"lease_seconds": lease})
     out = location(f"{bucket}/out")
     first = subprocess.Popen(batchgen_cmd("run", job), env=subprocess_env(FAKE_LLM_STEP_SLEEP="0.02"),
