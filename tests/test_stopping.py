@@ -69,3 +69,25 @@ def test_parse_bytes_and_engine_config_errors():
         EngineConfig(model="m", preemption_mode="drop")
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(model="m", block_size=12)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=6), SamplingParams(max_tokens=50, ignore_eos=True),
+    SamplingParams(max_tokens=None, stop_token_ids=[ord("x")], min_tokens=2), SamplingParams(stop=["ab"]),
+], ids=["eos-and-length", "ignore-eos", "stop-token-min-tokens", "stop-string"])
+def test_the_watch_lets_through_only_tokens_check_would_not_stop_at(params):
+    """The engine calls check only where watch says a token may stop the sample: every token check stops at must
+    be one watch flags, or the engine would run past a stop."""
+    max_model_len = 20
+    checker = StopChecker(CharTokenizer(), {EOS}, max_model_len)
+    watch = checker.watch(params, len(PROMPT))
+    stops = 0
+    for text in ["abxab", "xxxxxxxx", "qqqq\0rs", "zzzzzzzzzzzzzzzzzzzz"]:
+        tokens = list(PROMPT)
+        for t in [ord(c) for c in text]:
+            tokens.append(t)
+            if checker.check(params, tokens, len(PROMPT)) is not None:
+                stops += 1
+                assert watch.tokens is None or t in watch.tokens or len(tokens) >= watch.length, (text, t)
+                break
+    assert stops >= 1  # the texts do reach a stop under each params

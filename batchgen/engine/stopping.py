@@ -36,15 +36,16 @@ class StopChecker:
 
     def banned_tokens(self, params: SamplingParams, num_output_tokens: int) -> list[int]:
         """Tokens that would end the sample before min_tokens is reached."""
-        if num_output_tokens >= params.min_tokens:
-            return []
+        return [] if num_output_tokens >= params.min_tokens else self._ending_tokens(params)
+
+    def _ending_tokens(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a sample of `params` by themselves: EOS (unless ignored) and the stop tokens."""
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(params.stop_token_ids)
 
     def watch(self, params: SamplingParams, num_prompt_tokens: int) -> StopWatch:
         """The tokens and the length at which check may stop a sample of `params` after this prompt."""
-        tokens = None if params.stop else frozenset(params.stop_token_ids).union(
-            () if params.ignore_eos else self.eos_token_ids)
+        tokens = None if params.stop else frozenset(self._ending_tokens(params))
         length = self.max_model_len
         if params.max_tokens is not None:
             length = min(length, num_prompt_tokens + params.max_tokens)
