@@ -100,3 +100,36 @@ def test_forked_samples_share_their_prompt_blocks():
     assert ratio <= 0.30
     assert s.num_swap_preemptions == s.num_recompute_preemptions == 0  # the peak is real sharing
     assert s.prefix_cache_hit_tokens == 0  # ... by forking, not by the prefix cache
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_one_pass_decode_schedules_what_the_group_loop_does(caching, monkeypatch):
+    """Scheduler._decode_all, the one-pass step 1, against the group-by-group loop it stands in for: the same
+    workload (forks, preemptions, copy-on-write) gives the same steps, blocks and copies with it as without it."""
+    from batchgen.engine.scheduler import Scheduler
+
+    def steps(one_pass: bool) -> tuple[list, int]:
+        config = SchedulerConfig(num_device_blocks=160, num_cpu_blocks=64, max_num_seqs=48, max_num_batched_tokens=512,
+                                 preemption_mode="swap", enable_prefix_caching=caching, max_model_len=1024)
+        taken, fast = [], Scheduler._decode_all
+
+        def counted(self, out):
+            took = one_pass and fast(self, out)
+            taken.append(took)
+            return took
+
+        monkeypatch.setattr(Scheduler, "_decode_all", counted)
+        eng = FakeEngine(config)
+        _shared_prefix_workload(eng, random.Random(5), 120)
+        record, names = [], {}  # forked samples' ids come from a process-wide counter: named in order of appearance
+        eng.run(max_steps=5000, on_step=lambda out: record.append(
+            ([(names.setdefault(s.seq.seq_id, len(names)), s.start, s.num_new_tokens, s.samples,
+               tuple(s.seq.block_table)) for s in out.scheduled],
+             list(out.blocks_to_copy), list(out.blocks_to_swap_out), list(out.blocks_to_swap_in))))
+        eng.check_outputs()
+        return record, sum(taken)
+
+    with_it, taken = steps(True)
+    without_it, never = steps(False)
+    assert taken > 100 and never == 0  # the one pass did decide most steps in the first run
+    assert with_it == without_it
