@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from jobkit import batchgen_cmd, make_model, prompts, subprocess_env, write_jsonl  # noqa: E402
+from jobkit import batchgen_cmd, cli_child, make_model, prompts, subprocess_env, write_jsonl  # noqa: E402
 from s3_faults import FaultProxy  # noqa: E402
 from s3_server import S3Server, apply_env, restore_env  # noqa: E402
 
@@ -37,6 +40,7 @@ from s3_server import S3Server, apply_env, restore_env  # noqa: E402
 PRICE_PER_1000 = {"PUT": 0.005, "POST": 0.005, "LIST": 0.005, "GET": 0.0004, "HEAD": 0.0004, "DELETE": 0.0}
 MAX_TRIES = 8  # runs of one shard, kills included, before the benchmark gives up on it
 SAMPLES = 2  # the job's sampling.n
+PRELOAD_PROBE = "import sys; sys.exit(0 if {'jobkit', 's3fs'} <= set(sys.modules) else 3)"
 
 
 @dataclass
@@ -60,40 +64,70 @@ def job_file(root: Path, bucket: str, rows_per_part: int) -> Path:
 
 
 def run_waves(job: Path, shards: int, wave: int, kill_rate: float, env: dict[str, str],
-              rng: random.Random) -> Tally:
+              rng: random.Random, stderr_dir: Path) -> Tally:
     """Every shard run to completion, ``wave`` at a time; a run drawn for a kill is SIGKILLed at a random
-    moment and its shard queued again."""
+    moment and its shard queued again. Each run is a process forked from one that has imported batchgen
+    (multiprocessing's forkserver): the same ``batchgen run`` as the command line's, without each run's
+    two seconds of start-up, which would otherwise be most of the benchmark's time."""
     tally, started = Tally(), time.monotonic()
+    context = _preloaded_forkserver()
     queue = [(i, 0) for i in range(shards)]
     while queue:
         batch, queue = queue[:wave], queue[wave:]
-        procs = [(i, tries, subprocess.Popen(batchgen_cmd("run", job, "--shard", f"{i}/{shards}"), env=env,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-                 for i, tries in batch]
+        procs = []
+        for i, tries in batch:
+            argv = ["run", str(job), "--shard", f"{i}/{shards}"]
+            err = stderr_dir / f"shard-{i}-{tries}.err"
+            proc = context.Process(target=cli_child, args=(argv, env, str(err)), daemon=True)
+            proc.start()
+            procs.append((i, tries, proc, err))
         tally.runs += len(procs)
-        kills = {i: rng.uniform(0.3, 2.0) for i, _, _ in procs if rng.random() < kill_rate}
+        kills = {i: rng.uniform(0.3, 2.0) for i, _, _, _ in procs if rng.random() < kill_rate}
         queue += _finish(procs, kills, tally)
     tally.seconds = time.monotonic() - started
     return tally
 
 
+def _preloaded_forkserver() -> multiprocessing.context.BaseContext:
+    """multiprocessing's forkserver, started with batchgen, the tests' job kit and s3fs imported. Python
+    3.11's forkserver ignores the parent's sys.path (it imports its preloads with its own), so it starts
+    with PYTHONPATH naming the repository and tests/; a preload that fails to import is silently skipped
+    there, hence the check on a child."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["jobkit", "s3fs"])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")] + ([saved] if saved else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    probe = context.Process(target=exec, args=(PRELOAD_PROBE,))  # a builtin target: unpickling imports nothing
+    probe.start()
+    probe.join()
+    if probe.exitcode != 0:
+        raise SystemExit("bench_shards: multiprocessing's forkserver did not preload batchgen and s3fs")
+    return context
+
+
 def _finish(procs: list, kills: dict[int, float], tally: Tally) -> list[tuple[int, int]]:
     """Wait for a wave (killing the drawn runs at their moment); the shards to run again."""
     again, t0 = [], time.monotonic()
-    for i, tries, proc in procs:
+    for i, tries, proc, err in procs:
         if i in kills:
-            try:
-                proc.wait(timeout=max(0.0, kills[i] - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
+            proc.join(timeout=max(0.0, kills[i] - (time.monotonic() - t0)))
+            if proc.exitcode is None:
                 proc.kill()
                 tally.kills += 1
-        _, err = proc.communicate(timeout=600)
-        if proc.returncode == 0:
+        proc.join(timeout=600)
+        if proc.exitcode == 0:
             continue
-        if proc.returncode == -9 and tries + 1 < MAX_TRIES:  # killed: run again later
+        if proc.exitcode == -signal.SIGKILL and tries + 1 < MAX_TRIES:  # killed: run again later
             again.append((i, tries + 1))
         else:
-            tally.failures.append(f"shard {i}: exit {proc.returncode}: {err.decode().strip()[-300:]}")
+            tally.failures.append(f"shard {i}: exit {proc.exitcode}: {err.read_text().strip()[-300:]}")
     return again
 
 
@@ -141,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             with FaultProxy(server.endpoint, rate=args.fault_rate, seed=args.seed, delay=0.1,
                             lifetime=24 * 3600) as proxy:
                 env = subprocess_env(AWS_ENDPOINT_URL=proxy.endpoint)
-                tally = run_waves(job, args.shards, args.wave, args.kill_rate, env, random.Random(args.seed))
+                tally = run_waves(job, args.shards, args.wave, args.kill_rate, env, random.Random(args.seed), root)
                 kinds, lease, faults = Counter(proxy.kinds_seen), proxy.lease_requests, dict(proxy.faults)
             if tally.failures:
                 raise SystemExit("shard runs failed:\n" + "\n".join(tally.failures[:10]))

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.cli import app
+from batchgen.cli import app, spread_lora_modules
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -118,6 +118,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def batchgen_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "batchgen", *map(str, args)]
+
+
+def cli_child(argv: list[str], env: dict[str, str], stderr_path: str) -> None:
+    """``batchgen *argv`` as the body of a forked process (multiprocessing's forkserver, with batchgen
+    preloaded): the environment ``env``, stdout discarded, stderr to ``stderr_path``. A shard runner
+    without an interpreter's start-up and imports (~2 s of CPU each), still a process to SIGKILL."""
+    import atexit
+
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path, flags in ((1, os.devnull, os.O_WRONLY), (2, stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        target = os.open(path, flags, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    try:
+        app(args=spread_lora_modules(list(argv)))
+    finally:  # what the interpreter does at exit (a forked child leaves by os._exit)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def kill_at_random_moments(job: Path, env: dict[str, str], parts: Callable[[], int], rng: Any, rounds: int,
