@@ -156,6 +156,8 @@ llm = LLM(model_dir, dtype="float32", kv_cache_memory="512MiB", max_num_batched_
           enable_prefix_caching=False)
 prompt = torch.randint(3, llm.engine.vocab_size, (8 * chunk,), generator=torch.Generator().manual_seed(5)).tolist()
 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # KV blocks, activations
+# and the head's buffers at their steady size: a prompt of two chunks, with prompt logprobs
+llm.generate([prompt[:2 * chunk]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)
 model, rows = llm.engine.runner.model, []
 real = model.compute_logits
 model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or real(hidden)
@@ -168,18 +170,34 @@ print(json.dumps({"extra": (kib("VmHWM") - before) * 1024, "rows": rows, "vocab"
 """
 
 
+def wide_vocab_model(path, smollm2_dir):
+    """SmolLM2's tokenizer and vocabulary (49,152) on a one-layer model 64 wide: the logits of SmolLM2, the
+    forward of almost nothing, so that the memory probe costs seconds, not minutes."""
+    import transformers as tf
+    from conftest import save_random_model
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_dir)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,
+                            tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+    return save_random_model(path, tf.LlamaForCausalLM, config, tokenizer, seed=3)
+
+
 @pytest.mark.slow
-def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir):
+def test_prompt_logprobs_of_a_long_prompt_keep_memory_bounded(smollm2_dir, tmp_path):
     """A prompt 8x max_num_batched_tokens long (4,096 tokens): its logits in one piece would be 4,096 x 49,152
-    float32 = 805 MB. Bound asserted: the head is never given more than LOGIT_ROWS rows at once, and the peak
-    RSS of a fresh process grows by less than 2 x max_num_batched_tokens x vocab x 4 bytes (192 MiB, a quarter
-    of the whole prompt's logits), against the same prompt run just before without prompt logprobs (same KV
-    blocks, same activations). The growth is the C library's heap, not anything batchgen keeps: on an AVX2 Zen 2
-    it measured 3.5-134 MiB from run to run with the same inputs, 71 MiB for a prompt twice as long, 60 MiB
-    with MALLOC_ARENA_MAX=1, while Python's own objects grew by 3.4 MiB (scripts/PERF.md)."""
+    float32 = 805 MB (SmolLM2's vocabulary, on a model of one narrow layer). Bound asserted: the head is never
+    given more than LOGIT_ROWS rows at once, and the peak RSS of a fresh process grows by less than two chunks'
+    logits, 2 x max_num_batched_tokens x vocab x 4 bytes (192 MiB, a quarter of the whole prompt's), against the
+    same process warmed up by that prompt without prompt logprobs (KV blocks, activations) and a prompt of
+    two chunks with them (the head's buffers at their steady size). Measured on an AVX2 Zen 2: 32-63 MiB,
+    the prompt's logprobs as Python objects and the C library's heap; without the second warm-up the
+    heap's own growth was 3.5-134 MiB from run to run (scripts/PERF.md)."""
     chunk = 512
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(smollm2_dir), str(chunk)], env=env,
+    model_dir = wide_vocab_model(tmp_path / "wide", smollm2_dir)
+    run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(model_dir), str(chunk)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     probe = json.loads(run.stdout.strip().splitlines()[-1])
