@@ -4,12 +4,14 @@ Each task is ``batchgen run --shard i/N`` in a Ray worker (the same ``Runner``: 
 atomic parts, resume), so what holds for shards holds here: a task retried by Ray after its node
 or process died resumes from the parts already written, and together the shards equal one
 unsharded run. The workers report progress to a small actor; the driver polls it and shows one
-line for the whole job.
+line for the whole job. A head that stops answering (its GCS) ends the driver within a bounded time
+with one line and exit 75, before Ray's own limit ends it with a C++ log; a rerun resumes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -34,6 +36,17 @@ from ..storage import Location
 
 POLL_SECONDS = 0.5
 WORKER_UPDATE_SECONDS = 1.0
+HEAD_PROBE_SECONDS = 2.0  # one call to the head's GCS (and to the progress board) waits this long at most
+CONNECT_SECONDS = 5.0  # the head's port must accept a connection within this (ray.init retries for many minutes)
+# Ray ends a driver whose GCS has not answered for this many seconds (default 60), with a C++ log line.
+RAY_GCS_LIMIT = "RAY_gcs_rpc_server_reconnect_timeout_s"
+
+
+class HeadUnavailable(JobError):
+    """The Ray cluster's head cannot be reached, or stopped answering mid-run: finished rows are
+    saved; run the same command again once it is back (a temporary failure, EX_TEMPFAIL)."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 def import_ray() -> Any:
@@ -152,9 +165,12 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
                force: bool = False, retry_errors: bool = False, grace: float = 60.0,
                reporter: Reporter | None = None) -> RayRun:
     ray = import_ray()
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():
+        check_reachable(address)
         with _ray_quiet():
             ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    watch = HeadWatch(ray, address, head_patience())
     reporter = reporter or make_reporter(job.spec.progress_interval)
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(run_shard).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
@@ -178,7 +194,11 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
             for ref in done:
                 _finished(ray, ref, states[refs[ref]])
+            watch.check()
             _refresh(ray, board, states, plan, reporter, time.monotonic() - start)
+    except HeadUnavailable:
+        reporter.finish(_total(states, time.monotonic() - start), "stopped: the Ray head was lost")
+        raise
     except KeyboardInterrupt:
         interrupted = True
         reporter.message("interrupted: asking every worker to save what is finished")
@@ -195,6 +215,57 @@ def run_on_ray(job: Job, workers: int, *, address: str | None = None, cpus_per_w
     for w in states:
         reporter.message(worker_line(w))
     return RayRun(states, elapsed)
+
+
+def check_reachable(address: str | None) -> None:
+    """A head given as host:port must accept a connection: ``ray.init`` would retry one that is down
+    for many minutes. (``auto``, ``local``, ``ray://`` and no address are left to Ray.)"""
+    host, _, port = (address or "").rpartition(":")
+    if not host or "://" in host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as e:
+        raise HeadUnavailable(f"cannot reach the Ray cluster's head at {address} ({e.strerror or e}); start it "
+                              "(or wait for it to restart), then run the same command again") from None
+
+
+def head_patience() -> float:
+    """How long the driver waits for a head that stopped answering: 10 s less than Ray's own limit
+    (``RAY_gcs_rpc_server_reconnect_timeout_s``, 60 s by default), and at least half of it."""
+    try:
+        limit = float(os.environ.get(RAY_GCS_LIMIT, "60"))
+    except ValueError:
+        limit = 60.0
+    return max(limit - 10.0, limit / 2)
+
+
+class HeadWatch:
+    """Whether the Ray cluster's head (its GCS) still answers; lost once it has not for ``patience``
+    seconds. A head restarted within that time (GCS fault tolerance) is waited for."""
+
+    def __init__(self, ray: Any, address: str | None, patience: float):
+        self.gcs = ray._private.worker.global_worker.gcs_client
+        known = address not in (None, "auto", "local")
+        self.address = address if known else ray.get_runtime_context().gcs_address
+        self.patience = patience
+        self.seen = time.monotonic()
+
+    def check(self) -> None:
+        if self._answers():
+            self.seen = time.monotonic()
+            return
+        silent = time.monotonic() - self.seen
+        if silent >= self.patience:
+            raise HeadUnavailable(f"lost the Ray cluster's head at {self.address} (no answer for {silent:.0f}s); "
+                                  "finished rows are saved: once the head is back, run the same command again")
+
+    def _answers(self) -> bool:
+        try:
+            self.gcs.internal_kv_exists(b"batchgen", b"batchgen", timeout=HEAD_PROBE_SECONDS)
+        except Exception:  # Ray's RpcError, GetTimeoutError, ...: no answer in time
+            return False
+        return True
 
 
 @contextmanager
@@ -247,7 +318,10 @@ def _finished(ray: Any, ref: Any, state: WorkerState, cancelled: bool = False) -
 
 
 def _refresh(ray: Any, board: Any, states: list[WorkerState], plan: Plan, reporter: Reporter, elapsed: float) -> None:
-    workers, messages = ray.get(board.read.remote())
+    try:
+        workers, messages = ray.get(board.read.remote(), timeout=HEAD_PROBE_SECONDS)
+    except ray.exceptions.RayError:  # the board's node is gone or slow: progress waits, the run goes on
+        return
     for i, w in workers.items():
         s = states[i]
         s.attempts, s.node = w["attempts"], w["node"]
