@@ -166,3 +166,69 @@ def test_a_lost_head_ends_the_driver_with_75_and_a_rerun_after_its_restart_finis
                 kill_node(head)
         temp.cleanup()
     assert outputs_by_key(out) == outputs_by_key(tmp_path / "ref" / "out")
+
+
+def head_processes(temp_dir: str) -> list[psutil.Process]:
+    """The processes of a head started with `--temp-dir temp_dir` (they name it), and theirs."""
+    own = [p for p in psutil.process_iter() if _names(p, temp_dir)]
+    return own + [c for p in own for c in _children(p)]
+
+
+def _names(p: psutil.Process, text: str) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return text in " ".join(p.cmdline())
+    return False
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return p.children(recursive=True)
+    return []
+
+
+@needs_ray
+def test_a_run_lives_through_a_gcs_restart_with_rocksdb_storage(tmp_path):
+    """GCS fault tolerance without Redis (Ray's RAY_gcs_storage=rocksdb): the head's GCS killed
+    mid-run and started again 3 s later from its storage, as a supervisor would; the driver waits
+    for it, the workers go on, and the run ends 0 with the text of a local run."""
+    ref = setup_job(tmp_path / "ref", rows=200, **KNOBS)
+    assert run(ref).exit_code == 0
+    root = tmp_path / "ray"
+    job = setup_job(root, rows=200, **KNOBS)
+    out, port = root / "out", free_port()
+    temp = tempfile.TemporaryDirectory(prefix="ray-", ignore_cleanup_errors=True)
+    env = subprocess_env(FAKE_LLM_STEP_SLEEP="0.01", RAY_AUTH_MODE="disabled",
+                         RAY_gcs_rpc_server_reconnect_timeout_s="20")
+    head_env = {**env, "RAY_gcs_storage": "rocksdb", "RAY_gcs_storage_path": f"{temp.name}/gcs"}
+    restarted = None
+    try:
+        started = subprocess.run([RAY, "start", "--head", "--port", str(port), "--num-cpus", "2",
+                                  "--node-ip-address", "127.0.0.1", "--include-dashboard=false",
+                                  "--disable-usage-stats", "--temp-dir", temp.name], env=head_env,
+                                 start_new_session=True, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        driver = subprocess.Popen(ray_cmd(job, "--address", f"127.0.0.1:{port}"), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("part-*"))) < 4:
+            assert driver.poll() is None, driver.communicate()
+            assert time.monotonic() < deadline, "no parts written"
+            time.sleep(0.02)
+        (gcs,) = [p for p in head_processes(temp.name) if p.name() == "gcs_server"]
+        cmd, gcs_env, cwd = gcs.cmdline(), gcs.environ(), gcs.cwd()
+        gcs.kill()
+        parts_then = len(list(out.glob("part-*")))
+        time.sleep(3)
+        restarted = subprocess.Popen(cmd, env=gcs_env, cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        stdout, stderr = driver.communicate(timeout=300)
+    finally:
+        for p in head_processes(temp.name):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if restarted:
+            restarted.wait()
+        temp.cleanup()
+    assert driver.returncode == 0, stderr
+    assert parts_then < 40, "the run was over before the GCS went away"  # 40 parts in all
+    assert outputs_by_key(out) == outputs_by_key(tmp_path / "ref" / "out")
