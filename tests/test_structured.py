@@ -263,15 +263,16 @@ def test_a_constraint_needs_the_tokenizer(tiny):
 @pytest.mark.slow
 def test_smollm2_sampled_outputs_parse_and_validate(smollm2_dir):
     llm = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory="512MiB")
-    subjects = ["a cat owner", "a retired pilot", "a child", "a chef", "a gardener"] * 10
+    subjects = ["a cat owner", "a retired pilot", "a child", "a chef", "a gardener"] * 4
     chats = [[{"role": "user", "content": f"Describe {s} as a JSON record with name, age, colour and pets."}]
              for s in subjects]
     json_params = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=72, structured_outputs={"json": SCHEMA})
     outputs = llm.chat(chats, json_params, use_tqdm=False)
     samples = [c for o in outputs for c in o.outputs]
-    assert len(samples) == 200
+    assert len(samples) == 80
     stopped = [c for c in samples if c.finish_reason == "stop"]
-    assert len(stopped) >= 100, f"only {len(stopped)} of 200 JSON samples ended within max_tokens"
+    print(f"{len(stopped)} of 80 JSON samples ended within max_tokens")
+    assert len(stopped) >= 40, f"only {len(stopped)} of 80 JSON samples ended within max_tokens"
     for c in stopped:
         assert c.valid
         jsonschema.validate(json.loads(c.text), SCHEMA)
