@@ -245,14 +245,17 @@ class HeadWatch:
     seconds. A head restarted within that time (GCS fault tolerance) is waited for."""
 
     def __init__(self, ray: Any, address: str | None, patience: float):
-        self.gcs = ray._private.worker.global_worker.gcs_client
+        # Ray's own client of the GCS (private; checked on Ray 2.60): where a version lacks it, no watch,
+        # and Ray's own limit ends a driver whose head is gone.
+        worker = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
+        self.gcs = getattr(worker, "gcs_client", None)
         known = address not in (None, "auto", "local")
         self.address = address if known else ray.get_runtime_context().gcs_address
         self.patience = patience
         self.seen = time.monotonic()
 
     def check(self) -> None:
-        if self._answers():
+        if self.gcs is None or self._answers():
             self.seen = time.monotonic()
             return
         silent = time.monotonic() - self.seen
