@@ -11,5 +11,14 @@ bash scripts/setup.sh
 # runs it in this process.
 workers="${BATCHGEN_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}"
 parallel=()
-[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+if [ "$workers" -gt 0 ]; then
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+  # The cores shared out: each worker (and the batchgen processes its tests start) gets nproc/workers
+  # OpenMP threads, and threads that wait sleep rather than spin (the tests that ask for more threads).
+  # Two workers of two spinning threads each on two cores made a tiny model's job 24x slower: every
+  # small kernel waited at its barrier for a thread the other worker had pushed off a core (PERF.md).
+  threads=$(( $(nproc) / workers ))
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+  export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+fi
 exec "${BATCHGEN_VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"
