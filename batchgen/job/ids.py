@@ -25,6 +25,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..storage.scratch import scratch_dir
+
 RUN_CAP = 1 << 20  # sorted runs are merged up to this many hashes (8 MiB), so a merge never doubles memory
 CONFIRM_CACHE_IDS = 1 << 18  # ids of recently confirmed parts kept for the next confirmations
 BATCH = 4096  # ids looked up together
@@ -341,7 +343,7 @@ class SpilledIds:
         data = taken.buffers()[2]
         body = b"" if data is None else data.to_pybytes()[int(offsets[0]):int(offsets[-1])]
         if self._file is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="batchgen-ids-")
+            self._dir = scratch_dir("ids")
             self._file = open(Path(self._dir.name) / "spilled", "w+b")  # closed by close()
         sections = [hashes[order].astype(np.int64).tobytes(), keys[order].astype(np.int64).tobytes(),
                     (offsets - offsets[0]).tobytes(), body]

@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import re
-import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import IO, Any
 
 from ..extras import install_hint
 from .options import StorageOptions
+from .scratch import scratch_file
 
 logger = logging.getLogger("batchgen.storage")
 
@@ -436,9 +436,7 @@ class FsspecStore(Store):
         return io.BufferedReader(_RetriedReads(raw, self.retries, self.url(path)), buffer_size=LINE_BUFFER)
 
     def publish(self, path: str, write: Writer, create_only: bool = False) -> bool:
-        fd, name = tempfile.mkstemp(prefix=".batchgen-", suffix=".upload")
-        os.close(fd)
-        tmp = Path(name)
+        tmp = scratch_file("upload", suffix=".upload")
         try:
             try:
                 write(tmp)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...storage import Location
+from ...storage.scratch import scratch_dir
 from ..ids import HASH_NAME
 from .rows import InputFile
 
@@ -127,7 +127,7 @@ class IndexWriter:
     def __init__(self, final: Location, meta: str):
         self.final = final
         self.meta = meta
-        self._dir = tempfile.TemporaryDirectory(prefix="batchgen-index-")
+        self._dir = scratch_dir("index")
         self._path = Path(self._dir.name) / "index.arrow"
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
         self.usable = True

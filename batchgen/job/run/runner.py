@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from ... import __version__
 from ...engine.gc_pacing import fewer_collections
 from ...images import ImageError
 from ...outputs import RequestOutput
+from ...storage.scratch import sweep_orphans
 from ..engine import EngineFactory, build_engine
 from ..errors import EXIT_ERROR_RATE, EXIT_INTERRUPTED, EXIT_OK, JobError, JobInvalid
 from ..images import RowImages, has_images, image_memory, takes_images
@@ -174,6 +176,9 @@ class Runner:
         except OSError as e:
             raise JobError(f"cannot create output dir {out_dir}: {e}") from None
         lock = ShardLock(out_dir, shard, job.spec.storage.lease).acquire(self.lock_wait, self.reporter.message)
+        swept = sweep_orphans()
+        if swept:
+            self.reporter.message(f"removed {swept} scratch file(s) that killed runs left in {tempfile.gettempdir()}")
         try:
             with engine_steps(self.reporter):
                 return self._run_locked(reader, lock)
