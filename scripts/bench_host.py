@@ -21,6 +21,13 @@ update: the rest of LLMEngine.step, i.e. on_step_done, sampling rows, appends, s
     python scripts/bench_host.py                    # batches 64, 256, 512
     python scripts/bench_host.py --quick            # a smoke run: small batches, few steps
     python scripts/bench_host.py --profile 256      # and cProfile's top functions of the timed steps
+    python scripts/bench_host.py --cpu-time         # the thread's CPU time in place of wall time
+    python scripts/bench_host.py --stub-sampler     # sampling a fixed token, without reading the logits
+
+--cpu-time: on a shared machine the wall time of a run moves by 2-3x with the load, its thread CPU time
+(`time.thread_time`) by ~15%. --stub-sampler: the CPU sampler's pass over the step's logits (256 x 32,768
+float32 = 32 MiB) evicts the caches at every step, which the rest of the loop then pays in misses; on a GPU
+the logits never reach the host, so the stubbed figure is the nearer to what a card would wait on.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from machine import processor  # noqa: E402
 
 from batchgen.engine import llm_engine  # noqa: E402
 from batchgen.engine.gc_pacing import fewer_collections  # noqa: E402
+from batchgen.layers.sampler import SampledTokens  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -63,11 +71,13 @@ QUICK = Settings([8, 32], steps=8, warmup=2, prompt_lens=(8, 40), vocab=1024)
 @dataclass
 class Result:
     batch: int
-    us_per_step: float  # host time per decode step, sampling excluded
+    us_per_step: float  # host time per decode step, sampling excluded (thread CPU time with --cpu-time)
     us_per_seq: float
     sample_us: float  # the sampler's time per step, on the CPU here (on a GPU it runs on the device)
     breakdown_us: dict[str, float]  # us_per_step split: schedule, prepare, model, update
     steps: int
+    clock: str = "wall"  # "wall" or "thread_cpu" (--cpu-time)
+    sampler: str = "cpu"  # "cpu" or "stub" (--stub-sampler)
     processor: str = field(default_factory=processor)
 
 
@@ -92,20 +102,21 @@ class NullModel:
 
 
 class Timers:
-    """Seconds spent in a few functions called once per step, wrapped in place."""
+    """Seconds spent in a few functions called once per step, wrapped in place; `clock` reads the time."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.spent: dict[str, float] = {}
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         self.spent.setdefault(name, 0.0)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[name] += time.perf_counter() - start
+                self.spent[name] += self.clock() - start
 
         return timed
 
@@ -143,7 +154,14 @@ def decoding(engine, batch: int) -> bool:
             and all(s.num_uncomputed_tokens == 1 for g in running for s in g.seqs))
 
 
-def run_batch(model_dir: Path, batch: int, settings: Settings, profile: bool) -> Result:
+def stub_sample(logits: torch.Tensor, rows: list) -> SampledTokens:
+    """The sampler's result without reading the logits: token 2 for every row (no stop: ignore_eos, max_tokens
+    far off), log-probability 0."""
+    return SampledTokens([2] * len(rows), [0.0] * len(rows), [None] * len(rows))
+
+
+def run_batch(model_dir: Path, batch: int, settings: Settings, profile: bool, cpu_time: bool = False,
+              stub_sampler: bool = False) -> Result:
     engine = build_engine(model_dir, batch)
     runner, scheduler = engine.runner, engine.scheduler
     runner.model = NullModel(runner.model, max(2048, batch), batch)
@@ -152,12 +170,13 @@ def run_batch(model_dir: Path, batch: int, settings: Settings, profile: bool) ->
     for i in range(batch):
         prompt = [rng.randrange(2, settings.vocab) for _ in range(rng.randint(*settings.prompt_lens))]
         engine.add_request(f"r{i}", prompt, params)
-    timers = Timers()
+    clock = time.thread_time if cpu_time else time.perf_counter
+    timers = Timers(clock)
     scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
     runner.prepare = timers.wrap("prepare", runner.prepare)  # runner.execute calls it: counted in both
     runner.execute = timers.wrap("execute", runner.execute)
     sample_fn = llm_engine.sample
-    llm_engine.sample = timers.wrap("sample", sample_fn)
+    llm_engine.sample = timers.wrap("sample", stub_sample if stub_sampler else sample_fn)
     try:
         with fewer_collections():
             while not decoding(engine, batch):
@@ -166,14 +185,14 @@ def run_batch(model_dir: Path, batch: int, settings: Settings, profile: bool) ->
                 engine.step()
             timers.reset()
             profiler = cProfile.Profile() if profile else None
-            start = time.perf_counter()
+            start = clock()
             if profiler is not None:
                 profiler.enable()
             for _ in range(settings.steps):
                 assert not engine.step(), "a request finished during the timed steps"
             if profiler is not None:
                 profiler.disable()
-            wall = time.perf_counter() - start
+            wall = clock() - start
     finally:
         llm_engine.sample = sample_fn
     assert decoding(engine, batch)
@@ -185,7 +204,8 @@ def run_batch(model_dir: Path, batch: int, settings: Settings, profile: bool) ->
     if profiler is not None:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return Result(batch, round(per_step, 1), round(per_step / batch, 3), round(spent["sample"], 1),
-                  {k: round(v, 1) for k, v in breakdown.items()}, settings.steps)
+                  {k: round(v, 1) for k, v in breakdown.items()}, settings.steps,
+                  "thread_cpu" if cpu_time else "wall", "stub" if stub_sampler else "cpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -195,6 +215,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="decode steps timed per batch size")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="cProfile the timed steps of this batch size (top functions on stderr)")
+    parser.add_argument("--cpu-time", action="store_true", help="time the thread's CPU time, not wall time")
+    parser.add_argument("--stub-sampler", action="store_true",
+                        help="sample a fixed token without reading the logits (as on a GPU, where they stay there)")
     parser.add_argument("--json", help="also write the results here, one JSON line each")
     return parser.parse_args(argv)
 
@@ -211,7 +234,8 @@ def main(argv=None) -> list[Result]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(Path(tmp), settings.vocab, max_len)
         for batch in settings.batches:
-            result = run_batch(model_dir, batch, settings, profile=args.profile == batch)
+            result = run_batch(model_dir, batch, settings, profile=args.profile == batch, cpu_time=args.cpu_time,
+                               stub_sampler=args.stub_sampler)
             print(json.dumps(asdict(result)), flush=True)
             results.append(result)
     if args.json:
