@@ -25,6 +25,7 @@ from batchgen.engine.beam_search import BeamSearch
 from batchgen.engine.config import SchedulerConfig
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
+from batchgen.engine.kept_rows import KeptRows
 from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
 from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
 from batchgen.engine.preflight import plan_model, too_few_blocks
@@ -151,6 +152,7 @@ class LLMEngine:
         self.stopper = StopChecker(self.tokenizer, self._eos_ids(plan.model_dir, plan.hf_config), self.max_model_len)
         self._grammars: GrammarBackend | None = None  # built on the first constrained request
         self._requests: dict[str, _Request] = {}
+        self._kept: KeptRows | None = None  # the sampling rows of the scheduler's kept decode rows (kept_rows.py)
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -354,6 +356,9 @@ class LLMEngine:
         self._blamed_in_a_row = 0
         self.scheduler.on_step_done(out)
         now = time.time()
+        kept = self._kept
+        if out.decode is not None and kept is not None and kept.batch is out.decode.batch and kept.batch.valid:
+            return finished + self._kept_step(kept, logits, out.decode.positions + 2)
         sampled: list[ScheduledSeq] = [s for s in out.scheduled if s.samples]
         if len(sampled) < len(out.scheduled):
             for s in out.scheduled:
@@ -365,6 +370,7 @@ class LLMEngine:
         row_of_logits: list[int] = []
         beam_rows: list[tuple[_Request, Sequence, int]] = []
         requests = self._requests
+        kept_all = True  # every row is one kept in its request (no grammar, no bans): the step's rows can be kept
         for i, s in enumerate(sampled):
             req, seq = requests[s.group.request_id], s.seq
             if req.beams is not None:
@@ -375,7 +381,11 @@ class LLMEngine:
                 req.sampling = True
                 req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
                 req.metrics.first_token_time = req.metrics.first_token_time or now
-            rows.append(req.rows.get(seq.seq_id) or self._sampling_row(req, seq))
+            row = req.rows.get(seq.seq_id)
+            if row is None:
+                row = self._sampling_row(req, seq)
+                kept_all = False
+            rows.append(row)
             targets.append((req, seq))
             row_of_logits.append(i)
             if req.params.n > 1 and len(s.group.seqs) == 1 and seq.num_prompt_tokens == len(seq.token_ids):
@@ -385,6 +395,9 @@ class LLMEngine:
                     rows.append(self._sampling_row(req, child))
                     targets.append((req, child))
                     row_of_logits.append(i)
+        if out.decode is not None and out.decode.batch.valid and kept_all and not beam_rows \
+                and len(rows) == len(out.decode):  # no fork either (it drops the scheduler's rows)
+            self._kept = KeptRows.of(out.decode.batch, rows, targets)
         beam_logprobs = self._beam_logprobs(logits, beam_rows)
         if rows:
             self._fill_grammar_masks(rows, targets)
@@ -399,10 +412,20 @@ class LLMEngine:
             finished.append(self._finish_request(request_id))
         return finished
 
+    def _kept_step(self, kept: KeptRows, logits: torch.Tensor, lengths) -> list[AnyOutput]:
+        """The rest of a steady decode step whose rows are kept (kept_rows.py): sample, append, the stop checks
+        that are due, the finished requests. `lengths`: the rows' token counts after this step's token."""
+        finished = kept.append(sample(logits, kept.rows), lengths, self.stopper.check, self.scheduler.finish_seq)
+        self.num_output_tokens += len(kept.rows)
+        done = (req.group.request_id for req, _ in finished if req.group.is_finished())
+        return [self._finish_request(request_id) for request_id in dict.fromkeys(done)]
+
     def _read_hidden(self, out: SchedulerOutput, step: StepOutput) -> None:
         """What the step's requests read from its hidden states (see keep_hidden_from): logprobs of given
         tokens for all of them in one batch, pooled rows for each. Part of the step: a failure here is
         traced to a request as a failed forward is."""
+        if out.decode is not None:
+            return  # kept decode rows read none (decode_batch.keepable)
         batch, readers = LogprobBatch(), []
         for i, s in enumerate(out.scheduled):
             keep = s.seq.keep_hidden_from

@@ -14,6 +14,7 @@ import torch
 from batchgen import ops
 from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cuda_graphs import DecodeGraphs
+from batchgen.engine.decode_batch import DecodeBatch, DecodeStep
 from batchgen.engine.flat_batch import flat_batch
 from batchgen.layers.attention import AttentionMetadata, fp8_kv_scales
 from batchgen.layers.lora import Segment
@@ -61,6 +62,7 @@ class ModelRunner:
         self.graphs = graphs  # decode-only steps replayed as CUDA graphs (engine/cuda_graphs.py), or None
         self.block_size = shape.block_size
         self._tables = BlockTables()  # the block tables of the steps' rows, kept from step to step
+        self._kept_groups: tuple[DecodeBatch | None, torch.Tensor | None] = (None, None)  # _group_ids of kept rows
         pin = device.type == "cuda"
         # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
         # their blocks are first written: start-up does not wait for gigabytes of zeros, and RSS
@@ -116,7 +118,10 @@ class ModelRunner:
         """Flat batch: decodes (one new token) first, then prefill chunks, each part's rows grouped by
         LoRA slot (`lora_slots`: lora id -> slot; the base model's rows first). Returns the input ids,
         positions, attention metadata and, per scheduled entry in the given order, the batch row of
-        its first token (its last is that plus num_new_tokens - 1)."""
+        its first token (its last is that plus num_new_tokens - 1). `scheduled` may be a DecodeStep, the
+        scheduler's kept rows of a steady decode step (engine/decode_batch.py), read from their arrays."""
+        if isinstance(scheduled, DecodeStep):
+            return self._prepare_decode(scheduled)
         adapter_slot = lora_slots or {}
         news = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         if adapter_slot:
@@ -144,6 +149,28 @@ class ModelRunner:
         )
         return self._tensor(batch.input_ids), self._tensor(batch.positions), meta, first_row.tolist()
 
+    def _prepare_decode(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """prepare() of a steady decode step: each row's last token at its position, its table from the batch's
+        array (a copy: the array changes in place at the next step), no reordering (no adapters)."""
+        batch, positions, bs = step.batch, step.positions, self.block_size
+        count = len(positions)
+        input_ids = np.array([tokens[-1] for tokens in batch.token_lists], dtype=np.int64)
+        tables = batch.tables[:, :batch.width()].copy()
+        slot_mapping = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
+        if self._kept_groups[0] is not batch:
+            self._kept_groups = (batch, self._group_ids(batch.groups))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping),
+            num_decode_tokens=count,
+            decode_block_tables=self._tensor(tables),
+            decode_seq_lens=self._tensor((positions + 1).astype(np.int32)),
+            decode_seq_groups=self._kept_groups[1],
+            prefill_block_tables=None,
+            prefill_seq_lens=None,
+            prefill_query_start_loc=None,
+        )
+        return self._tensor(input_ids), self._tensor(positions), meta, list(range(count))
+
     @torch.inference_mode()
     def execute(self, out) -> StepOutput:
         """Runs one scheduler step: logits (float32 from batchgen's bf16 GEMM, else in the model's dtype) of
@@ -151,19 +178,22 @@ class ModelRunner:
         self._move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         for slot, lora_id in out.adapters_to_load:
             self.lora.load(slot, lora_id)
-        if not out.scheduled:
+        decode = out.decode  # a steady decode step: no adapter, no image, every row samples (decode_batch.keepable)
+        if decode is None and not out.scheduled:
             return StepOutput(None, None, [])
-        ids, pos, meta, first_row = self.prepare(out.scheduled, out.lora_slots)
+        ids, pos, meta, first_row = self.prepare(decode if decode is not None else out.scheduled, out.lora_slots)
         if self.lora is not None:
-            self.lora.batch.segments = lora_segments(out.scheduled, first_row, out.lora_slots)
-        images = multi_modal_rows(out.scheduled, first_row) if getattr(self.model, "takes_images", False) else []
+            self.lora.batch.segments = (lora_segments(out.scheduled, first_row, out.lora_slots)
+                                        if decode is None else [])
+        images = (multi_modal_rows(out.scheduled, first_row)
+                  if decode is None and getattr(self.model, "takes_images", False) else [])
         if images:
             hidden = self.model(ids, pos, meta, images)
         elif self.graphs is not None and not out.lora_slots and self.graphs.fits(meta, ids.shape[0]):
             hidden = self.graphs.forward(ids, pos, meta)
         else:
             hidden = self.model(ids, pos, meta)
-        if len(first_row) == hidden.shape[0] and all([s.samples for s in out.scheduled]) \
+        if decode is not None or len(first_row) == hidden.shape[0] and all([s.samples for s in out.scheduled]) \
                 and first_row == list(range(len(first_row))):  # every row one token that samples, in order (decode)
             picked, rows = hidden, first_row
         else:

@@ -32,9 +32,12 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchgen.engine.adapter_slots import AdapterSlots
 from batchgen.engine.block_manager import BlockManager, BlockStats
 from batchgen.engine.config import SchedulerConfig, samples_problem
+from batchgen.engine.decode_batch import DecodeBatch, DecodeStep, keepable
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _FINISHED = SequenceStatus.FINISHED
@@ -66,7 +69,6 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu id, device id)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device id, cpu id)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
@@ -74,6 +76,17 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)
     adapters_to_load: list[tuple[int, int]] = field(default_factory=list)  # (slot, lora id) before the step
     lora_slots: dict[int, int] = field(default_factory=dict)  # lora id -> device slot, of the scheduled rows
+    # A steady decode step (engine/decode_batch.py): every row feeds one token that samples, and its inputs are in
+    # the kept arrays; `scheduled` is built from it when first read. None in any other step.
+    decode: DecodeStep | None = None
+    _scheduled: list[ScheduledSeq] | None = field(default=None, repr=False)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Decodes first, then prefill chunks."""
+        if self._scheduled is None:
+            self._scheduled = [] if self.decode is None else _decode_rows(self.decode)
+        return self._scheduled
 
     @property
     def num_batched_tokens(self) -> int:
@@ -99,6 +112,12 @@ def _by_arrival(group: SequenceGroup) -> int:
     return group.arrival
 
 
+def _decode_rows(step: DecodeStep) -> list[ScheduledSeq]:
+    batch = step.batch
+    return [ScheduledSeq(seq, group, 1, start, True)
+            for seq, group, start in zip(batch.seqs, batch.groups, step.positions.tolist(), strict=True)]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -118,6 +137,9 @@ class Scheduler:
         self._overtaken: dict[str, int] = {}  # request id -> newer requests admitted while its adapter had no slot
         self._num_swap_preemptions = 0
         self._num_recompute_preemptions = 0
+        # The rows of the last step when it decoded every running sequence, kept for the next (_decode_steady);
+        # dropped at every change to the running sequences other than the engine's one token a row.
+        self._batch: DecodeBatch | None = None
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -170,6 +192,7 @@ class Scheduler:
         if not 1 <= len(beams) <= group.width:
             raise ValueError(f"request {group.request_id!r}: {len(beams)} beams for beam width {group.width}")
         named = {parent.seq_id for parent, _ in beams}
+        self._drop_batch()
         for seq in live:
             if seq.seq_id not in named:
                 self._release(seq, "pruned")
@@ -197,6 +220,7 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} is not running in request {group.request_id!r}")
 
     def _spawn(self, group: SequenceGroup, seq: Sequence, sample_index: int) -> Sequence:
+        self._drop_batch()
         child = seq.spawn(sample_index=sample_index)
         self.block_manager.fork(seq, child)
         group.seqs.append(child)
@@ -224,9 +248,16 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence, reason: str) -> None:
+        self._drop_batch()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _drop_batch(self) -> None:
+        """The running sequences change otherwise than by one token each: the kept rows are stale."""
+        if self._batch is not None:
+            self._batch.valid = False
+            self._batch = None
 
     def _forget(self, group: SequenceGroup) -> None:
         del self._groups[group.request_id]
@@ -270,6 +301,12 @@ class Scheduler:
             raise RuntimeError("on_step_done() got an output that is not the last schedule()'s")
         self._pending = None
         bm, decoded = self.block_manager, []
+        if out.decode is not None and out.decode.batch.valid:  # kept rows, none finished since: each one position
+            seqs = out.decode.batch.seqs
+            for seq, end in zip(seqs, (out.decode.positions + 1).tolist(), strict=True):
+                seq.num_computed_tokens = end
+            bm.mark_decoded(seqs)
+            return
         for s in out.scheduled:
             seq, start = s.seq, s.start
             if seq.status is _FINISHED:
@@ -288,6 +325,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         out.blocks_to_copy += self.block_manager.prepare_write(seq, start, start + num_tokens)
         out.scheduled.append(ScheduledSeq(seq, group, num_tokens, start))
+        out.decode = None  # not a steady decode step any more (its rows are in scheduled)
         if seq.lora_id:
             out.lora_slots[seq.lora_id] = self.adapters.slot_of(seq.lora_id)
         self._tokens_left -= num_tokens
@@ -320,8 +358,9 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> bool:
         """Step 1. Returns whether anything was preempted."""
-        if self._decode_all(out):
+        if self._decode_steady(out) or self._decode_all(out):
             return False
+        self._drop_batch()
         bm = self.block_manager
         queue, kept, preempted = deque(self.running), [], False
         while queue:
@@ -360,6 +399,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         groups: list[SequenceGroup] = []
         writes: list[Sequence] = []  # the decodes that take a new block (or a copy), in order
+        keep = True  # every decode can be kept for the next steps (decode_batch.keepable)
         for group in self.running:
             if not group.forked and len(group.seqs) == 1:
                 seq = group.seqs[0]
@@ -370,10 +410,13 @@ class Scheduler:
                     groups.append(group)
                     if (length - 1) // bs >= len(seq.block_table):
                         writes.append(seq)
+                    keep = keep and keepable(group, seq)
                 elif left > 1:
                     self._prefilling = True
                 elif not group.beam_width:
                     return False
+                else:
+                    keep = False
                 continue
             decodes = [seq for seq, _, _ in self._decode_writes(group)]
             group_writes = bm.decode_writes(decodes)
@@ -382,17 +425,50 @@ class Scheduler:
             seqs += decodes
             groups += [group] * len(decodes)
             writes += group_writes
+            keep = keep and all(keepable(group, seq) for seq in decodes)
         if len(writes) > bm.num_free_device_blocks:
             return False
         for seq in writes:  # as _feed's prepare_write in the loop's order: the others' are no-ops
             start = seq.num_computed_tokens
             out.blocks_to_copy += bm.prepare_write(seq, start, start + 1)
+        self._tokens_left -= len(seqs)
+        if keep and seqs and not self._prefilling:  # every running sequence decodes: the rows are kept
+            self._batch = DecodeBatch(seqs, groups)
+            out.decode = DecodeStep(self._batch, self._batch.lengths - 1)
+            return True
         scheduled = out.scheduled
         for seq, group in zip(seqs, groups, strict=True):
             scheduled.append(ScheduledSeq(seq, group, 1, seq.num_computed_tokens, not group.prefill_only))
             if seq.lora_id:
                 out.lora_slots[seq.lora_id] = self.adapters.slot_of(seq.lora_id)
-        self._tokens_left -= len(seqs)
+        return True
+
+    def _decode_steady(self, out: SchedulerOutput) -> bool:
+        """Step 1 from the rows kept at the last step (engine/decode_batch.py): when nothing has changed since but
+        one token more on every row, every running sequence decodes again, in the same order, and the rows whose
+        table is full take a block each, as _decode_all would decide; returns True. Returns False, having fed
+        nothing and dropped the rows, where a row's length is not one more (the loops decide, or raise), or the
+        blocks do not fit (the group loop preempts); False with no rows kept."""
+        batch = self._batch
+        if batch is None:
+            return False
+        bm = self.block_manager
+        lengths = batch.read_lengths()
+        if not np.array_equal(lengths, batch.lengths + 1):
+            self._drop_batch()
+            return False
+        positions = lengths - 1
+        grow = batch.rows_to_grow(positions, self.config.block_size).tolist()
+        if len(grow) > bm.num_free_device_blocks:
+            self._drop_batch()
+            return False
+        for row in grow:  # the last block of a kept row is its own: a write takes a new block or nothing
+            position = int(positions[row])
+            out.blocks_to_copy += bm.prepare_write(batch.seqs[row], position, position + 1)
+        batch.grown(grow)
+        batch.lengths = lengths
+        out.decode = DecodeStep(batch, positions)
+        self._tokens_left -= len(batch)
         return True
 
     def _swap_in(self, out: SchedulerOutput) -> None:
@@ -491,12 +567,14 @@ class Scheduler:
         return need <= self.block_manager.num_free_device_blocks - reserve
 
     def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        self._drop_batch()
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, group, key=_by_arrival)
         self._seqs_left -= group.max_num_running_seqs()
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self._drop_batch()
         bm, seqs = self.block_manager, group.unfinished_seqs()
         if self.config.preemption_mode == "swap" and bm.num_blocks_to_swap(seqs) <= bm.num_free_cpu_blocks:
             out.blocks_to_swap_out += bm.swap_out(seqs)
