@@ -87,6 +87,22 @@ def test_mix_seed_is_stable_and_spreads():
     assert 0 <= mix_seed(-5, 2**70) < 2**63
 
 
+def test_a_steps_seeds_mixed_in_numpy_are_mix_seed_bit_for_bit():
+    """mix_seeds and _uniforms, the vectorised forms the sampler draws with, against mix_seed and _uniform row by
+    row: negative and over-wide values included, the float32 uniforms equal as the sampler passes them."""
+    import random
+
+    rng = random.Random(4)
+    columns = [[rng.choice([rng.randrange(-2**70, 2**70), rng.randrange(2**63), rng.randrange(100), -1, 0, 2**64 - 1])
+                for _ in range(2000)] for _ in range(3)]
+    assert sampler.mix_seeds(*columns).tolist() == [mix_seed(a, b, c) for a, b, c in zip(*columns, strict=True)]
+    rows = [row(SamplingParams(temperature=0.7), seed=rng.randrange(-2**63, 2**63), index=rng.randrange(8),
+                outputs=range(rng.randrange(50))) for _ in range(500)]
+    one_by_one = torch.tensor([sampler._uniform(r) for r in rows], dtype=torch.float32)
+    assert torch.equal(torch.from_numpy(sampler._uniforms(rows)).to(torch.float32), one_by_one)
+    assert sampler._uniforms(rows).tolist() == [sampler._uniform(r) for r in rows]
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("n", 0), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2),
