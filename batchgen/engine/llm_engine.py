@@ -357,7 +357,9 @@ class LLMEngine:
         self.scheduler.on_step_done(out)
         now = time.time()
         kept = self._kept
-        if out.decode is not None and kept is not None and kept.batch is out.decode.batch and kept.batch.valid:
+        if kept is not None and not kept.batch.valid:
+            kept = self._kept = None  # the scheduler dropped those rows: let go of their requests
+        if out.decode is not None and kept is not None and kept.batch is out.decode.batch:
             return finished + self._kept_step(kept, logits, out.decode.positions + 2)
         sampled: list[ScheduledSeq] = [s for s in out.scheduled if s.samples]
         if len(sampled) < len(out.scheduled):
