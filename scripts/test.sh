@@ -15,7 +15,7 @@ if [ "$workers" -gt 0 ]; then
   parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
   # The cores shared out: each worker (and the batchgen processes its tests start) gets nproc/workers
   # OpenMP threads, and threads that wait sleep rather than spin (the tests that ask for more threads).
-  # Two workers of two spinning threads each on two cores made a tiny model's job 24x slower: every
+  # Two workers of two spinning threads each on two cores made a tiny model's job take 24x longer: every
   # small kernel waited at its barrier for a thread the other worker had pushed off a core (PERF.md).
   threads=$(( $(nproc) / workers ))
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
