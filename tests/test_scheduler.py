@@ -364,3 +364,30 @@ def test_an_image_whose_tokens_attend_both_ways_is_prefilled_in_one_chunk_and_is
     assert chunks[1][0] < 10  # while the new requests keep coming
     assert all(not image.start < end < image.end for _, _, end in chunks)
     assert group.seqs[0].output_token_ids and admitted_while_waiting == 0
+
+
+def test_prompts_sharing_a_prefix_admitted_together_compute_it_once():
+    """Four choices of one question arrive together: the first computes the shared context, its twins wait one
+    step and find it in the prefix cache; a prompt of its own is not held back, and outputs are the same."""
+    eng = engine(num_device_blocks=64)
+    context = prompt(12, 500)  # three full blocks of 4
+    choices = [eng.add(context + [1 + i, 2], max_tokens=1) for i in range(4)]
+    other = eng.add(prompt(9, 900), max_tokens=1)
+    first = eng.step()
+    assert kinds(first) == [("r0", 14), ("r4", 9)]  # the twins wait; the unrelated prompt passes them
+    second = eng.step()
+    twins = [(s.seq.extra.get("name", s.group.request_id), s.start, s.num_new_tokens) for s in second.scheduled
+             if s.num_new_tokens > 1]
+    assert twins == [("r1", 12, 2), ("r2", 12, 2), ("r3", 12, 2)]  # the context came from the cache
+    eng.run()
+    assert all(len(g.seqs[0].output_token_ids) == 1 for g in [*choices, other])
+    assert eng.scheduler.stats().prefix_cache_hit_tokens == 3 * 12
+    eng.check_outputs()
+    assert_pools_whole(eng.scheduler)
+
+
+def test_twins_compute_the_prefix_side_by_side_without_the_prefix_cache():
+    eng = engine(num_device_blocks=64, enable_prefix_caching=False)
+    for i in range(3):
+        eng.add(prompt(12, 500) + [1 + i], max_tokens=1)
+    assert kinds(eng.step()) == [("r0", 13), ("r1", 13), ("r2", 13)]

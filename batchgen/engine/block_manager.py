@@ -217,6 +217,18 @@ class BlockManager:
             parent = key
         return hits
 
+    def first_block_key(self, seq: Sequence) -> int | None:
+        """The prefix cache's key of seq's first block when that block could be a hit (full, before the
+        last token and before the positions whose hidden states are wanted), else None."""
+        if not self.enable_prefix_caching:
+            return None
+        limit = len(seq.token_ids) - 1 if seq.keep_hidden_from is None else min(len(seq.token_ids) - 1,
+                                                                                seq.keep_hidden_from)
+        return self._hashes(seq, 1)[0] if limit >= self.block_size else None
+
+    def is_cached(self, key: int) -> bool:
+        return key in self._by_hash
+
     def _register(self, seq: Sequence, index: int, block_id: int) -> None:
         block = self._device[block_id]
         hashes = self._hashes(seq, index + 1)

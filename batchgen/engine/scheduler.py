@@ -15,7 +15,9 @@ Each step, in this order:
    sequence slots and token budget allow; each gets all its blocks at admission and a first
    chunk at once (unless that chunk would be an image that does not fit, as in 3). None is
    admitted in a step where an image waits for room: the running requests' decodes, which take
-   the budget before it, then run out.
+   the budget before it, then run out. A prompt whose first block a prompt admitted in the same
+   step computes (and the prefix cache does not hold yet) waits for the next step, where the
+   cache gives it what they share; those behind it may pass it.
 
 Requests are kept in arrival order in every queue, so the newest is always the victim and the
 oldest always progresses: no preemption loop can starve it.
@@ -514,10 +516,18 @@ class Scheduler:
         bm = self.block_manager
         draining: int | None = None
         blocked: SequenceGroup | None = None
+        computing: set[int] = set()  # first-block keys of the prompts admitted in this step
         i = 0
         while i < len(self.waiting) and self._tokens_left > 0:
             group = self.waiting[i]
             seqs = group.unfinished_seqs()
+            key = bm.first_block_key(seqs[0]) if len(seqs) == 1 and not seqs[0].num_computed_tokens else None
+            if key is not None and key in computing and not bm.is_cached(key):
+                # Its twin (a multiple-choice question's other choice, the same system prompt) computes the
+                # shared prefix in this step: admitted in the next, it finds it in the prefix cache instead
+                # of computing it again beside it. Outputs never depend on the step a request starts in.
+                i += 1
+                continue
             need = bm.num_blocks_to_allocate(seqs)
             if not self._fits(need):
                 if self.running:
@@ -542,6 +552,8 @@ class Scheduler:
             for seq in seqs:
                 bm.allocate(seq)
             self._set_running(group, seqs)
+            if key is not None:
+                computing.add(key)
             for seq in seqs:
                 if self._tokens_left == 0:
                     break
