@@ -70,23 +70,22 @@ def test_messages_say_null_where_the_job_file_does(tmp_path):
     assert "None" not in r.stderr
 
 
-def test_the_guide_says_when_a_shared_prompt_comes_from_the_prefix_cache(tiny_model_dirs):
-    """docs/scoring-embeddings.md: requests that start in the same step compute a shared prompt each
-    (the summary's 0.0% is true); those that start after it is computed take it from the cache."""
+def test_the_guide_says_a_shared_prompt_is_computed_once(tiny_model_dirs):
+    """docs/scoring-embeddings.md: completions of one prompt given together compute it once; the others wait a
+    step and take it from the cache, and so does a later call."""
     from batchgen import LLM
 
     guide = " ".join((REPO / "docs" / "scoring-embeddings.md").read_text(encoding="utf-8").split())
-    assert "Requests that start in the same step compute it each" in guide
-    assert "`prefix cache hit rate 0.0%`, which is true" in guide
-    prompt, completions = list(range(5, 42)), [[50, 51], [60, 61]]  # 37 tokens: 2 full blocks of 16
+    assert "the others start one step later and find it in the cache" in guide
+    prompt, completions = list(range(5, 42)), [[50, 51], [60, 61], [70, 71]]  # 37 tokens: 2 full blocks of 16
     llm = LLM(str(tiny_model_dirs["llama"]), kv_cache_memory="64MiB", swap_space="64MiB")
-    llm.score_completions([prompt, prompt], completions, use_tqdm=False)
-    assert llm.stats()["prefix_cache_hits"] == 0
+    together = llm.score_completions([prompt] * 3, completions, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == 2 * 32
     llm.score_completions([prompt], completions[:1], use_tqdm=False)
-    assert llm.stats()["prefix_cache_hits"] == 32
-    one_at_a_time = LLM(str(tiny_model_dirs["llama"]), kv_cache_memory="64MiB", swap_space="64MiB", max_num_seqs=1)
-    one_at_a_time.score_completions([prompt, prompt], completions, use_tqdm=False)
-    assert one_at_a_time.stats()["prefix_cache_hits"] == 32
+    assert llm.stats()["prefix_cache_hits"] == 3 * 32
+    alone = LLM(str(tiny_model_dirs["llama"]), kv_cache_memory="64MiB", swap_space="64MiB", enable_prefix_caching=False)
+    assert [s.logprob for s in alone.score_completions([prompt] * 3, completions, use_tqdm=False)] == [
+        s.logprob for s in together]
 
 
 def test_a_score_job_summary_in_its_own_words(tmp_path, tiny_model_dirs):
