@@ -224,7 +224,7 @@ def ray_run(
     import os
 
     from .job.validate import validate_job_file
-    from .ray.cluster import import_ray, run_on_ray
+    from .ray.cluster import HeadUnavailable, import_ray, run_on_ray
     from .storage.mounts import node_local_warning
 
     with _user_errors():
@@ -233,9 +233,18 @@ def ray_run(
         _warn(spec.warnings)
         if (address or os.environ.get("RAY_ADDRESS")) and (w := node_local_warning(spec.output_dir)):
             _err(f"warning: {w}")
-        result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
-                            gpus_per_worker=gpus_per_worker, max_retries=max_retries, engine=engine,
-                            force=force, retry_errors=retry_errors, grace=grace)
+        try:
+            result = run_on_ray(spec, workers, address=address, cpus_per_worker=cpus_per_worker,
+                                gpus_per_worker=gpus_per_worker, max_retries=max_retries, engine=engine,
+                                force=force, retry_errors=retry_errors, grace=grace)
+        except HeadUnavailable as e:
+            # The line and exit 75 now: Ray's exit hooks would wait on the lost head until Ray's own limit
+            # ends this process with exit 1 and a C++ log line. The driver holds nothing to save (the
+            # workers wrote the parts).
+            _err(f"batchgen: error: {e}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
     _exit(result.exit_code)
 
 
