@@ -200,10 +200,7 @@ class BlockManager:
         and so does every position from seq.keep_hidden_from on (its hidden states are wanted)."""
         if not self.enable_prefix_caching:
             return []
-        bs, tokens = self.block_size, seq.token_ids
-        max_blocks = (len(tokens) - 1) // bs
-        if seq.keep_hidden_from is not None:
-            max_blocks = min(max_blocks, seq.keep_hidden_from // bs)
+        bs, max_blocks = self.block_size, self._cacheable_blocks(seq)
         hits: list[int] = []
         parent = prefix_root(seq)
         for i, key in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):
@@ -217,14 +214,19 @@ class BlockManager:
             parent = key
         return hits
 
+    def _cacheable_blocks(self, seq: Sequence) -> int:
+        """How many of seq's first blocks may come from the cache: full, before its last token (which is
+        computed) and before the positions whose hidden states are wanted."""
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        if seq.keep_hidden_from is not None:
+            max_blocks = min(max_blocks, seq.keep_hidden_from // self.block_size)
+        return max_blocks
+
     def first_block_key(self, seq: Sequence) -> int | None:
-        """The prefix cache's key of seq's first block when that block could be a hit (full, before the
-        last token and before the positions whose hidden states are wanted), else None."""
-        if not self.enable_prefix_caching:
+        """The prefix cache's key of seq's first block when that block could be a hit, else None."""
+        if not self.enable_prefix_caching or self._cacheable_blocks(seq) < 1:
             return None
-        limit = len(seq.token_ids) - 1 if seq.keep_hidden_from is None else min(len(seq.token_ids) - 1,
-                                                                                seq.keep_hidden_from)
-        return self._hashes(seq, 1)[0] if limit >= self.block_size else None
+        return self._hashes(seq, 1)[0]
 
     def is_cached(self, key: int) -> bool:
         return key in self._by_hash

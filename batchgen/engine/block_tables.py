@@ -27,6 +27,13 @@ def padded_tables(tables: list[list[int]], lens: np.ndarray) -> np.ndarray:
     return out
 
 
+def widened(array: np.ndarray, width: int) -> np.ndarray:
+    """`array` with at least `width` columns: as it is, or zero-padded to twice its width or more."""
+    if width <= array.shape[1]:
+        return array
+    return np.pad(array, ((0, 0), (0, max(width, 2 * array.shape[1]) - array.shape[1])))
+
+
 class BlockTables:
     """Padded block tables of each step's rows, converted from Python lists only where a list is new or grew."""
 
@@ -67,10 +74,7 @@ class BlockTables:
             ids += table[start:]
         target = slots[rows]
         self._lens[target] = [len(tables[row]) for row in rows]
-        width = int(self._lens[target].max())
-        if width > self._array.shape[1]:  # wider: at least twice
-            grow = max(width, 2 * self._array.shape[1]) - self._array.shape[1]
-            self._array = np.pad(self._array, ((0, 0), (0, grow)))
+        self._array = widened(self._array, int(self._lens[target].max()))
         self._array[at_slot, at_col] = ids
 
     def _take(self, table: list[int]) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen.engine.block_tables import padded_tables
+from batchgen.engine.block_tables import padded_tables, widened
 from batchgen.engine.sequence import Sequence, SequenceGroup
 
 
@@ -61,9 +61,7 @@ class DecodeBatch:
         whatever happened to the list)."""
         for row in rows:
             table = self.seqs[row].block_table
-            if len(table) > self.tables.shape[1]:  # wider: at least twice
-                grow = max(len(table), 2 * self.tables.shape[1]) - self.tables.shape[1]
-                self.tables = np.pad(self.tables, ((0, 0), (0, grow)))
+            self.tables = widened(self.tables, len(table))
             self.tables[row, :len(table)] = table
             self.table_lens[row] = len(table)
 

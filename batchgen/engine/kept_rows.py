@@ -58,13 +58,11 @@ class KeptRows:
                 stops = self.stop_tokens
                 due = sorted({*due, *(i for i, token in enumerate(result.token_ids) if token in stops)})
         finished = []
-        for i in due:
+        for i in due:  # a row due by another row's stop token only: check says None, as its own watch would
             req, seq = self.targets[i]
-            watch, token = req.watch, seq.token_ids[-1]
-            if watch.tokens is None or token in watch.tokens or len(seq.token_ids) >= watch.length:
-                decision = check(req.params, seq.token_ids, seq.num_prompt_tokens)
-                if decision is not None:
-                    req.stop_reasons[seq.seq_id] = decision.stop_reason
-                    finish(seq, decision.reason)
-                    finished.append((req, seq))
+            decision = check(req.params, seq.token_ids, seq.num_prompt_tokens)
+            if decision is not None:
+                req.stop_reasons[seq.seq_id] = decision.stop_reason
+                finish(seq, decision.reason)
+                finished.append((req, seq))
         return finished

@@ -72,8 +72,7 @@ class SamplingRow(PromptThenOutputs):
     @property
     def edits_logits(self) -> bool:
         """A grammar, bans or penalties change the row's logits before it is sampled."""
-        return (self.allowed is not None or bool(self.banned_token_ids) or self.params.penalized
-                or self.params.logits_processors is not None)
+        return self.allowed is not None or bool(self.banned_token_ids) or _params_edit_logits(self.params)
 
 
 @dataclass
@@ -238,7 +237,12 @@ def _plain_greedy(rows: list[SamplingRow]) -> dict[int, bool]:
     parameters (no penalties, no logits processors): each parameters object looked at once, not once a row (its
     properties cost ~0.5 us a row and step)."""
     distinct = {id(row.params): row.params for row in rows}
-    return {key: p.greedy and not p.penalized and p.logits_processors is None for key, p in distinct.items()}
+    return {key: p.greedy and not _params_edit_logits(p) for key, p in distinct.items()}
+
+
+def _params_edit_logits(params: SamplingParams) -> bool:
+    """The parameters' part of SamplingRow.edits_logits: penalties or logits processors."""
+    return params.penalized or params.logits_processors is not None
 
 
 def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,7 +255,8 @@ def _sample_chunk(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     settled = _allowed_argmax_rows(chosen, rows)
     plain = _plain_greedy(rows)
     pending = [r for r, row in enumerate(rows)
-               if not (plain[id(row.params)] and row.allowed is None and not row.banned_token_ids) and r not in settled]
+               if not (plain[id(row.params)] and row.allowed is None and not row.banned_token_ids)  # edits_logits
+               and r not in settled]
     in_place = [r for r in pending if not rows[r].edits_logits]
     if in_place:
         chosen[in_place] = _draw(logits, in_place, [rows[r] for r in in_place])
