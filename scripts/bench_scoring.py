@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -100,11 +99,9 @@ def hf_embed(model, texts, batch: int, pad_id: int) -> list[torch.Tensor]:
 
 def vllm_score(python: str, model_dir: str, dtype: str, threads: int, prompts, completions) -> dict:
     """scripts/bench_vllm.py --score-rows in vLLM's environment (`python`): {"seconds", "scores"}."""
-    prefix = Path(python).resolve().parent.parent
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    if (prefix / "lib" / "libiomp5.so").exists():
-        env["LD_PRELOAD"] = str(prefix / "lib" / "libiomp5.so")
-    env.pop("PYTHONPATH", None)
+    from bench_vllm import child_env
+
+    env = child_env(python, threads)
     with tempfile.TemporaryDirectory() as tmp:
         rows, out = Path(tmp) / "rows.json", Path(tmp) / "out.json"
         rows.write_text(json.dumps({"prompts": prompts, "completions": completions}))

