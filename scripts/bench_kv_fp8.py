@@ -9,8 +9,9 @@
               tokens are all the same
   blocks      KV blocks that --kv-cache-memory holds per dtype (the sequences that fit side by side)
   --decode    instead, decode attention alone (ops.paged_attention_decode): SmolLM2's 9/3 heads x 64, 64 sequences
-              x 1,024 cached tokens, one layer, float32 and float16 queries over their own and the fp8 caches,
-              median of 30 calls
+              x 1,024 cached tokens, one layer, float32, float16 and bf16 queries over their own and the fp8
+              caches, median of 30 calls; each row's cache read rate as a share of a plain read of memory (the
+              fastest sum over a 256 MiB tensor, bench.py's read_gb_s) measured in the same run
 
 Each configuration runs in a fresh process. On a processor without AVX-512 use float32 or float16 activations
 (bf16 runs on the scalar kernels there).
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SETTINGS, TEXT, agreement, isolated, make_workload, quality  # noqa: E402
+from bench import SETTINGS, TEXT, agreement, isolated, make_workload, quality, read_gb_s  # noqa: E402
 
 CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -58,7 +59,7 @@ def cache_blocks(model: str, dtype: str, kv_cache_dtype: str, memory: str) -> in
                swap_space=0).llm_engine.scheduler.config.num_device_blocks
 
 
-def decode_speed(threads: int, seqs: int = 64, context: int = 1024) -> list[dict]:
+def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0) -> list[dict]:
     from batchgen import ops
 
     torch.set_num_threads(threads)
@@ -69,7 +70,9 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024) -> list[dict
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(blocks, kv_heads, block_size, head_dim, generator=gen)
     rows = []
-    for activation in (torch.float32, torch.float16):
+    plain = read_gb_s(threads, min_time=read_time)
+    print(f"plain read of memory: {plain:.1f} GB/s", flush=True)
+    for activation in (torch.float32, torch.float16, torch.bfloat16):
         query = torch.randn(seqs, heads, head_dim, generator=gen).to(activation)
         for cache_dtype in (activation, torch.float8_e4m3fn, torch.float8_e5m2):
             k, v = kv.to(cache_dtype), (kv / 2).to(cache_dtype)
@@ -79,10 +82,11 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024) -> list[dict
                 ops.paged_attention_decode(query, k, v, tables, lens, head_dim**-0.5)
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times[3:])
-            rows.append(dict(query=str(activation), cache=str(cache_dtype), ms=seconds * 1e3,
-                             cache_gb_s=2 * k.nbytes / seconds / 1e9))
+            gb_s = 2 * k.nbytes / seconds / 1e9
+            rows.append(dict(query=str(activation), cache=str(cache_dtype), ms=seconds * 1e3, cache_gb_s=gb_s,
+                             plain_read_gb_s=plain, share_of_plain_read=gb_s / plain))
             print(f"query {rows[-1]['query']:14s} cache {rows[-1]['cache']:20s} {rows[-1]['ms']:7.2f} ms "
-                  f"{rows[-1]['cache_gb_s']:6.2f} GB/s of cache", flush=True)
+                  f"{gb_s:6.2f} GB/s of cache ({gb_s / plain:.0%} of a plain read)", flush=True)
     return rows
 
 

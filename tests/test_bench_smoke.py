@@ -242,3 +242,18 @@ def test_eval_bench_quick_pass(tiny_model_dirs, tmp_path, capsys):
     assert rows[0]["requests"] == rows[1]["requests"] == 2 * (4 + 1 + 1)
     assert all(r["seconds"] > 0 for r in rows)
     assert "batchgen:" in capsys.readouterr().out
+
+
+def test_kv_fp8_decode_bench_quick_pass(bench):
+    """scripts/bench_kv_fp8.py --decode's timing loop on a small cache: a row per (query, cache) dtype, each with
+    its read rate and its share of the plain read measured in the same run."""
+    spec = importlib.util.spec_from_file_location("bench_kv_fp8", BENCH.parent / "bench_kv_fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.decode_speed(threads=1, seqs=2, context=64, read_time=0.1)
+    queries = {"torch.float32", "torch.float16", "torch.bfloat16"}
+    assert {(r["query"], r["cache"]) for r in rows} == {
+        (q, c) for q in queries for c in (q, "torch.float8_e4m3fn", "torch.float8_e5m2")}
+    for r in rows:
+        assert r["ms"] > 0 and r["plain_read_gb_s"] > 0
+        assert r["share_of_plain_read"] == pytest.approx(r["cache_gb_s"] / r["plain_read_gb_s"])
