@@ -158,22 +158,52 @@ struct Prefetcher {
   }
 };
 
-// fp8 caches (AttnArgs::kv_format): each tile's K and V are widened to T in scratch memory before the
-// scores and values run on them as on any cache of T, so every path (decode, prefill, shared runs, the
-// transposed and tile-unit paths) reads fp8 without a second copy of its loops. Both formats convert to
-// float32, bf16 and fp16 exactly; the scales are applied outside (the scores' scale, the output's
-// normalisation), so the tile holds the bytes' own values.
+// fp8 caches (AttnArgs::kv_format): the plain score and value loops (tile_scores and values_chunk, on
+// every table for float32 and fp16 activations, and for bf16 ones where the Vec has no bf16 dot product)
+// read the fp8 bytes themselves and convert them in registers (a tile of Fp8 elements, CachedLoad). The
+// paths that need the tile in memory as T (bf16 pairs, the transposed K, the tile unit) widen each tile
+// into scratch memory first (widen_fp8) and then run as on any cache of T. Both formats convert to
+// float32, bf16 and fp16 exactly and both ways give the same floats, so the bits are those of a cache of
+// T holding the same values; the scales are applied outside (the scores' scale, the output's
+// normalisation). On the Zen 2 the widening pass cost more than the fp8 bytes saved (16-bit decode 1.5x
+// slower than over a 16-bit cache, scripts/PERF.md), hence the loops that read fp8 directly.
 
-// n fp8 bytes (a multiple of Vec::N) as T, exactly: the bytes go through fp16 bits, where e5m2 is fp16's top
-// byte, and e4m3's bits shifted into fp16's place read as the value times 2^-8 (subnormals too), which the
-// multiply by 256 undoes. e4m3's NaN (0x7f, never written by reshape_and_cache) reads 480.
+// An fp8 cache's element, as the element type of a tile that the plain loops read without widening.
+struct Fp8 {
+  uint8_t bits;
+};
+
+// Vec::N cached elements of type S as floats: a cache of T's as Vec::load reads them, an fp8 cache's
+// converted in registers. The fp8 bytes go through fp16 bits, where e5m2 is fp16's top byte, and e4m3's
+// bits shifted into fp16's place read as the value times 2^-8 (subnormals too), which the multiply by 256
+// undoes: exact. e4m3's NaN (0x7f, never written by reshape_and_cache) reads 480.
+template <typename S>
+struct CachedLoad {
+  explicit CachedLoad(KVFormat) {}
+  Vec operator()(const S* p) const { return Vec::load(p); }
+};
+
+template <>
+struct CachedLoad<Fp8> {
+  int shift;
+  Vec unbias;
+
+  explicit CachedLoad(KVFormat f)
+      : shift(f == KVFormat::fp8_e5m2 ? 8 : 7), unbias(Vec::set1(f == KVFormat::fp8_e5m2 ? 1.0f : 256.0f)) {}
+  Vec operator()(const Fp8* p) const { return Vec::load_fp8_as_half(&p->bits, shift) * unbias; }
+};
+
+// Whether T's plain loops read an fp8 cache's bytes in registers (else the tile is widened first).
+template <typename T>
+constexpr bool kFp8InRegisters = !kPairs<T> && !kTilePath<T>;
+
+// n fp8 bytes (a multiple of Vec::N) as T, exactly, with CachedLoad's conversion.
 template <typename T>
 void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
-  const int shift = f == KVFormat::fp8_e5m2 ? 8 : 7;
-  const Vec unbias = Vec::set1(f == KVFormat::fp8_e5m2 ? 1.0f : 256.0f);
+  const CachedLoad<Fp8> load(f);
   alignas(64) float wide[Vec::N];
   for (int64_t i = 0; i < n; i += Vec::N) {
-    const Vec x = Vec::load_fp8_as_half(src + i, shift) * unbias;
+    const Vec x = load(reinterpret_cast<const Fp8*>(src + i));
     if constexpr (std::is_same_v<T, BF16>) {  // bf16 holds the value: its float's top half
       x.store(wide);
       for (int j = 0; j < Vec::N; ++j) dst[i + j].bits = static_cast<uint16_t>(float_bits(wide[j]) >> 16);
@@ -192,11 +222,15 @@ struct BlockKV {
   Prefetcher next_v;
 };
 
-// The blocks of one tile: keys b * BS .. (b + 1) * BS - 1 of the tile are block[b]'s rows.
-template <typename T>
+// The blocks of one tile: keys b * BS .. (b + 1) * BS - 1 of the tile are block[b]'s rows, of elements S
+// (T, or Fp8 read by the plain loops), which `load` reads as floats.
+template <typename S>
 struct Tile {
-  BlockKV<T> block[kMaxTileBlocks];
+  BlockKV<S> block[kMaxTileBlocks];
   int count;
+  CachedLoad<S> load;
+
+  explicit Tile(KVFormat f) : load(f) {}
 };
 
 inline int lines_for(int64_t bytes) { return static_cast<int>((bytes + 63) / 64); }
@@ -231,12 +265,14 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
 // exist in the block; their scores are masked later). Each q load serves kTokenStep tokens.
 // Forced inline, as are the other score and value loops: once the variants had grown the walk, GCC
 // kept them out of line, a call per block (decode of 256 x 128-token sequences ~5% slower).
-template <typename T, int NG>
-__attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<T>& tile,
-                                                       int D, int n, float* s) {
+// `load` is taken by value: a local copy stays in registers, where the tile's own may be reloaded after
+// each store of scores (a vector type may alias a float).
+template <typename S, int NG>
+__attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<S>& tile,
+                                                       const CachedLoad<S> load, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
-  const T* k = tile.k;
-  const int prefetch = lines_for(int64_t{TS} * D * sizeof(T));
+  const S* k = tile.k;
+  const int prefetch = lines_for(int64_t{TS} * D * sizeof(S));
   for (int t = 0; t < n; t += TS) {
     tile.next_k.lines(prefetch);
     Vec acc[TS][NG];
@@ -244,7 +280,7 @@ __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/
       for (int g = 0; g < NG; ++g) acc[i][g] = Vec::zero();
     for (int c = 0; c < D; c += Vec::N) {
       Vec x[TS];
-      for (int i = 0; i < TS; ++i) x[i] = Vec::load(k + (t + i) * D + c);
+      for (int i = 0; i < TS; ++i) x[i] = load(k + (t + i) * D + c);
       for (int g = 0; g < NG; ++g) {
         const Vec qg = Vec::load(q + g * D + c);
         for (int i = 0; i < TS; ++i) acc[i][g] = fma(qg, x[i], acc[i][g]);
@@ -257,9 +293,9 @@ __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/
 #ifdef BATCHGEN_DOT_BF16
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
-template <typename T, int NG>
+template <typename S, int NG>
 __attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
-                                                       int D, int n, float* s) {
+                                                       const CachedLoad<BF16> /*load*/, int D, int n, float* s) {
   constexpr int TS = kTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
@@ -453,23 +489,24 @@ static_assert(8 % kValueChains == 0 && 8 % (2 * kPairChains) == 0, "blocks hold 
 // acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
 // accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
 // blocks. `prefetch` lines of each block's next V go out per chunk.
-template <typename T, int NG>
+template <typename S, int NG>
 __attribute__((always_inline)) inline
-void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D, int BS, int fb, int n, int c,
+void values_chunk(const float* p, const float* correction, Tile<S>& tile, int D, int BS, int fb, int n, int c,
                   int prefetch, float* acc) {
   constexpr int C = kValueChains;
+  const CachedLoad<S> load = tile.load;  // in registers (see tile_scores)
   Vec sum[C][NG];
   for (int g = 0; g < NG; ++g) {
     sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
     for (int i = 1; i < C; ++i) sum[i][g] = Vec::zero();
   }
-  auto add_key = [&](int i, const T* v, const float* pb, int t) {
-    const Vec x = Vec::load(v + t * D + c);
+  auto add_key = [&](int i, const S* v, const float* pb, int t) {
+    const Vec x = load(v + t * D + c);
     for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[i][g]);
   };
   for (int b = fb; b * BS < n; ++b) {
     tile.block[b].next_v.lines(prefetch);
-    const T* v = tile.block[b].v;
+    const S* v = tile.block[b].v;
     const float* pb = p + b * BS;
     const int nb = min_i64(BS, n - b * BS);
     int t = 0;
@@ -487,12 +524,12 @@ void values_chunk(const float* p, const float* correction, Tile<T>& tile, int D,
 
 // acc_g = acc_g * correction_g + sum_{t < n} p[g][t] * v_t for the NG rows of a row group. The blocks
 // before block fb hold no key the group sees (p = 0 there) and are not read.
-template <typename T, int NG>
+template <typename S, int NG>
 __attribute__((always_inline)) inline
-void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<T>& tile, int D, int BS,
+void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<S>& tile, int D, int BS,
                  int fb, int n, float* acc) {
-  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(T));  // a block's bytes per chunk
-  for (int c = 0; c < D; c += Vec::N) values_chunk<T, NG>(p, correction, tile, D, BS, fb, n, c, prefetch, acc);
+  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(S));  // a block's bytes per chunk
+  for (int c = 0; c < D; c += Vec::N) values_chunk<S, NG>(p, correction, tile, D, BS, fb, n, c, prefetch, acc);
 }
 
 #ifdef BATCHGEN_DOT_BF16
@@ -503,7 +540,7 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // each kPairChunk chunk permuted (see unpermute_pairs); a last half chunk (head_dim 80) goes
 // through values_chunk, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
 // whatever the rows (as in values_chunk).
-template <typename T, int NG>
+template <typename S, int NG>
 __attribute__((always_inline)) inline
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
                  int fb, int n, float* acc) {
@@ -589,9 +626,9 @@ struct GroupKeys {
 
 // rows.s[g][t] = q_{r0 + g} . k_t for the tile's keys from block fb to n (rounded up), from kt, the tile's K
 // transposed, where the row groups share it, else from the blocks; the same bits either way.
-template <typename T, int NG>
+template <typename T, typename S, int NG>
 __attribute__((always_inline)) inline
-void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_unused]] const uint32_t* kt, int D,
+void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<S>& tile, [[maybe_unused]] const uint32_t* kt, int D,
                       int BS, int fb, int n) {
 #ifdef BATCHGEN_DOT_BF16
   if constexpr (kPairs<T>) {
@@ -599,7 +636,8 @@ void row_group_scores(const Rows<T>& rows, int64_t r0, Tile<T>& tile, [[maybe_un
   }
 #endif
   for (int b = fb; b * BS < n; ++b)
-    tile_scores<T, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], D, min_i64(BS, n - b * BS), rows.s + b * BS);
+    tile_scores<S, NG>(PairsTag<T>{}, rows.q + r0 * D, tile.block[b], tile.load, D, min_i64(BS, n - b * BS),
+                       rows.s + b * BS);
 }
 
 // The attention variants on a row group's scores s[g][t] (t < width), in memory, before softmax_rows, which
@@ -622,9 +660,10 @@ inline void score_variants(const AttnArgs& a, const GroupKeys& keys, int ng, int
   }
 }
 
-// Query rows r0 .. r0 + NG - 1 against one tile; row g sees the tile's keys [keys.low[g], keys.limit[g]).
-template <typename T, int NG>
-void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys, Tile<T>& tile,
+// Query rows r0 .. r0 + NG - 1 against one tile of S elements; row g sees the tile's keys
+// [keys.low[g], keys.limit[g]).
+template <typename T, typename S, int NG>
+void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys, Tile<S>& tile,
                  const uint32_t* kt) {
   const int D = a.head_dim, BS = a.block_size;
   const int fb = keys.fb;
@@ -632,7 +671,7 @@ void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const Group
   for (int g = 0; g < NG; ++g) n = keys.limit[g] > n ? keys.limit[g] : n;
   // The score loops may read K rows past n (inside the block, masked); the V loop reads valid rows
   // only, as 0 * (garbage V, possibly NaN) would not be 0.
-  row_group_scores<T, NG>(rows, r0, tile, kt, D, BS, fb, n);
+  row_group_scores<T, S, NG>(rows, r0, tile, kt, D, BS, fb, n);
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   float scale = a.scale;
   if (a.soft_cap > 0.0f || keys.any_low) {  // the variants scale the scores themselves
@@ -641,7 +680,7 @@ void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const Group
   }
   float correction[NG];
   softmax_rows<NG>(rows.s, keys.limit, width, scale, rows.m + r0, rows.l + r0, correction);
-  tile_values<T, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, fb, n, rows.acc + r0 * D);
+  tile_values<S, NG>(PairsTag<T>{}, rows.s, correction, tile, D, BS, fb, n, rows.acc + r0 * D);
 }
 
 }  // namespace
@@ -654,14 +693,14 @@ void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const Group
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {
 
-template <typename T>
+template <typename T, typename S>
 void attend_tile_rows(const AttnArgs& a, int ng, const Rows<T>& rows, int64_t r0, const GroupKeys& keys,
-                      Tile<T>& tile, const uint32_t* kt) {
+                      Tile<S>& tile, const uint32_t* kt) {
   switch (ng) {
-    case 1: return attend_tile<T, 1>(a, rows, r0, keys, tile, kt);
-    case 2: return attend_tile<T, 2>(a, rows, r0, keys, tile, kt);
-    case 3: return attend_tile<T, 3>(a, rows, r0, keys, tile, kt);
-    default: return attend_tile<T, 4>(a, rows, r0, keys, tile, kt);
+    case 1: return attend_tile<T, S, 1>(a, rows, r0, keys, tile, kt);
+    case 2: return attend_tile<T, S, 2>(a, rows, r0, keys, tile, kt);
+    case 3: return attend_tile<T, S, 3>(a, rows, r0, keys, tile, kt);
+    default: return attend_tile<T, S, 4>(a, rows, r0, keys, tile, kt);
   }
 }
 
@@ -755,16 +794,18 @@ inline TileWalk tile_walk(const AttnArgs& a, const AttnTask& task) {
 // One walk over a task's tiles (see TileWalk) for `rows`: per_head rows for each of the walk's kv
 // heads, head_stride rows apart; `task` says which keys each row sees. The tiles after the walk's
 // last are next_walk's, whose first ones are prefetched. kt holds the tile's K transposed when the
-// row groups share it, else is null.
-template <typename T>
+// row groups share it, else is null. The tiles hold the cache's elements as S: T, or Fp8 where T's
+// loops read fp8 themselves; an fp8 cache read as T is widened into `staging` tile by tile.
+template <typename T, typename S>
 void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, const TileWalk& next_walk,
                  const Rows<T>& rows, int64_t head_stride, int64_t per_head, uint32_t* kt,
-                 [[maybe_unused]] const AmxWork* amx, T* staging) {
+                 [[maybe_unused]] const AmxWork* amx, [[maybe_unused]] T* staging) {
   const int D = a.head_dim;
   const int BS = a.block_size;
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t heads = walk.heads;
   const bool fp8 = a.kv_format != KVFormat::same;
+  constexpr bool tiles_of_t = std::is_same_v<S, T>;  // then an fp8 cache is widened into staging
   const int64_t element = fp8 ? 1 : int64_t{sizeof(T)};  // bytes of a cached element
   const char* k_cache = static_cast<const char*>(a.key_cache);
   const char* v_cache = static_cast<const char*>(a.value_cache);
@@ -795,35 +836,39 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
     const int64_t ahead_tile = ahead_here ? ahead_visit : ahead_visit - num_tiles;
     const int ahead_count = ahead_visit < all_tiles ? ahead_walk.count(ahead_tile) : 0;
     const int ahead_skipped = ahead_visit < all_tiles ? ahead_walk.skipped(ahead_tile) : 0;
-    Tile<T> tile;
+    Tile<S> tile(a.kv_format);
     tile.count = walk.count(visit);
     const int skipped = walk.skipped(visit);
     for (int b = 0; b < tile.count; ++b) {
-      BlockKV<T>& kv = tile.block[b];
+      BlockKV<S>& kv = tile.block[b];
       if (b < skipped) {
         kv = {nullptr, nullptr, {}, {}};
         continue;
       }
       const int64_t offset = walk.offset(visit, b) * element;
-      kv = {reinterpret_cast<const T*>(k_cache + offset), reinterpret_cast<const T*>(v_cache + offset), {}, {}};
+      kv = {reinterpret_cast<const S*>(k_cache + offset), reinterpret_cast<const S*>(v_cache + offset), {}, {}};
       if (b < ahead_count && b >= ahead_skipped) {
         const int64_t next = ahead_walk.offset(ahead_tile, b) * element;
         kv.next_k = {k_cache + next, k_cache + next + bytes};
         kv.next_v = {v_cache + next, v_cache + next + bytes};
       }
-      if (fp8) {  // widened into the staging tile, K then V, block b at keys b * BS
-        T* k = staging + int64_t{b} * BS * D;
-        T* v = k + int64_t{kTileKeys} * D;
-        widen_fp8(reinterpret_cast<const uint8_t*>(k_cache + offset), k, walk.block_tile_elems, a.kv_format);
-        widen_fp8(reinterpret_cast<const uint8_t*>(v_cache + offset), v, walk.block_tile_elems, a.kv_format);
-        kv.k = k;
-        kv.v = v;
+      if constexpr (tiles_of_t) {
+        if (fp8) {  // widened into the staging tile, K then V, block b at keys b * BS
+          T* k = staging + int64_t{b} * BS * D;
+          T* v = k + int64_t{kTileKeys} * D;
+          widen_fp8(reinterpret_cast<const uint8_t*>(k_cache + offset), k, walk.block_tile_elems, a.kv_format);
+          widen_fp8(reinterpret_cast<const uint8_t*>(v_cache + offset), v, walk.block_tile_elems, a.kv_format);
+          kv.k = k;
+          kv.v = v;
+        }
       }
     }
     if (fp8 && a.k_scale != nullptr) scaled.scale = a.scale * a.k_scale[walk.kv_head + h];  // folded in
     const AttnArgs& tile_args = fp8 ? scaled : a;
 #ifdef BATCHGEN_DOT_BF16
-    if (kt != nullptr) transpose_keys(tile, D, BS, kt);
+    if constexpr (kPairs<T>) {  // kt is null otherwise
+      if (kt != nullptr) transpose_keys(tile, D, BS, kt);
+    }
 #endif
     const Rows<T> head_rows = rows.from(h * head_stride, D);
     const int tile_keys = tile.count * BS;
@@ -869,7 +914,7 @@ void attend_walk(const AttnArgs& a, const AttnTask& task, const TileWalk& walk, 
         continue;
       }
 #endif
-      attend_tile_rows<T>(tile_args, ng, head_rows, r0, keys, tile, kt);
+      attend_tile_rows<T, S>(tile_args, ng, head_rows, r0, keys, tile, kt);
     }
   }
 }
@@ -888,8 +933,9 @@ inline AttnTask member_task(const AttnArgs& a, const AttnTask& task, int64_t j) 
   return member;
 }
 
-template <typename T>
-void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
+// attend for a task whose tiles hold the cache's elements as S (see attend_walk).
+template <typename T, typename S>
+void attend_as(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
   const int D = a.head_dim;
   const int group = a.num_heads / a.num_kv_heads;
   const int64_t heads = task.kv_head_count;
@@ -917,10 +963,15 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
 #endif
-  T* staging = nullptr;  // an fp8 cache's tile, widened
-  if (a.kv_format != KVFormat::same) {
+  // Over fp8 bytes (S = Fp8) the walk and its loops see T only through the query rows, floats for every such
+  // T: float's copy serves bf16 and fp16 activations too (compiled once, not three times).
+  using WalkT = std::conditional_t<std::is_same_v<S, Fp8>, float, T>;
+  static_assert(std::is_same_v<QueryT<WalkT>, QueryT<T>>, "the same query rows");
+  const Rows<WalkT> walk_rows{rows.q, rows.acc, rows.m, rows.l, rows.s};
+  WalkT* staging = nullptr;  // an fp8 cache's tile, widened
+  if (std::is_same_v<S, T> && a.kv_format != KVFormat::same) {
     const auto after_base = reinterpret_cast<uintptr_t>(scratch + attend_base_floats(count, D));
-    staging = reinterpret_cast<T*>((after_base + 63) / 64 * 64);
+    staging = reinterpret_cast<WalkT*>((after_base + 63) / 64 * 64);
   }
   load_queries<T>(a, task, group, rows.q);
   for (int64_t i = 0; i < count * D; ++i) rows.acc[i] = 0.0f;
@@ -931,23 +982,33 @@ void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, 
   // The tiles after this task's last are the next task's.
   const TileWalk after = next_task != nullptr ? tile_walk(a, *next_task) : TileWalk{};
   if (task.member_lens == nullptr) {
-    attend_walk<T>(a, task, tile_walk(a, task), after, rows, per_head, per_head, kt, amx, staging);
+    attend_walk<WalkT, S>(a, task, tile_walk(a, task), after, walk_rows, per_head, per_head, kt, amx, staging);
   } else {
     // The shared keys for every member's rows, then each member's own keys for its rows alone: the
     // online softmax carries on, so no partial results need combining.
-    attend_walk<T>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), rows, per_head, per_head,
-                   kt, amx, staging);
+    attend_walk<WalkT, S>(a, task, tile_walk(a, task), tile_walk(a, member_task(a, task, 0)), walk_rows, per_head,
+                          per_head, kt, amx, staging);
     for (int64_t j = 0; j < task.q_count; ++j) {
       const AttnTask member = member_task(a, task, j);
       const TileWalk next_walk = j + 1 < task.q_count ? tile_walk(a, member_task(a, task, j + 1)) : after;
-      attend_walk<T>(a, member, tile_walk(a, member), next_walk, rows.from(j * group, D), per_head, group,
-                     nullptr, amx, staging);
+      attend_walk<WalkT, S>(a, member, tile_walk(a, member), next_walk, walk_rows.from(j * group, D), per_head,
+                            group, nullptr, amx, staging);
     }
   }
   write_rows<T>(a, task, group, rows);
 #ifdef BATCHGEN_AMX
   if constexpr (kTilePath<T>) _tile_release();
 #endif
+}
+
+// One task (AttnTask) of T activations: over an fp8 cache the tiles hold the bytes themselves where T's
+// loops read them (kFp8InRegisters), else elements of T.
+template <typename T>
+void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
+  if constexpr (kFp8InRegisters<T>) {
+    if (a.kv_format != KVFormat::same) return attend_as<T, Fp8>(a, task, next_task, scratch);
+  }
+  attend_as<T, T>(a, task, next_task, scratch);
 }
 
 }  // namespace

@@ -46,9 +46,9 @@ struct AttnArgs {
   float soft_cap;          // 0: off; else each scaled score s becomes soft_cap * tanh(s / soft_cap)
   float inv_soft_cap;      // 1 / soft_cap
   // The caches' elements: the query's dtype (same), or fp8 bytes (fp8.h) read as k * k_scale[kv head] and
-  // v * v_scale[kv head] (float32 [num_kv_heads]). The kernels widen an fp8 tile to the query's dtype
-  // (exactly: both formats fit in float32, bf16 and fp16) and fold the scales into the scores' scale and the
-  // output's normalisation.
+  // v * v_scale[kv head] (float32 [num_kv_heads]). The kernels convert fp8 in registers, or on the paths that
+  // need the tile in memory widen it to the query's dtype first (exactly either way: both formats fit in
+  // float32, bf16 and fp16), and fold the scales into the scores' scale and the output's normalisation.
   KVFormat kv_format = KVFormat::same;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
@@ -113,8 +113,8 @@ inline int64_t attend_base_floats(int64_t rows, int64_t head_dim) {
                             kTileKeys * padded / 2 + 7 * 16;
   return vector_path > tile_path ? vector_path : tile_path;
 }
-// Then, for fp8 caches, one tile's K and V widened to the query's dtype (at most float32), on a 64-byte
-// boundary.
+// Then, for fp8 caches on the paths that widen them (attention_impl.h), one tile's K and V widened to the
+// query's dtype (at most float32), on a 64-byte boundary.
 inline int64_t fp8_staging_floats(int64_t head_dim) { return 2 * kTileKeys * head_dim + 16; }
 inline int64_t attend_scratch_floats(int64_t rows, int64_t head_dim) {
   return attend_base_floats(rows, head_dim) + fp8_staging_floats(head_dim);

@@ -24,7 +24,7 @@ struct Vec {
     return r;
   }
   // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`), as floats
-  // (attention_impl.h's widen_fp8).
+  // (attention_impl.h's CachedLoad).
   static Vec load_fp8_as_half(const uint8_t* p, int shift) {
     Vec r;
     for (int i = 0; i < N; ++i) {
