@@ -18,13 +18,15 @@ struct Vec {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static Vec load(const F16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
-  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`), as floats
-  // (attention_impl.h's widen_fp8).
+  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`, 7 or 8), as floats
+  // (attention_impl.h's CachedLoad). Sign-extended to 16 bits and shifted, a byte's sign lands in bit 15;
+  // the mask clears the sign's copies shifted in between it and the other bits (bit 14 for shift 7). One
+  // shift and one mask instead of two each (separate sign and rest): the fp8 loops convert every element
+  // they read, and this shortened them measurably on Zen 2 (scripts/PERF.md).
   static Vec load_fp8_as_half(const uint8_t* p, int shift) {
-    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
-    const __m128i rest = _mm_sll_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7f)), _mm_cvtsi32_si128(shift));
-    return {_mm256_cvtph_ps(_mm_or_si128(sign, rest))};
+    const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i keep = _mm_set1_epi16(static_cast<int16_t>(0x8000 | (0xffff >> (9 - shift))));
+    return {_mm256_cvtph_ps(_mm_and_si128(_mm_sll_epi16(wide, _mm_cvtsi32_si128(shift)), keep))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(F16* p) const {  // rounded to nearest even

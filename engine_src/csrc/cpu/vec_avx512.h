@@ -19,13 +19,12 @@ struct Vec {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
   }
   static Vec load(const F16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
-  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`), as floats
-  // (attention_impl.h's widen_fp8).
+  // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`, 7 or 8), as floats
+  // (attention_impl.h's CachedLoad): sign-extended and shifted, the sign's copies masked off (see vec_avx2.h).
   static Vec load_fp8_as_half(const uint8_t* p, int shift) {
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_sll_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), _mm_cvtsi32_si128(shift));
-    return {_mm512_cvtph_ps(_mm256_or_si256(sign, rest))};
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i keep = _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (0xffff >> (9 - shift))));
+    return {_mm512_cvtph_ps(_mm256_and_si256(_mm256_sll_epi16(wide, _mm_cvtsi32_si128(shift)), keep))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(F16* p) const {  // rounded to nearest even
