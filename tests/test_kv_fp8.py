@@ -183,6 +183,55 @@ def test_one_key_reads_back_each_value_exactly(fp8, activation):
     assert torch.equal(got, want)
 
 
+def shared_prompt_case(fp8, gen):
+    """fp8_case's caches for a request's three samples sharing a 128-key prompt (seq_groups: read once for all
+    three, the tiles from 128 on each sample's own), a lone sequence across tiles and one of a single key."""
+    lens = [130, 129, 200, 300, 1]
+    kv, k_cache, v_cache, k_scale, v_scale = fp8_case(lens, 3, 64, 16, fp8, gen)
+    tables = kv.block_tables.clone()
+    tables[1:3, :8] = tables[0, :8]
+    groups = torch.tensor([0, 0, 0, 1, 2], dtype=torch.int32)
+    return kv.seq_lens, tables, groups, k_cache, v_cache, k_scale, v_scale
+
+
+@pytestmark_isa
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}], ids=["plain", "window",
+                                                                                                   "softcap"])
+def test_decode_variants_and_shared_runs_match_reference(fp8, activation, variant):
+    """Decode with a window or a soft cap, alone and with samples sharing their prompt's blocks."""
+    gen = torch.Generator().manual_seed(19)
+    lens, tables, groups, k_cache, v_cache, k_scale, v_scale = shared_prompt_case(fp8, gen)
+    q = random_query(len(lens), 9, 64, activation, "cpu", gen)
+    args = (q, k_cache, v_cache, tables, lens, 0.125)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    with single_threaded():
+        want = reference.paged_attention_decode(*args, **variant, **scales)
+    for seq_groups in (None, groups):
+        got = ops.paged_attention_decode(*args, seq_groups=seq_groups, **variant, **scales)
+        assert rel_err(got, want) < tolerance(activation), seq_groups
+
+
+@pytestmark_isa
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
+def test_prefill_with_key_limits_matches_reference(fp8, activation):
+    """Prefill whose tokens see keys past their own position (key_limit), with and without a window."""
+    gen = torch.Generator().manual_seed(23)
+    lens, q_lens = [150, 80], [150, 47]
+    kv, k_cache, v_cache, k_scale, v_scale = fp8_case(lens, 3, 64, 16, fp8, gen)
+    q = random_query(sum(q_lens), 9, 64, activation, "cpu", gen)
+    starts = torch.tensor([0, 150, 197], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - q_n, n) for n, q_n in zip(lens, q_lens, strict=True)])
+    ends = torch.cat([torch.full((q_n,), n - 1) for n, q_n in zip(lens, q_lens, strict=True)])
+    limits = (positions + (torch.rand(len(positions), generator=gen) * (ends - positions + 1)).long()).int()
+    args = (q, k_cache, v_cache, kv.block_tables, kv.seq_lens, starts, 0.125)
+    for window in (0, 40):
+        kwargs = dict(sliding_window=window, key_limit=limits, k_scale=k_scale, v_scale=v_scale)
+        with single_threaded():
+            want = reference.paged_attention_prefill(*args, **kwargs)
+        assert rel_err(ops.paged_attention_prefill(*args, **kwargs), want) < tolerance(activation), window
+
+
 # --- batch invariance within the fp8 path ------------------------------------------------------
 
 
@@ -252,6 +301,51 @@ def test_samples_sharing_blocks_decode_as_if_alone(fp8):
     for i in range(4):
         alone = ops.paged_attention_decode(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125, **scales)
         assert torch.equal(together[i], alone[0]), i
+
+
+def fp8_and_widened(shape, fp8, activation, gen):
+    """Random fp8 K and V caches, and the same values in the activations' dtype (exact: every fp8 value is a
+    float32, bf16 and fp16 value): ((k, v) in fp8, (k, v) widened)."""
+    caches = [(torch.randn(shape, generator=gen) * 3).to(fp8) for _ in range(2)]
+    return tuple(caches), tuple(c.to(activation) for c in caches)
+
+
+def assert_same_bits(op, caches, widened, query, *args, **kwargs):
+    got = op(query, *caches, *args, **kwargs)
+    assert torch.equal(got, op(query, *widened, *args, **kwargs)), (op.__name__, query.shape, sorted(kwargs))
+
+
+@pytestmark_isa
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}], ids=["plain", "window",
+                                                                                                   "softcap"])
+def test_fp8_gives_the_bits_of_the_same_values_in_the_activations_dtype(fp8, activation, variant):
+    """Without scales an fp8 cache reads bit for bit as a cache of the activations' dtype holding the same
+    values: the loops that convert fp8 in registers, and the paths that widen a tile first, sum in the order
+    of the plain cache's loops. Decode alone and with samples sharing their prompt's blocks (seq_groups),
+    prefill whole, in chunks behind a cached context and with key limits; row groups of 1, 3 and 4 rows."""
+    gen = torch.Generator().manual_seed(17)
+    head_dim, block_size, blocks = 64, 16, 64
+    for heads, kv_heads in ((4, 4), (9, 3), (8, 1)):
+        caches, widened = fp8_and_widened((blocks, kv_heads, block_size, head_dim), fp8, activation, gen)
+        # Decode: the first three share a 128-key prompt.
+        lens = torch.tensor([130, 129, 200, 1, 64, 65, 300], dtype=torch.int32)
+        tables = torch.stack([torch.randperm(blocks, generator=gen)[:20] for _ in range(len(lens))]).int()
+        tables[1:3, :8] = tables[0, :8]
+        q = torch.randn(len(lens), heads, head_dim, generator=gen).to(activation)
+        groups = torch.tensor([0, 0, 0, 1, 2, 3, 4], dtype=torch.int32)
+        for seq_groups in (None, groups):
+            assert_same_bits(ops.paged_attention_decode, caches, widened, q, tables, lens, 0.125,
+                             seq_groups=seq_groups, **variant)
+        # Prefill: a whole prompt, chunks behind 23 and 100 cached keys, one token; then with key limits.
+        lens, q_lens = [150, 33, 170, 9], [150, 10, 70, 1]
+        tables = torch.stack([torch.randperm(blocks, generator=gen)[:12] for _ in lens]).int()
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(activation)
+        ends = torch.cat([torch.full((q_n,), n - 1) for n, q_n in zip(lens, q_lens, strict=True)]).int()
+        for key_limit in (None, ends):
+            assert_same_bits(ops.paged_attention_prefill, caches, widened, q, tables,
+                             torch.tensor(lens, dtype=torch.int32), starts, 0.125, key_limit=key_limit, **variant)
 
 
 # --- copies and swaps ----------------------------------------------------------------------------
