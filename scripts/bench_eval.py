@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,15 +109,10 @@ def run(backend: str, model: str, dtype: str, tasks: list[str], root: Path, batc
 
 def run_vllm_child(python: str, model: str, args: argparse.Namespace) -> dict:
     """The vllm backend in vLLM's own environment: this script again there, on the same generated tasks."""
-    from bench_vllm import child_env
+    from bench_vllm import run_child
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "vllm.json"
-        proc = subprocess.run([python, __file__, "--backends", "vllm", "--model", model, "--dtype", args.dtype,
-                               "--docs", str(args.docs), "--json", str(out)], env=child_env(python, threads=None))
-        if not out.exists():  # vLLM 0.32 may abort in its shutdown after the results are written
-            raise SystemExit(f"the vllm backend's run failed (exit {proc.returncode})")
-        return json.loads(out.read_text())[0]
+    return run_child(python, [__file__, "--backends", "vllm", "--model", model, "--dtype", args.dtype,
+                              "--docs", str(args.docs)], "--json", "the vllm backend's run")[0]
 
 
 def main(argv=None) -> list[dict]:
@@ -127,7 +121,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--docs", type=int, default=100, help="documents per task")
     parser.add_argument("--backends", default="hf,batchgen,vllm")
-    parser.add_argument("--batch-size", type=int, default=16, help="the hf (and vllm) backends' batch size")
+    parser.add_argument("--batch-size", type=int, default=16, help="the hf backend's batch size (vllm's is auto)")
     parser.add_argument("--vllm-python", help="the python of a vLLM CPU environment with lm-eval: run vllm there")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

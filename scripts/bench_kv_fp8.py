@@ -13,8 +13,9 @@
               caches, median of 30 calls; each row's cache read rate as a share of a plain read of memory (the
               fastest sum over a 256 MiB tensor, bench.py's read_gb_s) measured in the same run
 
-Each configuration runs in a fresh process. On a processor without AVX-512 use float32 or float16 activations
-(bf16 runs on the scalar kernels there).
+Each configuration runs in a fresh process. On a processor without AVX-512, bf16 models multiply float32 copies of
+their weights (compute_dtype in batchgen/layers/linear.py), a little slower than float32 itself: float32 is the
+quicker choice for the quality runs there.
 
     .venv/bin/python scripts/bench_kv_fp8.py --quick                          # smoke test
     .venv/bin/python scripts/bench_kv_fp8.py --dtype float32 --json /tmp/kv_fp8.json

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,18 +98,14 @@ def hf_embed(model, texts, batch: int, pad_id: int) -> list[torch.Tensor]:
 
 def vllm_score(python: str, model_dir: str, dtype: str, threads: int, prompts, completions) -> dict:
     """scripts/bench_vllm.py --score-rows in vLLM's environment (`python`): {"seconds", "scores"}."""
-    from bench_vllm import child_env
+    from bench_vllm import run_child
 
-    env = child_env(python, threads)
     with tempfile.TemporaryDirectory() as tmp:
-        rows, out = Path(tmp) / "rows.json", Path(tmp) / "out.json"
+        rows = Path(tmp) / "rows.json"
         rows.write_text(json.dumps({"prompts": prompts, "completions": completions}))
         script = Path(__file__).resolve().parent / "bench_vllm.py"
-        proc = subprocess.run([python, str(script), "--model", model_dir, "--dtype", dtype, "--score-rows",
-                               str(rows), "--out", str(out)], env=env)
-        if not out.exists():  # vLLM 0.32 may abort in its shutdown after the results are written
-            raise SystemExit(f"vLLM's scoring run failed (exit {proc.returncode})")
-        return json.loads(out.read_text())
+        return run_child(python, [str(script), "--model", model_dir, "--dtype", dtype, "--score-rows", str(rows)],
+                         "--out", "vLLM's scoring run", threads)
 
 
 def timed(fn, *args):

@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +46,17 @@ def child_env(python: str, threads: int | None = None) -> dict[str, str]:
         env["LD_PRELOAD"] = str(iomp)
     env.pop("PYTHONPATH", None)
     return env
+
+
+def run_child(python: str, argv: list[str], out_flag: str, what: str, threads: int | None = None):
+    """Runs a script (`argv`: its path and arguments) with the vLLM environment's `python` (child_env) and returns
+    the JSON it writes to the file `out_flag` names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        proc = subprocess.run([python, *argv, out_flag, str(out)], env=child_env(python, threads))
+        if not out.exists():  # vLLM 0.32 may abort in its shutdown after the results are written
+            raise SystemExit(f"{what} in vLLM's environment failed (exit {proc.returncode})")
+        return json.loads(out.read_text())
 
 
 def run(llm, wl: bench.Workload, loras: list | None = None) -> tuple[float, int]:

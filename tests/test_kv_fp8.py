@@ -25,6 +25,8 @@ from batchgen.ops import reference
 
 FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
+with_variants = pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}],
+                                        ids=["plain", "window", "softcap"])
 
 
 def fmt_id(dtype: torch.dtype) -> str:
@@ -143,8 +145,7 @@ def test_decode_matches_reference(fp8, activation, heads, head_dim, block_size):
 
 @pytestmark_isa
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
-@pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}], ids=["plain", "window",
-                                                                                                   "softcap"])
+@with_variants
 def test_prefill_and_chunks_match_reference(fp8, activation, variant):
     """Whole prompts, chunks behind cached context (prefix hits) and one-token rows, in one call."""
     gen = torch.Generator().manual_seed(7)
@@ -196,8 +197,7 @@ def shared_prompt_case(fp8, gen):
 
 @pytestmark_isa
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
-@pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}], ids=["plain", "window",
-                                                                                                   "softcap"])
+@with_variants
 def test_decode_variants_and_shared_runs_match_reference(fp8, activation, variant):
     """Decode with a window or a soft cap, alone and with samples sharing their prompt's blocks."""
     gen = torch.Generator().manual_seed(19)
@@ -317,8 +317,7 @@ def assert_same_bits(op, caches, widened, query, *args, **kwargs):
 
 @pytestmark_isa
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
-@pytest.mark.parametrize("variant", [{}, {"sliding_window": 40}, {"logits_soft_cap": 5.0}], ids=["plain", "window",
-                                                                                                   "softcap"])
+@with_variants
 def test_fp8_gives_the_bits_of_the_same_values_in_the_activations_dtype(fp8, activation, variant):
     """Without scales an fp8 cache reads bit for bit as a cache of the activations' dtype holding the same
     values: the loops that convert fp8 in registers, and the paths that widen a tile first, sum in the order
