@@ -158,7 +158,7 @@ struct Prefetcher {
   }
 };
 
-// fp8 caches (AttnArgs::kv_format): the plain score and value loops (tile_scores and values_chunk, on
+// fp8 caches (AttnArgs::kv_format): the plain score and value loops (tile_scores and values_chunks, on
 // every table for float32 and fp16 activations, and for bf16 ones where the Vec has no bf16 dot product)
 // read the fp8 bytes themselves and convert them in registers (a tile of Fp8 elements, CachedLoad). The
 // paths that need the tile in memory as T (bf16 pairs, the transposed K, the tile unit) widen each tile
@@ -185,6 +185,7 @@ struct Fp8 {
 template <typename S>
 struct CachedLoad {
   static constexpr float unbias = 1.0f;
+  static constexpr int kRegisters = 0;  // vector registers its conversion keeps (see kTokenStep)
 
   explicit CachedLoad(KVFormat) {}
   Vec operator()(const S* p) const { return Vec::load(p); }
@@ -193,6 +194,7 @@ struct CachedLoad {
 
 template <>
 struct CachedLoad<Fp8> {
+  static constexpr int kRegisters = 3;  // the mask, the shift count, unbias_vec
   int shift;
   float unbias;
   Vec unbias_vec;
@@ -247,23 +249,37 @@ struct Tile {
 
 inline int lines_for(int64_t bytes) { return static_cast<int>((bytes + 63) / 64); }
 
-// Tokens handled side by side by tile_scores: enough independent FMA chains (NG * tokens) to hide
-// the FMA latency, few enough accumulators to stay in registers. A score's own sum is one chain
-// whatever the step, so a row's scores do not depend on NG.
+// Whether `held` vectors fit in the vector registers beside S's conversion constants.
+template <typename S>
+constexpr bool fits_registers(int held) {
+  return held + CachedLoad<S>::kRegisters <= Vec::kRegisters;
+}
+
+// Tokens handled side by side by the plain tile_scores: the most of 8, 4 and 2 (each divides every block
+// size) whose accumulators (TS * NG), query vectors (NG) and key vector fit in the registers. Each
+// query load then serves TS tokens, and NG * TS independent FMA chains hide the FMA latency. SmolLM2's
+// decode (NG = 3) on AVX2 went from 2 tokens to 4 (scripts/PERF.md). A score's own sum is one chain
+// whatever the step, so a row's scores depend on neither TS nor NG.
+template <typename S, int NG>
+constexpr int kTokenStep = fits_registers<S>(8 * NG + NG + 1) ? 8 : fits_registers<S>(4 * NG + NG + 1) ? 4 : 2;
+
+// The bf16 pair path's step (its x vectors are all loaded before the rows').
 template <int NG>
-constexpr int kTokenStep = NG <= 2 ? 4 : 2;
+constexpr int kPairTokenStep = NG <= 2 ? 4 : 2;
 
 // Sums acc[i][g] into s[g][t + i] (tokens t .. t + TS - 1, rows 0 .. NG - 1). Forced inline: as
 // a call it would take the accumulators through memory (GCC keeps it out of line otherwise).
 template <int TS, int NG>
 __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG], int t, float* s) {
-  if constexpr (TS == 4) {
+  if constexpr (TS % 4 == 0) {
     for (int g = 0; g < NG; ++g) {
-      float* row = s + g * kTileKeys + t;
-      reduce_add4(acc[0][g], acc[1][g], acc[2][g], acc[3][g], row, row + 2);
+      for (int i = 0; i < TS; i += 4) {
+        float* row = s + g * kTileKeys + t + i;
+        reduce_add4(acc[i][g], acc[i + 1][g], acc[i + 2][g], acc[i + 3][g], row, row + 2);
+      }
     }
   } else {
-    static_assert(TS == 2, "token steps of 2 or 4");
+    static_assert(TS == 2, "token steps of 2 or a multiple of 4");
     for (int g = 0; g < NG; g += 2) {
       float unused[2];
       const bool pair = g + 1 < NG;
@@ -282,20 +298,22 @@ __attribute__((always_inline)) inline void store_scores(const Vec (&acc)[TS][NG]
 template <typename S, int NG>
 __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/, const float* q, BlockKV<S>& tile,
                                                        const CachedLoad<S> load, int D, int n, float* s) {
-  constexpr int TS = kTokenStep<NG>;
+  constexpr int TS = kTokenStep<S, NG>;
+  // The next block's K goes out TS tokens' worth a step, spread over the step's chunks (a burst of 16
+  // lines at the step's start made cold float32 decode ~10% slower on Zen 2).
+  const int prefetch = lines_for(int64_t{TS} * Vec::N * sizeof(S));  // per chunk
   const S* k = tile.k;
-  const int prefetch = lines_for(int64_t{TS} * D * sizeof(S));
-  for (int t = 0; t < n; t += TS) {
-    tile.next_k.lines(prefetch);
+  for (int t = 0; t < n; t += TS, k += TS * D) {
     Vec acc[TS][NG];
     for (int i = 0; i < TS; ++i)
       for (int g = 0; g < NG; ++g) acc[i][g] = Vec::zero();
     for (int c = 0; c < D; c += Vec::N) {
-      Vec x[TS];
-      for (int i = 0; i < TS; ++i) x[i] = load(k + (t + i) * D + c);
-      for (int g = 0; g < NG; ++g) {
-        const Vec qg = Vec::load(q + g * D + c);
-        for (int i = 0; i < TS; ++i) acc[i][g] = fma(qg, x[i], acc[i][g]);
+      tile.next_k.lines(prefetch);
+      Vec qg[NG];
+      for (int g = 0; g < NG; ++g) qg[g] = Vec::load(q + g * D + c);
+      for (int i = 0; i < TS; ++i) {
+        const Vec x = load(k + i * D + c);
+        for (int g = 0; g < NG; ++g) acc[i][g] = fma(qg[g], x, acc[i][g]);
       }
     }
     store_scores<TS, NG>(acc, t, s);
@@ -308,7 +326,7 @@ __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/
 template <typename S, int NG>
 __attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
                                                        const CachedLoad<BF16> /*load*/, int D, int n, float* s) {
-  constexpr int TS = kTokenStep<NG>;
+  constexpr int TS = kPairTokenStep<NG>;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
   for (int t = 0; t < n; t += TS) {
@@ -498,39 +516,61 @@ constexpr int kValueChains = 2;
 constexpr int kPairChains = 1;  // on the bf16 pair path, chains of key pairs (the rows give the ILP)
 static_assert(8 % kValueChains == 0 && 8 % (2 * kPairChains) == 0, "blocks hold whole steps of the chains");
 
-// acc_g[c, c + N) = acc_g[c, c + N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + N): the
-// accumulators of one output chunk stay in registers, one per (row, chain), across the tile's
-// blocks. `prefetch` lines of each block's next V go out per chunk.
+// Output chunks of Vec::N elements summed side by side by values_chunks: the most of 4, 2 and 1 whose
+// accumulators (kValueChains * NG * CW), V vectors (CW) and broadcast probability fit in the registers.
+// Each broadcast then serves CW chunks and kValueChains * NG * CW chains hide the FMA latency: SmolLM2's
+// decode (NG = 3) on AVX2 went from 1 chunk to 2 (scripts/PERF.md). A chunk's sums are the same whatever CW.
 template <typename S, int NG>
+constexpr int kValueChunks = fits_registers<S>(kValueChains * NG * 4 + 4 + 1)   ? 4
+                             : fits_registers<S>(kValueChains * NG * 2 + 2 + 1) ? 2
+                                                                                 : 1;
+
+// acc_g[c, c + CW N) = acc_g[c, c + CW N) * correction_g + sum_{t < n} p[g][t] * v_t[c, c + CW N): the
+// accumulators of CW output chunks stay in registers, one per (row, chain, chunk), across the tile's
+// blocks. `prefetch` lines of each block's next V go out per step of kValueChains keys.
+template <typename S, int NG, int CW>
 __attribute__((always_inline)) inline
-void values_chunk(const float* p, const float* correction, Tile<S>& tile, int D, int BS, int fb, int n, int c,
-                  int prefetch, float* acc) {
+void values_chunks(const float* p, const float* correction, Tile<S>& tile, int D, int BS, int fb, int n, int c,
+                   int prefetch, float* acc) {
   constexpr int C = kValueChains;
+  constexpr int N = Vec::N;
   const CachedLoad<S> load = tile.load;  // in registers (see tile_scores)
-  Vec sum[C][NG];
+  Vec sum[C][NG][CW];
   for (int g = 0; g < NG; ++g) {
-    sum[0][g] = Vec::load(acc + g * D + c) * Vec::set1(correction[g]);
-    for (int i = 1; i < C; ++i) sum[i][g] = Vec::zero();
+    const Vec correct = Vec::set1(correction[g]);
+    for (int w = 0; w < CW; ++w) {
+      sum[0][g][w] = Vec::load(acc + g * D + c + w * N) * correct;
+      for (int i = 1; i < C; ++i) sum[i][g][w] = Vec::zero();
+    }
   }
-  auto add_key = [&](int i, const S* v, const float* pb, int t) {
-    const Vec x = load.value(v + t * D + c);  // p is scaled to match (scale_probabilities)
-    for (int g = 0; g < NG; ++g) sum[i][g] = fma(Vec::set1(pb[g * kTileKeys + t]), x, sum[i][g]);
+  // Key `row` (its V from element c on) into chain i, with probabilities pt[g * kTileKeys].
+  auto add_key = [&](int i, const S* row, const float* pt) {
+    Vec x[CW];
+    for (int w = 0; w < CW; ++w) x[w] = load.value(row + w * N);  // p is scaled to match (scale_probabilities)
+    for (int g = 0; g < NG; ++g) {
+      const Vec pg = Vec::set1(pt[g * kTileKeys]);
+      for (int w = 0; w < CW; ++w) sum[i][g][w] = fma(pg, x[w], sum[i][g][w]);
+    }
   };
   for (int b = fb; b * BS < n; ++b) {
-    tile.block[b].next_v.lines(prefetch);
-    const S* v = tile.block[b].v;
+    Prefetcher& next = tile.block[b].next_v;
+    const S* v = tile.block[b].v + c;
     const float* pb = p + b * BS;
     const int nb = min_i64(BS, n - b * BS);
     int t = 0;
-    for (; t + C <= nb; t += C)
-      for (int i = 0; i < C; ++i) add_key(i, v, pb, t + i);
+    for (; t + C <= nb; t += C, v += C * D, pb += C) {
+      next.lines(prefetch);
+      for (int i = 0; i < C; ++i) add_key(i, v + i * D, pb + i);
+    }
     for (int i = 0; i < C - 1; ++i)  // t is a multiple of C: key t + i goes to chain i
-      if (t + i < nb) add_key(i, v, pb, t + i);
+      if (t + i < nb) add_key(i, v + i * D, pb + i);
   }
   for (int g = 0; g < NG; ++g) {
-    Vec total = sum[0][g];
-    for (int i = 1; i < C; ++i) total = total + sum[i][g];
-    total.store(acc + g * D + c);
+    for (int w = 0; w < CW; ++w) {
+      Vec total = sum[0][g][w];
+      for (int i = 1; i < C; ++i) total = total + sum[i][g][w];
+      total.store(acc + g * D + c + w * N);
+    }
   }
 }
 
@@ -549,8 +589,13 @@ template <typename S, int NG>
 __attribute__((always_inline)) inline
 void tile_values(std::false_type /*pairs*/, const float* p, const float* correction, Tile<S>& tile, int D, int BS,
                  int fb, int n, float* acc) {
-  const int prefetch = lines_for(int64_t{BS} * Vec::N * sizeof(S));  // a block's bytes per chunk
-  for (int c = 0; c < D; c += Vec::N) values_chunk<S, NG>(p, correction, tile, D, BS, fb, n, c, prefetch, acc);
+  constexpr int CW = kValueChunks<S, NG>;
+  // A block's bytes per chunk, spread over its steps of kValueChains keys (see tile_scores).
+  const int prefetch = lines_for(int64_t{kValueChains} * Vec::N * sizeof(S));
+  int c = 0;
+  for (; c + CW * Vec::N <= D; c += CW * Vec::N)
+    values_chunks<S, NG, CW>(p, correction, tile, D, BS, fb, n, c, CW * prefetch, acc);
+  for (; c < D; c += Vec::N) values_chunks<S, NG, 1>(p, correction, tile, D, BS, fb, n, c, prefetch, acc);
 }
 
 #ifdef BATCHGEN_DOT_BF16
@@ -559,8 +604,8 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // tile_values on bf16 pairs: V rows t and t + 1 interleaved element by element, times the pair
 // (p_t, p_t+1) in bf16. The interleave works within 128-bit lanes, so the accumulators hold
 // each kPairChunk chunk permuted (see unpermute_pairs); a last half chunk (head_dim 80) goes
-// through values_chunk, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
-// whatever the rows (as in values_chunk).
+// through values_chunks, in order. Pair j of the tile (keys 2j, 2j + 1) goes into chain j % TP,
+// whatever the rows (as in values_chunks).
 template <typename S, int NG>
 __attribute__((always_inline)) inline
 void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
@@ -610,7 +655,7 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       total_hi.store(acc + g * D + c + Vec::N);
     }
   }
-  if (c < D) values_chunk<BF16, NG>(p, correction, tile, D, BS, fb, n, c, 0, acc);
+  if (c < D) values_chunks<BF16, NG, 1>(p, correction, tile, D, BS, fb, n, c, 0, acc);
 }
 
 // Restores the order of a row accumulated by the pair path (see unpermute_chunk).

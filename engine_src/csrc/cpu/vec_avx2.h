@@ -8,6 +8,7 @@ namespace batchgen::cpu::avx2 {
 
 struct Vec {
   static constexpr int N = 8;
+  static constexpr int kRegisters = 16;  // ymm0-15: what the loops' accumulators are sized by
   __m256 v;
 
   static Vec zero() { return {_mm256_setzero_ps()}; }

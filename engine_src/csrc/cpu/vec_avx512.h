@@ -9,6 +9,7 @@ namespace batchgen::cpu::BATCHGEN_ISA_NS {
 
 struct Vec {
   static constexpr int N = 16;
+  static constexpr int kRegisters = 32;  // zmm0-31: what the loops' accumulators are sized by
   __m512 v;
 
   static Vec zero() { return {_mm512_setzero_ps()}; }

@@ -9,6 +9,7 @@ namespace batchgen::cpu::scalar {
 
 struct Vec {
   static constexpr int N = 8;
+  static constexpr int kRegisters = 16;  // as AVX2, which the auto-vectoriser mostly targets
   float x[N];
 
   static Vec zero() { return set1(0.0f); }
