@@ -518,6 +518,44 @@ def test_table_entries_past_the_end_are_not_read():
     assert torch.equal(ops.paged_attention_decode(**(args | {"block_tables": tables})), expected)
 
 
+@pytest.mark.parametrize("whole_blocks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # under and over the count at which a task takes all kv heads
+def test_read_decode_blocks_reads_exactly_the_blocks_decode_reads(num_seqs, threads, block_size, dtype, whole_blocks):
+    """The benchmark's yardstick returns the sum of the 64-bit words of every (block, kv head) of K and V a
+    sequence's keys lie in, once each, and of nothing else: blocks past a sequence's length hold words that would
+    show."""
+    kv_heads, head_dim, max_blocks = 3, 64, 6
+    gen = torch.Generator().manual_seed(num_seqs * block_size)
+    lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), generator=gen, dtype=torch.int32)
+    num_blocks = num_seqs * max_blocks
+    tables = torch.randperm(num_blocks, generator=gen).int().view(num_seqs, max_blocks)
+    k, v = ops.allocate_kv_cache(num_blocks, kv_heads, block_size, head_dim, dtype, "cpu")
+    words_k, words_v = k.view(torch.int64), v.view(torch.int64)
+    words_k.copy_(torch.randint(0, 1000, words_k.shape, generator=gen))
+    words_v.copy_(torch.randint(0, 1000, words_v.shape, generator=gen))
+    read = [tables[s, : (int(lens[s]) + block_size - 1) // block_size] for s in range(num_seqs)]
+    expected = sum(int(words_k[r.long()].sum() + words_v[r.long()].sum()) for r in read)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert ops.read_decode_blocks(k, v, tables, lens, whole_blocks=whole_blocks) == expected
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_read_decode_blocks_rejects_bad_tables():
+    args = decode_args("cpu")
+    tables = args["block_tables"].clone()
+    tables[0, 0] = 10**6
+    with pytest.raises(ValueError, match=r"read_decode_blocks: block_tables\[0, 0\] = 1000000 is not a block"):
+        ops.read_decode_blocks(args["key_cache"], args["value_cache"], tables, args["seq_lens"])
+    with pytest.raises(ValueError, match="read_decode_blocks: block_tables has 2 rows but seq_lens has 1"):
+        ops.read_decode_blocks(args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"][:1])
+
+
 def test_decode_out_must_match_query():
     args = decode_args("cpu")
     with pytest.raises(ValueError, match="out has shape"):

@@ -117,6 +117,16 @@ def paged_attention_decode(
     return out
 
 
+def read_decode_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, whole_blocks: bool = False) -> int:
+    """Reads the K/V bytes `paged_attention_decode` reads for these sequences (every key), with no
+    arithmetic, on the threads and tasks decode would use, in decode's order (tiles of 64 keys, each
+    (block, kv head) piece of K then of V, kv heads inner) or with `whole_blocks` each block's kv heads
+    together. The yardstick of decode attention's read rate (scripts/bench_kv_fp8.py --decode). Returns the
+    bytes' sum as 64-bit words, so that the reads cannot be skipped. CPU caches only."""
+    return _C.read_decode_blocks(key_cache, value_cache, block_tables, seq_lens, bool(whole_blocks))
+
+
 def paged_attention_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,

@@ -130,6 +130,16 @@ void check_caches(const char* op, const Tensor& key_cache, const Tensor& value_c
                     " is not supported (64, 80, 96, 128, 256)");
 }
 
+// Block tables and sequence lengths beside the caches.
+void check_tables(const char* op, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& key_cache) {
+  check_index(op, "block_tables", block_tables, torch::kInt32, 2, "[num_seqs, max_blocks_per_seq]");
+  check_same_device(op, "block_tables", block_tables, key_cache, "key_cache");
+  check_index(op, "seq_lens", seq_lens, torch::kInt32, 1, "[num_seqs]");
+  check_same_device(op, "seq_lens", seq_lens, key_cache, "key_cache");
+  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), op, ": block_tables has ", block_tables.size(0),
+                    " rows but seq_lens has ", seq_lens.size(0), " sequences");
+}
+
 // query and out [num_tokens, num_heads, head_dim] against the caches; tables and lengths.
 void check_attention(const char* op, const Tensor& out, const Tensor& query, const Tensor& key_cache,
                      const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens, double scale) {
@@ -146,12 +156,7 @@ void check_attention(const char* op, const Tensor& out, const Tensor& query, con
                     " but query has ", query.scalar_type());
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), op, ": out has shape ", out.sizes(), " but query has ",
                     query.sizes());
-  check_index(op, "block_tables", block_tables, torch::kInt32, 2, "[num_seqs, max_blocks_per_seq]");
-  check_same_device(op, "block_tables", block_tables, key_cache, "key_cache");
-  check_index(op, "seq_lens", seq_lens, torch::kInt32, 1, "[num_seqs]");
-  check_same_device(op, "seq_lens", seq_lens, key_cache, "key_cache");
-  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), op, ": block_tables has ", block_tables.size(0),
-                    " rows but seq_lens has ", seq_lens.size(0), " sequences");
+  check_tables(op, block_tables, seq_lens, key_cache);
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
 }
 
@@ -233,6 +238,15 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_
     batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                                           seq_groups, sliding_window, logits_soft_cap, scales);
   }
+}
+
+int64_t read_decode_blocks(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                           const Tensor& seq_lens, bool whole_blocks) {
+  const char* op = "read_decode_blocks";
+  check_caches(op, key_cache, value_cache);
+  check_tables(op, block_tables, seq_lens, key_cache);
+  TORCH_CHECK_VALUE(!on_cuda(op, key_cache), op, ": CPU caches only");
+  return batchgen::cpu::read_decode_blocks(key_cache, value_cache, block_tables, seq_lens, whole_blocks);
 }
 
 void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -617,6 +631,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), py::arg("sliding_window") = 0,
         py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
+  m.def("read_decode_blocks", &read_decode_blocks,
+        "Read the K/V bytes paged_attention_decode reads, nothing else done (a benchmark's yardstick)",
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("whole_blocks") = false, no_gil);
   m.def("paged_attention_prefill", &paged_attention_prefill, "Causal attention of a flat varlen batch",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,

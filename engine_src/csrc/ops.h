@@ -36,6 +36,14 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window,
                             double logits_soft_cap, const KVScales& scales = {});
 
+// The bytes paged_attention_decode reads for these sequences (every key, no window), read with nothing else
+// done, on the threads and tasks decode would use: what memory gives decode's access pattern, the yardstick of
+// scripts/bench_kv_fp8.py --decode. Decode's order (tiles of kTileKeys keys, each (block, kv head) piece of K
+// then of V, kv heads inner), or with whole_blocks each block's kv heads together. Returns the bytes' sum as
+// 64-bit words (so that the reads are not optimised away). CPU only.
+int64_t read_decode_blocks(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, bool whole_blocks);
+
 // sliding_window (0 off) and logits_soft_cap (0 off) as in engine_src/README.md, for both ops.
 // key_limit (optional, int32 [num_tokens]): the last key position each query token sees, in place of its own
 // (Gemma 3's image tokens see their whole image); each in [its position, its seq_len - 1].

@@ -242,6 +242,66 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   run_tasks(args, attend, tasks, workers, attend_scratch_floats(heads_per_task * group, args.head_dim));
 }
 
+namespace {
+
+// The sum of n bytes (a multiple of 32) as 64-bit words, in four independent sums.
+uint64_t sum_words(const char* bytes, int64_t n, uint64_t total) {
+  const auto* w = reinterpret_cast<const uint64_t*>(bytes);
+  uint64_t s[4] = {total, 0, 0, 0};
+  for (int64_t i = 0; i < n / 8; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += w[i + j];
+  return s[0] + s[1] + s[2] + s[3];
+}
+
+}  // namespace
+
+int64_t read_decode_blocks(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, bool whole_blocks) {
+  const int64_t num_seqs = seq_lens.size(0), block_size = key_cache.size(2), kv_heads = key_cache.size(1);
+  check_lengths_and_blocks("read_decode_blocks", seq_lens, block_tables, block_size, key_cache.size(0));
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t piece = block_size * key_cache.size(3) * key_cache.element_size();  // one (block, kv head)
+  const char* k_cache = static_cast<const char*>(key_cache.data_ptr());
+  const char* v_cache = static_cast<const char*>(value_cache.data_ptr());
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
+  // Threads and tasks as paged_attention_decode chooses them (without a window: every key is read).
+  const int64_t workers = std::min(useful_workers(total_len * 2 * piece / block_size), num_seqs * kv_heads);
+  const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? kv_heads : 1;
+  const int64_t tasks_per_seq = kv_heads / heads_per_task;
+  const int64_t num_tasks = num_seqs * tasks_per_seq;
+  const int64_t tile_blocks = kTileKeys / block_size;
+  std::atomic<int64_t> counter{0};
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    uint64_t sum = 0;
+    for (int64_t task = counter++; task < num_tasks; task = counter++) {
+      const int64_t seq = task / tasks_per_seq, head = task % tasks_per_seq * heads_per_task;
+      const int32_t* table = tables + seq * max_blocks;
+      const int64_t blocks = (lens[seq] + block_size - 1) / block_size;
+      if (whole_blocks) {  // each block's kv heads together, K then V
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = (table[b] * kv_heads + head) * piece;
+          sum = sum_words(k_cache + at, heads_per_task * piece, sum);
+          sum = sum_words(v_cache + at, heads_per_task * piece, sum);
+        }
+        continue;
+      }
+      for (int64_t first = 0; first < blocks; first += tile_blocks) {  // decode's walk: tiles, kv heads inner
+        const int64_t end = std::min(first + tile_blocks, blocks);
+        for (int64_t h = head; h < head + heads_per_task; ++h) {
+          for (int64_t b = first; b < end; ++b) sum = sum_words(k_cache + (table[b] * kv_heads + h) * piece, piece, sum);
+          for (int64_t b = first; b < end; ++b) sum = sum_words(v_cache + (table[b] * kv_heads + h) * piece, piece, sum);
+        }
+      }
+    }
+    total += sum;
+  });
+  return static_cast<int64_t>(total.load());
+}
+
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
