@@ -123,7 +123,10 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     if args.decode:
-        return {"decode": decode_speed(args.threads)}
+        report = {"decode": decode_speed(args.threads)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return report
     if args.model is None:
         from batchgen.models.smollm2 import ensure_smollm2
 
