@@ -362,7 +362,8 @@ def make_lora_adapters(model: str, root: Path, count: int, rank: int) -> list[Pa
 
 
 def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: int, swap_blocks: int,
-                 bytes_per_block: int, model_impl: str = "native", quantization: str | None = None) -> Run:
+                 bytes_per_block: int, model_impl: str = "native", quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> Run:
     """The workload through add_request/step (what LLM.generate does), timing stages and decode-only steps."""
     import tempfile
 
@@ -372,7 +373,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory=kv_blocks * bytes_per_block, block_size=BLOCK,
               swap_space=swap_blocks * bytes_per_block, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=True, preemption_mode="swap", seed=0, num_threads=threads, model_impl=model_impl,
-              quantization=quantization, **lora)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, **lora)
     adapters: list[LoRARequest | None] = [None]
     with tempfile.TemporaryDirectory() as tmp:
         if wl.adapters:
@@ -409,7 +410,8 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     extra = dict(slot_utilization=sum(utilisation) / max(1, len(utilisation)), peak_blocks=stats["peak_device_blocks"],
                  kv_blocks=kv_blocks, preemptions=stats["num_preemptions"], swap_preemptions=stats["swap_preemptions"],
                  prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
-                 stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps)
+                 stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps,
+                 kv_cache=str(llm.engine.runner.device_caches[0][0].dtype))
     if wl.structured_outputs is not None:
         order = {f"{wl.name}-{i}": i for i in range(len(wl.prompts))}
         in_order = sorted(finished, key=lambda r: order[r.request_id])
@@ -614,24 +616,24 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def kv_bytes_per_token(cfg, dtype: str) -> int:
-    """K and V of one token in every layer."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+def kv_bytes_per_token(cfg, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every layer, in the activations' dtype or, with an fp8 kv_cache_dtype, one byte."""
+    itemsize = 1 if kv_cache_dtype != "auto" else torch.empty((), dtype=getattr(torch, dtype)).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize
 
 
 def bench_batchgen(args, dtype: str, cfg, workloads: dict[str, Workload]) -> list[Run]:
     """mixed (when mixed, pressure or int8 is asked for), int8, pressure, parallel, beam, json, lora, then the
     decode run, in that order."""
-    bytes_per_block = BLOCK * kv_bytes_per_token(cfg, dtype)
+    bytes_per_block = BLOCK * kv_bytes_per_token(cfg, dtype, args.kv_cache_dtype)
 
     def run(wl: Workload, kv_blocks: int | None = None, swap_blocks: int = 64, model_impl: str = "native",
             quantization: str | None = None) -> Run:
         kv_blocks = kv_blocks or int(sum(wl.kv_blocks()) * 1.1) + 16  # all of it at once: no preemption
-        print(f"[{dtype}] batchgen ({model_impl}) {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks",
-              flush=True)
+        print(f"[{dtype}] batchgen ({model_impl}) {wl.name}: {len(wl.prompts)} requests, {kv_blocks} KV blocks "
+              f"(kv_cache_dtype {args.kv_cache_dtype})", flush=True)
         return isolated(args.isolate, run_batchgen, args.model, wl, dtype, args.threads, kv_blocks, swap_blocks,
-                        bytes_per_block, model_impl, quantization)
+                        bytes_per_block, model_impl, quantization, args.kv_cache_dtype)
 
     runs, mixed = [], workloads["mixed"]
     if {"mixed", "pressure", "int8"} & set(args.workloads):
@@ -688,7 +690,8 @@ def bench_peers(args, dtype: str, workloads: dict[str, Workload], ours: list[Run
     return runs
 
 
-def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str, Workload], ours: list[Run]) -> dict:
+def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str, Workload], ours: list[Run],
+              kv_cache_dtype: str = "auto") -> dict:
     """Ceilings from the GEMM rates, and batchgen's mixed total and decode-only tokens/s as fractions of them; and
     for mixed, the matmul ceiling's time plus that of reading the decode steps' K/V at `read_gbs`."""
     shapes, mixed, decode = layer_shapes(cfg), workloads["mixed"], workloads["decode"]
@@ -699,7 +702,7 @@ def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str
                  mixed_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, fed, mixed.output_tokens, mixed.context_sum()),
                  decode_mean_context=decode_context,
                  decode_ceiling_tok_s=ceiling_tok_s(rates, shapes, cfg, 1, 1, decode_context))
-    kv_bytes = mixed.decode_context_sum() * kv_bytes_per_token(cfg, dtype)
+    kv_bytes = mixed.decode_context_sum() * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
     limit.update(read_gb_s=read_gbs, mixed_decode_kv_gb=kv_bytes / 1e9,
                  mixed_with_kv_tok_s=fed / (fed / limit["mixed_ceiling_tok_s"] + kv_bytes / (read_gbs * 1e9)))
     by_name = {r.workload: r for r in ours}
@@ -723,7 +726,7 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
     notes = lora_notes(ours, dtype)
     backend = [r for r in ours if r.engine != "batchgen"]  # the transformers backend (a peer) and int8
     ours = [r for r in ours if r.engine == "batchgen"]
-    limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours)
+    limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours, args.kv_cache_dtype)
     for run in ours + backend:
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
     measures = {}
@@ -884,6 +887,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-peers", action="store_true", help="batchgen and the limit only")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="batchgen's KV cache (docs/kv-cache.md); bench_vllm.py takes the same option")
     parser.add_argument("--peers", default="static,continuous",
                         help="transformers engines to run: static (generate on static batches), continuous "
                              "(its continuous batching, the slowest to measure)")

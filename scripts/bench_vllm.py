@@ -105,6 +105,7 @@ def main() -> None:
                         help="run mixed on the base model and over the PEFT adapters in this directory's a0, a1, ... "
                              "(bench.make_lora_adapters, made with batchgen's environment), as bench.py's lora")
     parser.add_argument("--mixed-count", type=int, help="requests of mixed instead of 200 (bench.py's option)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's run gets
     from transformers import AutoTokenizer
@@ -114,7 +115,7 @@ def main() -> None:
     adapters = sorted(args.lora_dir.glob("a*")) if args.lora_dir else []
     lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=bench.LORA_RANK) if adapters else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=True, seed=args.seed, **lora)
+              enable_prefix_caching=True, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, **lora)
     llm.generate([{"prompt_token_ids": list(range(10, 26))}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     if args.score_rows:
         score(llm, args.score_rows, args.out)
@@ -133,7 +134,8 @@ def main() -> None:
         wl = bench.make_workload(workload, tokenizer, args.seed, **settings)
         seconds, output_tokens = run(llm, wl, loras)
         total = output_tokens + wl.prompt_tokens  # prompts counted once per request, as bench.py does
-        print(f"vllm {name:9s} {args.dtype}: {seconds:6.2f} s, {output_tokens / seconds:7.1f} output tok/s, "
+        print(f"vllm {name:9s} {args.dtype} (kv_cache_dtype {args.kv_cache_dtype}): {seconds:6.2f} s, "
+              f"{output_tokens / seconds:7.1f} output tok/s, "
               f"{total / seconds:7.1f} total tok/s ({wl.prompt_tokens} prompt + {output_tokens} output tokens)")
 
 

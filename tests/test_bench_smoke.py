@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _tiny_tokenizer, build_tiny_model
+from transformers import AutoConfig, AutoTokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
@@ -50,6 +51,22 @@ def test_key_counts_match_a_step_by_step_count(bench):
         fed += wl.n * sum(range(1, len(prompt) + m + 1))
         decode += wl.n * sum(len(prompt) + step for step in range(1, m))  # step j sees the prompt and j outputs
     assert (wl.context_sum(), wl.decode_context_sum()) == (fed, decode) == (2 * (36 + 55), 2 * (6 + 7))
+
+
+def test_quick_pass_with_an_fp8_kv_cache(bench, tmp_path):
+    """--kv-cache-dtype reaches batchgen's engine, and the K/V reads the limit counts are one byte an element."""
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "mixed",
+                "--skip-peers", "--kv-cache-dtype", "fp8", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert {r["extra"]["kv_cache"] for r in report["runs"]} == {"torch.float8_e4m3fn"}
+    cfg = AutoConfig.from_pretrained(model)
+    assert bench.kv_bytes_per_token(cfg, "float32", "fp8") * 4 == bench.kv_bytes_per_token(cfg, "float32")
+    ceiling = report["ceilings"]["float32"]
+    wl = bench.make_workload("mixed", AutoTokenizer.from_pretrained(model), 0, **bench.SETTINGS[True]["mixed"])
+    assert ceiling["mixed_decode_kv_gb"] == pytest.approx(
+        wl.decode_context_sum() * bench.kv_bytes_per_token(cfg, "float32", "fp8") / 1e9)
 
 
 def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
