@@ -267,15 +267,16 @@ int64_t read_decode_blocks(const torch::Tensor& key_cache, const torch::Tensor& 
   const char* v_cache = static_cast<const char*>(value_cache.data_ptr());
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
-  // Threads and tasks as paged_attention_decode chooses them (without a window: every key is read).
-  const int64_t workers = std::min(useful_workers(total_len * 2 * piece / block_size), num_seqs * kv_heads);
+  // Threads and tasks as paged_attention_decode chooses them (without a window: every key is read), the tasks
+  // handed out from a shared counter as run_tasks does.
+  const int64_t workers = useful_workers(total_len * kv_heads * 2 * piece / block_size);
   const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? kv_heads : 1;
   const int64_t tasks_per_seq = kv_heads / heads_per_task;
   const int64_t num_tasks = num_seqs * tasks_per_seq;
   const int64_t tile_blocks = kTileKeys / block_size;
   std::atomic<int64_t> counter{0};
   std::atomic<uint64_t> total{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(workers, num_tasks), 1, [&](int64_t, int64_t) {
     uint64_t sum = 0;
     for (int64_t task = counter++; task < num_tasks; task = counter++) {
       const int64_t seq = task / tasks_per_seq, head = task % tasks_per_seq * heads_per_task;
