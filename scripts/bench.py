@@ -29,8 +29,10 @@ prompt length, the best of several batch sizes), and transformers continuous bat
 The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the model's own layer shapes, turned
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
-machine's read bandwidth measured in the same run. Each batchgen run faults its (lazily mapped) KV cache in before
-its clock starts, as vLLM's engine zero-fills its cache at start-up.
+machine's read bandwidth measured in the same run; and the rate at which batchgen's decode attention read them (its
+own seconds, from the layers' op calls or the decoder stack's clocks) as a share of that bandwidth. Each batchgen
+run faults its (lazily mapped) KV cache in before its clock starts, as vLLM's engine zero-fills its cache at
+start-up.
 
     .venv/bin/python scripts/bench.py --quick --dtype bf16            # smoke test
     .venv/bin/python scripts/bench.py --dtype bf16 --json /tmp/bench.json
@@ -265,6 +267,8 @@ class StepProfile:
         # The layers in one C++ call (ops.DecoderStack) time their own ops.
         self.stack = getattr(engine.runner.model, "decoder_stack", None)
         self.stack_start = self.stack.op_seconds() if self.stack is not None else {}
+        self.decode_attention = 0.0  # seconds, set by finish
+        self._unwrap: list = []
 
     def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
         fn = getattr(obj, name)
@@ -289,12 +293,25 @@ class StepProfile:
         self._wrap(llm_engine, "sample", "sample")
         self._wrap(backend.RequestGrammar, "accept", "grammar_accept")
 
-    def stack_attention(self) -> None:
-        """Adds the stack's attention (with its cache writes, as PagedAttention.forward has them) since __init__."""
+    def time_decode_attention(self) -> None:
+        """Times decode attention on its own where the Python layers call it (the stack's has its own clock);
+        until finish, which puts the op back."""
+        from batchgen import ops
+
+        self._unwrap.append((ops, "paged_attention_decode", ops.paged_attention_decode))
+        self._wrap(ops, "paged_attention_decode", "decode_attention")
+
+    def finish(self) -> None:
+        """At the run's end: adds the stack's attention (with its cache writes, as PagedAttention.forward has them)
+        since __init__, sums decode attention's seconds (the layers' and the stack's), and unwraps the ops."""
+        for obj, name, fn in self._unwrap:
+            setattr(obj, name, fn)
+        self.decode_attention = self.totals.pop("decode_attention", 0.0)
         if self.stack is not None:
             now = self.stack.op_seconds()
             self.totals["attention"] += sum(now[k] - self.stack_start[k]
                                             for k in ("cache_write", "decode_attention", "prefill_attention"))
+            self.decode_attention += now["decode_attention"] - self.stack_start["decode_attention"]
 
     def is_decode_only(self) -> bool:
         out = self.last
@@ -389,6 +406,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
         key_cache.zero_()
         value_cache.zero_()
     profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
+    profile.time_decode_attention()
     if wl.structured_outputs is not None:
         profile.time_grammar()
     with PeakRSS() as rss:
@@ -404,14 +422,14 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
             if s.used_device_blocks:
                 utilisation.append(s.slot_utilization)
         seconds = time.perf_counter() - start
-    profile.stack_attention()
+    profile.finish()
     stats = llm.stats()
     outputs = sum(len(c.token_ids) for r in finished for c in r.outputs)
     extra = dict(slot_utilization=sum(utilisation) / max(1, len(utilisation)), peak_blocks=stats["peak_device_blocks"],
                  kv_blocks=kv_blocks, preemptions=stats["num_preemptions"], swap_preemptions=stats["swap_preemptions"],
                  prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
                  stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps,
-                 kv_cache=str(llm.engine.runner.device_caches[0][0].dtype))
+                 kv_cache=str(llm.engine.runner.device_caches[0][0].dtype), decode_attention_s=profile.decode_attention)
     if wl.structured_outputs is not None:
         order = {f"{wl.name}-{i}": i for i in range(len(wl.prompts))}
         in_order = sorted(finished, key=lambda r: order[r.request_id])
@@ -710,6 +728,9 @@ def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str
         limit["batchgen_mixed_total_tok_s"] = by_name["mixed"].rates()["total_tok_s"]
         limit["mixed_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_ceiling_tok_s"]
         limit["mixed_with_kv_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_kv_tok_s"]
+        if seconds := by_name["mixed"].extra.get("decode_attention_s"):
+            limit["mixed_decode_attention_gb_s"] = kv_bytes / seconds / 1e9
+            limit["mixed_decode_attention_share_of_read"] = limit["mixed_decode_attention_gb_s"] / read_gbs
     limit["batchgen_decode_tok_s"] = decode_summary(by_name["decode"].extra["decode_steps"])
     limit["decode_fraction"] = {k: v / limit["decode_ceiling_tok_s"] for k, v in limit["batchgen_decode_tok_s"].items()}
     return limit
@@ -824,6 +845,10 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str], measures: di
         if "mixed_fraction" in c:
             print(f"  batchgen mixed {c['batchgen_mixed_total_tok_s']:.0f} tok/s = {c['mixed_fraction']:.1%} of the "
                   f"matmul ceiling, {c['mixed_with_kv_fraction']:.1%} with the K/V reads")
+        if "mixed_decode_attention_gb_s" in c:
+            print(f"  batchgen's decode attention read those K/V at {c['mixed_decode_attention_gb_s']:.1f} GB/s = "
+                  f"{c['mixed_decode_attention_share_of_read']:.0%} of the read bandwidth (a sequential read; "
+                  f"bench_kv_fp8.py --decode measures it against a plain read of the same bytes)")
         for label, rate in c["batchgen_decode_tok_s"].items():
             print(f"  batchgen decode-only, batch {label}: {rate:.0f} tok/s = {c['decode_fraction'][label]:.1%}")
     for dtype, m in measures.items():
