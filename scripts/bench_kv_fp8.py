@@ -11,10 +11,10 @@
   --decode    instead, decode attention alone (ops.paged_attention_decode): SmolLM2's 9/3 heads x 64, 64 sequences
               x 1,024 cached tokens in scattered blocks of a cache allocated as the engine allocates it (2 MiB
               pages where the kernel gives them), one layer, float32, float16 and bf16 queries over their own and
-              the fp8 caches, median of 30 calls. Beside each, in turn with it: a plain read of the same bytes in
-              decode's order on decode's threads (ops.read_decode_blocks), the yardstick issue 53 sets (decode's
-              K/V read rate at 90% of it); the same blocks read a whole block (all kv heads) at a time; and a
-              sequential read of memory (the fastest sum over a 256 MiB tensor, bench.py's read_gb_s)
+              the fp8 caches, the fastest of 30 calls or more. Beside each, called in turn with it: a plain read of
+              the same bytes in decode's order on decode's threads (ops.read_decode_blocks), the yardstick issue 53
+              sets (decode's K/V read rate at 90% of it); the same blocks read a whole block (all kv heads) at a
+              time; and a sequential read of memory (the fastest sum over a 256 MiB tensor, bench.py's read_gb_s)
 
 Each configuration runs in a fresh process. On a processor without AVX-512, bf16 models multiply float32 copies of
 their weights (compute_dtype in batchgen/layers/linear.py), a little slower than float32 itself: float32 is the
@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -63,28 +61,19 @@ def cache_blocks(model: str, dtype: str, kv_cache_dtype: str, memory: str) -> in
                swap_space=0).llm_engine.scheduler.config.num_device_blocks
 
 
-def median_seconds(fn, calls: int = 30, warmup: int = 3) -> float:
-    times = []
-    for _ in range(warmup + calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:])
-
-
 def decode_and_reads(query, k, v, tables, lens) -> dict[str, float]:
-    """Seconds of decode attention and of the plain reads of its bytes (decode's order, whole blocks): the best
-    of 3 medians of 10 calls each, the three taken in turn so that a slow spell of the machine touches all."""
+    """Seconds of decode attention and of the plain reads of its bytes (decode's order, whole blocks): the fastest
+    call of each, the three called in turn (bench_kernels.time_interleaved) so that a slow spell of the machine
+    touches all."""
+    from bench_kernels import time_interleaved
+
     from batchgen import ops
 
     runs = {"decode": lambda: ops.paged_attention_decode(query, k, v, tables, lens, query.shape[-1] ** -0.5),
             "read": lambda: ops.read_decode_blocks(k, v, tables, lens),
             "whole_blocks": lambda: ops.read_decode_blocks(k, v, tables, lens, whole_blocks=True)}
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(3):
-        for name, fn in runs.items():
-            best[name] = min(best[name], median_seconds(fn, calls=10))
-    return best
+    return dict(zip(runs, time_interleaved(list(runs.values()), torch.device("cpu"), min_time=0.3, min_reps=30),
+                    strict=True))
 
 
 def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0) -> list[dict]:

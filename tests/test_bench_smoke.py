@@ -69,7 +69,6 @@ def test_quick_pass_with_an_fp8_kv_cache(bench, tmp_path):
         wl.decode_context_sum() * bench.kv_bytes_per_token(cfg, "float32", "fp8") / 1e9)
 
 
-
 def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "bench.json"
@@ -94,7 +93,8 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     ceiling = report["ceilings"]["float32"]
     assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
     assert ceiling["read_gb_s"] > 0 and 0 < ceiling["mixed_with_kv_tok_s"] < ceiling["mixed_ceiling_tok_s"]
-    # The decoder stack's decode attention (timed by its own op clocks) against mixed's decode K/V bytes.
+    # Decode attention's own seconds (a float32 model: the layers' op calls, timed by StepProfile) against mixed's
+    # decode K/V bytes.
     [mixed] = [r for r in report["runs"] if r["workload"] == "mixed" and r["engine"] == "batchgen"]
     assert mixed["extra"]["decode_attention_s"] > 0
     assert ceiling["mixed_decode_attention_gb_s"] == pytest.approx(

@@ -92,18 +92,39 @@ int64_t useful_workers(int64_t kv_bytes) {
   return std::clamp<int64_t>(kv_bytes / kMinBytesPerWorker, 1, at::get_num_threads());
 }
 
-// Runs every task on up to `workers` of torch's intra-op threads. Tasks are handed out one at a time
-// from a shared counter, so ragged lengths do not leave threads idle; a thread claims its next task
-// as it starts one, so that the kernel can prefetch the next task's first K/V tile.
+// How paged_attention_decode cuts a call that reads kv_bytes of K and V: the threads it wakes, and the kv heads a
+// task takes: all of its sequence's when there are sequences enough to keep the workers busy (reading whole
+// blocks, see AttnTask), one otherwise. A sequence's keys are never split between tasks: partial results
+// combined afterwards would round differently from one walk (batch invariance, see attention_impl.h).
+struct DecodeSplit {
+  int64_t workers;
+  int64_t heads_per_task;
+};
+
+DecodeSplit decode_split(int64_t num_seqs, int64_t num_kv_heads, int64_t kv_bytes) {
+  const int64_t workers = useful_workers(kv_bytes);
+  return {workers, num_seqs >= kTasksPerWorker * workers ? num_kv_heads : 1};
+}
+
+// Runs body(claim) on up to `workers` of torch's intra-op threads (no more than there are tasks); each thread
+// takes tasks 0 .. num_tasks - 1 from a shared counter by calling claim(), which returns num_tasks or more once
+// none is left, so that ragged tasks do not leave threads idle.
+template <typename Body>
+void run_claimed(int64_t num_tasks, int64_t workers, const Body& body) {
+  std::atomic<int64_t> counter{0};
+  const auto claim = [&counter] { return counter++; };
+  at::parallel_for(0, std::min(workers, num_tasks), 1, [&](int64_t, int64_t) { body(claim); });
+}
+
+// Runs every task (run_claimed); a thread claims its next task as it starts one, so that the kernel can
+// prefetch the next task's first K/V tile.
 void run_tasks(const AttnArgs& args, AttendFn attend, const std::vector<AttnTask>& tasks, int64_t workers,
                int64_t scratch_floats) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> counter{0};
-  workers = std::min(workers, num_tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  run_claimed(num_tasks, workers, [&](const auto& claim) {
     std::vector<float> scratch(scratch_floats);
-    for (int64_t task = counter++; task < num_tasks;) {
-      const int64_t next = counter++;
+    for (int64_t task = claim(); task < num_tasks;) {
+      const int64_t next = claim();
       attend(args, tasks[task], next < num_tasks ? &tasks[next] : nullptr, scratch.data());
       task = next;
     }
@@ -223,12 +244,9 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
   const int64_t group = args.num_heads / args.num_kv_heads;
   int64_t total_len = 0;  // keys read
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s] - first_key_read(args, lens[s] - 1);
-  const int64_t workers = useful_workers(total_len * args.num_kv_heads * 2 * args.head_dim * key_cache.element_size());
-  // A task takes all kv heads of its sequence when there are sequences enough to keep the
-  // workers busy (reading whole blocks, see AttnTask), one kv head otherwise. A sequence's keys are
-  // never split between tasks: partial results combined afterwards would round differently from
-  // one walk (batch invariance, see attention_impl.h).
-  const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? args.num_kv_heads : 1;
+  const DecodeSplit split = decode_split(
+      num_seqs, args.num_kv_heads, total_len * args.num_kv_heads * 2 * args.head_dim * key_cache.element_size());
+  const int64_t workers = split.workers, heads_per_task = split.heads_per_task;
   if (seq_groups.has_value()) {
     const std::vector<SharedRun> runs = shared_runs(args, seq_groups->data_ptr<int32_t>(), lens, num_seqs);
     if (!runs.empty()) return decode_shared(out, args, attend, lens, num_seqs, runs, heads_per_task, workers);
@@ -267,18 +285,16 @@ int64_t read_decode_blocks(const torch::Tensor& key_cache, const torch::Tensor& 
   const char* v_cache = static_cast<const char*>(value_cache.data_ptr());
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
-  // Threads and tasks as paged_attention_decode chooses them (without a window: every key is read), the tasks
-  // handed out from a shared counter as run_tasks does.
-  const int64_t workers = useful_workers(total_len * kv_heads * 2 * piece / block_size);
-  const int64_t heads_per_task = num_seqs >= kTasksPerWorker * workers ? kv_heads : 1;
+  // Threads and tasks as paged_attention_decode chooses them (without a window: every key is read).
+  const DecodeSplit split = decode_split(num_seqs, kv_heads, total_len * kv_heads * 2 * piece / block_size);
+  const int64_t workers = split.workers, heads_per_task = split.heads_per_task;
   const int64_t tasks_per_seq = kv_heads / heads_per_task;
   const int64_t num_tasks = num_seqs * tasks_per_seq;
   const int64_t tile_blocks = kTileKeys / block_size;
-  std::atomic<int64_t> counter{0};
   std::atomic<uint64_t> total{0};
-  at::parallel_for(0, std::min(workers, num_tasks), 1, [&](int64_t, int64_t) {
+  run_claimed(num_tasks, workers, [&](const auto& claim) {
     uint64_t sum = 0;
-    for (int64_t task = counter++; task < num_tasks; task = counter++) {
+    for (int64_t task = claim(); task < num_tasks; task = claim()) {
       const int64_t seq = task / tasks_per_seq, head = task % tasks_per_seq * heads_per_task;
       const int32_t* table = tables + seq * max_blocks;
       const int64_t blocks = (lens[seq] + block_size - 1) / block_size;
