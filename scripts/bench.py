@@ -423,6 +423,8 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
                 utilisation.append(s.slot_utilization)
         seconds = time.perf_counter() - start
     profile.finish()
+    if failed := [r for r in finished if r.error]:  # the engine fails a request alone rather than the run
+        raise SystemExit(f"{wl.name}: {len(failed)} of {len(finished)} requests failed, the first: {failed[0].error}")
     stats = llm.stats()
     outputs = sum(len(c.token_ids) for r in finished for c in r.outputs)
     extra = dict(slot_utilization=sum(utilisation) / max(1, len(utilisation)), peak_blocks=stats["peak_device_blocks"],

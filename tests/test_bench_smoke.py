@@ -11,6 +11,8 @@ import pytest
 from conftest import _tiny_tokenizer, build_tiny_model
 from transformers import AutoConfig, AutoTokenizer
 
+from batchgen import ops
+
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
 
@@ -67,6 +69,38 @@ def test_quick_pass_with_an_fp8_kv_cache(bench, tmp_path):
     wl = bench.make_workload("mixed", AutoTokenizer.from_pretrained(model), 0, **bench.SETTINGS[True]["mixed"])
     assert ceiling["mixed_decode_kv_gb"] == pytest.approx(
         wl.decode_context_sum() * bench.kv_bytes_per_token(cfg, "float32", "fp8") / 1e9)
+
+
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
+def test_decode_attention_seconds_from_the_decoder_stack(bench, tmp_path, monkeypatch):
+    """A bf16 model runs its layers in the C++ decoder stack, which never calls the Python op: decode attention's
+    seconds then come from the stack's own op clocks."""
+    python_calls = []
+    python_op = ops.paged_attention_decode
+    monkeypatch.setattr(ops, "paged_attention_decode", lambda *a, **k: python_calls.append(1) or python_op(*a, **k))
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "bf16", "--workloads", "mixed",
+                "--skip-peers", "--json", str(out)])
+    report = json.loads(out.read_text())
+    [mixed] = [r for r in report["runs"] if r["workload"] == "mixed"]
+    assert python_calls == []  # the stack did the attention
+    assert mixed["extra"]["decode_attention_s"] > 0
+    assert report["ceilings"]["bfloat16"]["mixed_decode_attention_gb_s"] > 0
+
+
+def test_a_run_whose_requests_fail_is_no_measurement(bench, tmp_path, monkeypatch):
+    """The engine fails a request alone with the error of its step; the benchmark then stops with that error
+    instead of reporting the rate of requests that were never served."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken decode")
+
+    monkeypatch.setattr(ops, "paged_attention_decode", broken)
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    with pytest.raises(SystemExit, match=r"mixed: \d+ of \d+ requests failed, the first: .*broken decode"):
+        bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "mixed",
+                    "--skip-peers"])
 
 
 def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
