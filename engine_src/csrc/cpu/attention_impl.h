@@ -213,7 +213,7 @@ constexpr bool kFp8InRegisters = !kPairs<T> && !kTilePath<T>;
 
 // n fp8 bytes (a multiple of Vec::N) as T, exactly, with CachedLoad's conversion.
 template <typename T>
-void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
+void widen_fp8_through_float(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
   const CachedLoad<Fp8> load(f);
   alignas(64) float wide[Vec::N];
   for (int64_t i = 0; i < n; i += Vec::N) {
@@ -225,6 +225,41 @@ void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
       x.store(dst + i);
     }
   }
+}
+
+#ifdef BATCHGEN_DOT_BF16
+// The integer conversion of format f's bytes to bf16 (BytesToBF16), made once per format; the bytes it looks
+// up hold what widen_fp8_through_float makes of them, so the two give the same bits for every byte (NaNs too).
+inline const BytesToBF16& bytes_to_bf16(KVFormat f) {
+  auto make = [](KVFormat format) {
+    const Fp8Layout layout = fp8_layout(format);
+    const bool infinities = format == KVFormat::fp8_e5m2;
+    alignas(64) uint8_t bytes[128];
+    BF16 wide[128];
+    for (int b = 0; b < 128; ++b) bytes[b] = static_cast<uint8_t>(b);
+    widen_fp8_through_float(bytes, wide, 128, format);
+    uint16_t table[32] = {};
+    for (int b = 0; b < 128; ++b)
+      if (BytesToBF16::looked_up(b, layout.mantissa_bits, infinities)) table[b & 31] = wide[b].bits;
+    return BytesToBF16(layout.mantissa_bits, layout.bias, infinities, table);
+  };
+  static const BytesToBF16 e4m3 = make(KVFormat::fp8_e4m3), e5m2 = make(KVFormat::fp8_e5m2);
+  return f == KVFormat::fp8_e5m2 ? e5m2 : e4m3;
+}
+#endif
+
+// n fp8 bytes (a multiple of Vec::N) as T, exactly: bf16 in integer steps where the table has them, else
+// through float32. Both give the same bits.
+template <typename T>
+void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<T, BF16>) {
+    const int64_t whole = n / 32 * 32;
+    bytes_to_bf16(f)(src, dst, whole);
+    src += whole, dst += whole, n -= whole;
+  }
+#endif
+  widen_fp8_through_float(src, dst, n, f);
 }
 
 // The K and V of one (block, kv head), and prefetchers for those of a block ahead.
@@ -263,9 +298,14 @@ constexpr bool fits_registers(int held) {
 template <typename S, int NG>
 constexpr int kTokenStep = fits_registers<S>(8 * NG + NG + 1) ? 8 : fits_registers<S>(4 * NG + NG + 1) ? 4 : 2;
 
-// The bf16 pair path's step (its x vectors are all loaded before the rows').
+// The bf16 pair path's step: its x vectors are all loaded before the rows', so TS of them, TS * NG
+// accumulators and a query pair must fit. 4 tokens for every row group (NG <= kGroupRows); SmolLM2's decode
+// (NG = 3) took 2 before, ~8% slower on Zen 4 (scripts/PERF.md).
 template <int NG>
-constexpr int kPairTokenStep = NG <= 2 ? 4 : 2;
+constexpr int kPairTokenStep = 4;
+#ifdef BATCHGEN_DOT_BF16
+static_assert(fits_registers<BF16>(4 * kGroupRows + 4 + 1), "the pair path's step fits the registers");
+#endif
 
 // Sums acc[i][g] into s[g][t + i] (tokens t .. t + TS - 1, rows 0 .. NG - 1). Forced inline: as
 // a call it would take the accumulators through memory (GCC keeps it out of line otherwise).
