@@ -9,6 +9,7 @@ import torch
 from test_llm import make_prompts
 
 from batchgen import LLM, SamplingParams, ops
+from batchgen.layers.attention import KVScales
 
 pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
 
@@ -17,9 +18,9 @@ class CountingStack:
     def __init__(self, stack):
         self.stack, self.calls = stack, 0
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         self.calls += 1
-        return self.stack.forward(*args)
+        return self.stack.forward(*args, **kwargs)
 
 
 def run(llm: LLM, stack) -> list:
@@ -37,6 +38,13 @@ def run(llm: LLM, stack) -> list:
         model.decoder_stack = saved
 
 
+def assert_same_outputs(ours: list, theirs: list) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # a bias on the qkv projection; q/k norms
 def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch):
     llm = LLM(tiny_model_dirs[arch], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
@@ -50,10 +58,7 @@ def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, 
     assert set(seconds) == {"norms", "qkv", "rotary", "cache_write", "decode_attention", "prefill_attention", "o",
                             "gate_up", "down", "lora"}
     assert seconds.pop("lora") == 0 and all(t > 0 for t in seconds.values())  # no adapters here
-    for a, b in zip(ours, theirs, strict=True):
-        for x, y in zip(a.outputs, b.outputs, strict=True):
-            assert x.token_ids == y.token_ids
-            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+    assert_same_outputs(ours, theirs)
 
 
 def test_no_stack_for_weights_outside_the_gemm_panels(tiny_model_dirs):
@@ -100,9 +105,23 @@ def test_the_stack_takes_a_sliding_window_as_the_python_layers_do(tiny_model_dir
     stack = model.decoder_stack
     assert stack is not None
     ours, theirs = run(llm, stack), run(llm, None)
-    for a, b in zip(ours, theirs, strict=True):
-        for x, y in zip(a.outputs, b.outputs, strict=True):
-            assert x.token_ids == y.token_ids
-            assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+    assert_same_outputs(ours, theirs)
     assert any(x.logprobs != y.logprobs for a, b in zip(ours, unwindowed, strict=True)
                for x, y in zip(a.outputs, b.outputs, strict=True)), "the window changed nothing"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_stack_takes_an_fp8_cache_as_the_python_layers_do(tiny_model_dirs, kv_cache_dtype):
+    """With an fp8 KV cache the stack writes and reads it with each layer's scales (`forward(..., key_scales,
+    value_scales)`): bit for bit what the Python layers give, with scales that differ by layer and kv head."""
+    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
+              max_num_seqs=16, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    model = llm.engine.runner.model
+    gen = torch.Generator().manual_seed(0)
+    for attn in model.attention_layers():  # as a checkpoint's scales per kv head would set them
+        heads = attn.kv_scales.k.numel()
+        attn.kv_scales = KVScales(torch.rand(heads, generator=gen) + 0.5, torch.rand(heads, generator=gen) + 0.5)
+    counting = CountingStack(model.decoder_stack)
+    ours, theirs = run(llm, counting), run(llm, None)
+    assert counting.calls > 0
+    assert_same_outputs(ours, theirs)

@@ -20,7 +20,7 @@ from batchgen.models.architectures import architecture, attention_geometry, pick
 from batchgen.models.loader import missing_tokenizer, resolve_model_dir
 from batchgen.models.native import missing_weights
 from batchgen.models.quantized import checkpoint_quantization
-from batchgen.ops import SUPPORTED_HEAD_DIMS, has_gemm_bf16
+from batchgen.ops import SUPPORTED_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ def plan_model(config: EngineConfig) -> ModelPlan:
                                                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"))
     quantization, refused = _quantization(config, hf_config, impl, device, dtype)
     problems += refused
-    problems += _kv_cache_problems(config, impl)
     problems += _image_chunk_problems(config, hf_config)
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size,
                        kv_cache_dtype(config.kv_cache_dtype, dtype))
@@ -99,18 +98,6 @@ _FP8_CACHES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type for `kv_cache_dtype` (auto: the model's dtype)."""
     return _FP8_CACHES.get(name, model_dtype)
-
-
-def _kv_cache_problems(config: EngineConfig, impl: str) -> list[ConfigProblem]:
-    """An fp8 cache's scales live in the Python attention layers; a native model whose LoRA adapters run in its
-    C++ decoder stack (processors with the bf16 GEMM) has no Python layers to take them."""
-    if config.kv_cache_dtype == "auto" or not config.enable_lora or impl != "native":
-        return []
-    if not has_gemm_bf16():
-        return []
-    return [ConfigProblem("kv_cache_dtype", f"{config.kv_cache_dtype} cannot be combined with enable_lora on this "
-                                            "processor (its adapters run in the decoder stack, which has no fp8 "
-                                            "cache yet); use kv_cache_dtype auto")]
 
 
 def _image_chunk_problems(config: EngineConfig, hf_config: Any) -> list[ConfigProblem]:

@@ -189,11 +189,6 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    @property
-    def _fp8_cache(self) -> bool:
-        """Whether the KV cache is fp8: its scales are the Python layers' (the decoder stack has none)."""
-        return self.layers[0].self_attn.attn.kv_scales is not None
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch in, final hidden states out ([num_tokens, hidden])."""
         return self.decode(self.embed_tokens(input_ids), self.rotary.angles(positions), meta)
@@ -203,13 +198,15 @@ class LlamaForCausalLM(nn.Module):
         vision-language model brings its own of both: image embeddings at image tokens, M-RoPE angles)."""
         residual, positions = None, rope.positions
         lora = {"lora_segments": self.lora_batch.table()} if self.lora_batch and self.lora_batch.segments else {}
-        if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()) and not self._fp8_cache:
+        if self.decoder_stack is not None and (self._int8_stack or ops.has_gemm_bf16()):
             attn = self.attention_layers()
+            scales = ({"key_scales": [a.kv_scales.k for a in attn], "value_scales": [a.kv_scales.v for a in attn]}
+                      if attn[0].kv_scales is not None else {})  # an fp8 cache's, each layer's
             x, residual = self.decoder_stack.forward(
                 x, positions, rope.cos_sin, [a.key_cache for a in attn], [a.value_cache for a in attn],
                 meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_seq_lens,
                 meta.decode_seq_groups, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                **lora)
+                **lora, **scales)
         elif lora:
             raise RuntimeError("this model's LoRA adapters live in its decoder stack, which needs the bf16 GEMM "
                                "that the active CPU kernels lack")

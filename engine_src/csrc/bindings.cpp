@@ -720,7 +720,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"), py::arg("num_decode_tokens"),
            py::arg("decode_block_tables"), py::arg("decode_seq_lens"), py::arg("decode_seq_groups"),
            py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_start_loc"),
-           py::arg("lora_segments") = py::none(), no_gil)
+           py::arg("lora_segments") = py::none(), py::arg("key_scales") = std::vector<Tensor>{},
+           py::arg("value_scales") = std::vector<Tensor>{}, no_gil)
       .def(
           "set_lora",
           [](batchgen::DecoderStack& stack,

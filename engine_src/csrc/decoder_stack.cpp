@@ -107,11 +107,15 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
     const c10::optional<Tensor>& decode_block_tables, const c10::optional<Tensor>& decode_seq_lens,
     const c10::optional<Tensor>& decode_seq_groups, const c10::optional<Tensor>& prefill_block_tables,
     const c10::optional<Tensor>& prefill_seq_lens, const c10::optional<Tensor>& prefill_query_start_loc,
-    const c10::optional<Tensor>& lora_segments) const {
+    const c10::optional<Tensor>& lora_segments, const std::vector<Tensor>& key_scales,
+    const std::vector<Tensor>& value_scales) const {
   const DecoderShape& s = shape_;
   const size_t count = layers_.size();
   TORCH_CHECK_VALUE(key_caches.size() == count && value_caches.size() == count, "DecoderStack.forward: ", count,
                     " layers but ", key_caches.size(), " key and ", value_caches.size(), " value caches");
+  const bool scaled = !key_scales.empty() || !value_scales.empty();
+  TORCH_CHECK_VALUE(!scaled || (key_scales.size() == count && value_scales.size() == count), "DecoderStack.forward: ",
+                    count, " layers but ", key_scales.size(), " key and ", value_scales.size(), " value scales");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == s.hidden, "DecoderStack.forward: x must be [tokens, ", s.hidden,
                     "], got ", x.sizes());
   const int64_t tokens = x.size(0), decodes = num_decode_tokens;
@@ -153,8 +157,11 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       });
     }
     timed(seconds[kRotary], [&] { checked::rotary_embedding(positions, qk, cos_sin); });
+    // An fp8 cache's scales (ops.reshape_and_cache): none for a cache of the activations' dtype.
+    const c10::optional<Tensor> k_scale = scaled ? c10::optional<Tensor>(key_scales[i]) : c10::nullopt;
+    const c10::optional<Tensor> v_scale = scaled ? c10::optional<Tensor>(value_scales[i]) : c10::nullopt;
     timed(seconds[kCacheWrite], [&] {
-      checked::reshape_and_cache(k, v, key_caches[i], value_caches[i], slot_mapping);
+      checked::reshape_and_cache(k, v, key_caches[i], value_caches[i], slot_mapping, k_scale, v_scale);
     });
     Tensor attn = torch::empty({tokens, heads, head_dim}, options);
     if (decodes > 0) {
@@ -164,7 +171,7 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       const Tensor& lens = required(decode_seq_lens, "decode_seq_lens", when);
       timed(seconds[kDecodeAttention], [&] {
         checked::paged_attention_decode(out, q.narrow(0, 0, decodes), key_caches[i], value_caches[i], tables, lens,
-                                        s.scale, decode_seq_groups, s.sliding_window);
+                                        s.scale, decode_seq_groups, s.sliding_window, 0.0, k_scale, v_scale);
       });
     }
     if (decodes < tokens) {
@@ -175,7 +182,8 @@ std::tuple<Tensor, Tensor> DecoderStack::forward(
       const Tensor& starts = required(prefill_query_start_loc, "prefill_query_start_loc", when);
       timed(seconds[kPrefillAttention], [&] {
         checked::paged_attention_prefill(out, q.narrow(0, decodes, tokens - decodes), key_caches[i],
-                                         value_caches[i], tables, lens, starts, s.scale, s.sliding_window);
+                                         value_caches[i], tables, lens, starts, s.scale, s.sliding_window, 0.0,
+                                         k_scale, v_scale);
       });
     }
     Tensor o = torch::empty({tokens, s.hidden}, options);

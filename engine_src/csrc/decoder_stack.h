@@ -61,6 +61,7 @@ class DecoderStack {
   // lora_segments (int32 [count, 3]: first row, end row, adapter slot; needs set_lora): each segment's rows
   // get their slot's low-rank terms, added to the projections' float32 sums before they are rounded (and
   // before the SiLU); rows outside every segment get exactly the results they would get without.
+  // key_scales, value_scales (one float32 [num_kv_heads] a layer, or none): an fp8 cache's (ops.reshape_and_cache).
   std::tuple<torch::Tensor, torch::Tensor> forward(
       torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
       std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
@@ -69,7 +70,8 @@ class DecoderStack {
       const c10::optional<torch::Tensor>& decode_seq_groups, const c10::optional<torch::Tensor>& prefill_block_tables,
       const c10::optional<torch::Tensor>& prefill_seq_lens,
       const c10::optional<torch::Tensor>& prefill_query_start_loc,
-      const c10::optional<torch::Tensor>& lora_segments = c10::nullopt) const;
+      const c10::optional<torch::Tensor>& lora_segments = c10::nullopt,
+      const std::vector<torch::Tensor>& key_scales = {}, const std::vector<torch::Tensor>& value_scales = {}) const;
 
   // The adapters' weights, one entry a layer (checked against the shape); bf16 projections only.
   void set_lora(std::vector<DecoderLayerLoRA> lora);
