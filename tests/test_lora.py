@@ -64,22 +64,25 @@ def _sampled(i: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mixed_batch_rows_match_each_row_alone(tiny_model_dirs, llama_adapters, dtype):
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_mixed_batch_rows_match_each_row_alone(tiny_model_dirs, llama_adapters, dtype, kv_cache_dtype):
     """Five adapters and the base model over 40 prompts, two device slots, a KV cache small enough to preempt:
-    every row's tokens and logprobs are bit-identical to the row run alone with its adapter."""
+    every row's tokens and logprobs are bit-identical to the row run alone with its adapter. An fp8 cache too
+    (with the bf16 GEMM, the adapters and the cache's scales both in the decoder stack)."""
     base_dir = tiny_model_dirs["llama"]
     prompts = prompts_of(400, lens=[5, 20, 33, 47, 64] * 8, seed=3)
     loras = [None if i % 6 == 5 else llama_adapters[i % 6] for i in range(len(prompts))]
     params = [_sampled(i) for i in range(len(prompts))]
-    block_bytes = 2 * 2 * 2 * 16 * 64 * (4 if dtype == "float32" else 2)
+    element = 1 if kv_cache_dtype == "fp8" else 4 if dtype == "float32" else 2
+    block_bytes = 2 * 2 * 2 * 16 * 64 * element
     mixed = LLM(base_dir, dtype=dtype, kv_cache_memory=12 * block_bytes, swap_space="4MiB", enable_lora=True,
-                max_loras=2, max_lora_rank=64, max_num_batched_tokens=128, max_num_seqs=16)
+                max_loras=2, max_lora_rank=64, max_num_batched_tokens=128, max_num_seqs=16,
+                kv_cache_dtype=kv_cache_dtype)
     outputs = mixed.generate(prompts, params, use_tqdm=False, lora_request=loras)
     stats = mixed.stats()
     assert stats["num_preemptions"] > 0 and stats["lora_loads"] > len(llama_adapters)
     alone = LLM(base_dir, dtype=dtype, kv_cache_memory="8MiB", enable_lora=True, max_loras=1, max_lora_rank=64,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     for prompt, p, lora, out in zip(prompts, params, loras, outputs, strict=True):
         ref = alone.generate([prompt], p, use_tqdm=False, lora_request=lora)[0].outputs[0]
         got = out.outputs[0]
