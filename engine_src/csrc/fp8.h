@@ -66,28 +66,31 @@ BATCHGEN_HD float fp8_div_rn(float a, float b) {
 #endif
 }
 
-// x (already divided by the scale) as an fp8 byte: round to nearest even, saturating.
+// x (already divided by the scale) as an fp8 byte: round to nearest even, saturating. Written without
+// branches (every case computed, then selected) so that the CPU cache write's loop vectorizes (layer_impl.h);
+// the bytes are those of the earlier branching form for all 2^32 floats, both formats.
 BATCHGEN_HD uint8_t float_to_fp8(float x, KVFormat f) {
   const Fp8Layout l = fp8_layout(f);
   const uint32_t u = fp8_float_bits(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return static_cast<uint8_t>(sign | l.nan_code);
-  if (magnitude >= l.max_finite) return static_cast<uint8_t>(sign | l.max_code);
+  // A normal: the float's bits rounded at the format's last mantissa bit, ties to even, the exponent rebiased.
   const int drop = 23 - l.mantissa_bits;  // mantissa bits a float has beyond the format's
-  const uint32_t min_normal = static_cast<uint32_t>(127 - l.bias + 1) << 23;
-  if (magnitude < min_normal) {
-    // Subnormal (or zero): a multiple of the step 2^(1 - bias - mantissa_bits). Scaled by its inverse the
-    // value is below 2^mantissa_bits; adding 2^23 makes the float adder round it to an integer, ties to even.
-    const int step_exponent = 1 - l.bias - l.mantissa_bits;
-    const float steps = fp8_bits_float(magnitude) * fp8_bits_float(static_cast<uint32_t>(127 - step_exponent) << 23);
-    const uint32_t code = static_cast<uint32_t>(fp8_add_rn(steps, 8388608.0f) - 8388608.0f);
-    return static_cast<uint8_t>(sign | code);  // 2^mantissa_bits steps is the smallest normal's code
-  }
   const uint32_t odd = (magnitude >> drop) & 1u;
   const uint32_t rounded = magnitude + ((1u << (drop - 1)) - 1u) + odd;
-  const uint32_t rebias = static_cast<uint32_t>(127 - l.bias) << l.mantissa_bits;
-  return static_cast<uint8_t>(sign | ((rounded >> drop) - rebias));
+  const uint32_t normal = (rounded >> drop) - (static_cast<uint32_t>(127 - l.bias) << l.mantissa_bits);
+  // A subnormal (or zero): a multiple of the step 2^(1 - bias - mantissa_bits). Scaled by its inverse the value
+  // is at most 2^mantissa_bits (larger magnitudes clamped to the smallest normal, whose code that is); adding
+  // 2^23 makes the float adder round it to an integer, ties to even.
+  const uint32_t min_normal = static_cast<uint32_t>(127 - l.bias + 1) << 23;
+  const int step_exponent = 1 - l.bias - l.mantissa_bits;
+  const float steps = fp8_bits_float(magnitude < min_normal ? magnitude : min_normal) *
+                      fp8_bits_float(static_cast<uint32_t>(127 - step_exponent) << 23);
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(fp8_add_rn(steps, 8388608.0f) - 8388608.0f));
+  uint32_t code = magnitude < min_normal ? subnormal : normal;
+  code = magnitude >= l.max_finite ? l.max_code : code;
+  code = magnitude > 0x7f800000u ? l.nan_code : code;  // NaN stays NaN
+  return static_cast<uint8_t>(sign | code);
 }
 
 // An fp8 byte as a float, exactly.

@@ -1,5 +1,5 @@
 // CPU cache writes and block copies: plain memcpy of contiguous rows or whole blocks, except the writes
-// into fp8 caches, which quantize each row (fp8.h).
+// into fp8 caches, which quantize each row (fp8.h's float_to_fp8, in the active kernel table's row loop).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/isa.h"
+#include "cpu/kernels.h"
 #include "ops.h"
 
 namespace batchgen::cpu {
@@ -37,29 +39,12 @@ void for_each_slot_row(int64_t num_tokens, int64_t kv_heads, int64_t block_size,
   });
 }
 
-// One row of n elements of T into fp8: round(x / scale), saturating.
-template <typename T>
-void quantize_row(const void* src, uint8_t* dst, int64_t n, float scale, KVFormat f) {
-  const T* x = static_cast<const T*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_fp8(to_float(x[i]) / scale, f);
-}
-
-using QuantizeRowFn = void (*)(const void* src, uint8_t* dst, int64_t n, float scale, KVFormat f);
-
-QuantizeRowFn quantize_row_for(const torch::Tensor& t) {
-  switch (dtype_of(t)) {
-    case DType::f32: return &quantize_row<float>;
-    case DType::bf16: return &quantize_row<BF16>;
-    default: return &quantize_row<F16>;
-  }
-}
-
 // reshape_and_cache into fp8 caches: each (token, kv head) row quantized with its head's scale.
 void quantize_into_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
                          torch::Tensor& value_cache, const int64_t* slots, const KVScales& scales) {
   const int64_t head_dim = key.size(2);
   const KVFormat format = kv_format_of(key_cache);
-  const QuantizeRowFn quantize = quantize_row_for(key);
+  const QuantizeFp8RowFn quantize = active_kernels().quantize_fp8_row[static_cast<int>(dtype_of(key))];
   const float* k_scale = scales.k.has_value() ? scales.k->data_ptr<float>() : nullptr;
   const float* v_scale = scales.v.has_value() ? scales.v->data_ptr<float>() : nullptr;
   const int64_t element = key.element_size();

@@ -139,6 +139,8 @@ struct BlockSummary {
 using SummariseBlockFn = void (*)(const void* row, int64_t begin, int64_t end, BlockSummary* out);
 // The sampler's weights of one row of logits: w = exp(x / temperature - max(x) / temperature); returns their sum.
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
+// One row of a cache write into fp8 (reshape_and_cache): dst[i] = float_to_fp8(x[i] / scale) for i < n.
+using QuantizeFp8RowFn = void (*)(const void* x, uint8_t* dst, int64_t n, float scale, KVFormat f);
 // The sampler's candidates: ids of the weights >= threshold (and > 0) in id order, their sum; returns their count.
 using CollectRowFn = int64_t (*)(const float* w, int64_t n, float threshold, int32_t* ids, float* mass);
 
@@ -256,6 +258,7 @@ struct KernelTable {
   GemmFn gemm_bf16;  // nullptr without the bf16 dot product
   LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
   LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
+  QuantizeFp8RowFn quantize_fp8_row[kNumDTypes];
 };
 
 namespace scalar {

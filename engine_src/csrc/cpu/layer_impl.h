@@ -178,6 +178,22 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
 // out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
 // projected to it, silu rounded, then the product), from float32 gate and up. silu(g) = g * sigmoid(g) with exp
 // only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
+// One row of a cache write into fp8 (reshape_and_cache): float_to_fp8 of x / scale, whose branch-free form the
+// loop vectorizes. Out of line, the format fixed per copy: inlined into quantize_fp8_row's dispatch, GCC left the
+// e4m3 loop scalar (the cache write of 2,048 SmolLM2 tokens on Zen 4: scripts/PERF.md).
+template <typename T, KVFormat F>
+__attribute__((noinline)) void quantize_fp8_row_as(const T* x, uint8_t* dst, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_fp8(to_float(x[i]) / scale, F);
+}
+
+template <typename T>
+void quantize_fp8_row(const void* x, uint8_t* dst, int64_t n, float scale, KVFormat f) {
+  const T* src = static_cast<const T*>(x);
+  if (f == KVFormat::fp8_e5m2) return quantize_fp8_row_as<T, KVFormat::fp8_e5m2>(src, dst, n, scale);
+  quantize_fp8_row_as<T, KVFormat::fp8_e4m3>(src, dst, n, scale);
+}
+
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
   constexpr int64_t kChunk = 64;  // a panel's row (48 columns) in one pass
