@@ -301,7 +301,6 @@ constexpr int kTokenStep = fits_registers<S>(8 * NG + NG + 1) ? 8 : fits_registe
 // The bf16 pair path's step: its x vectors are all loaded before the rows', so TS of them, TS * NG
 // accumulators and a query pair must fit. 4 tokens for every row group (NG <= kGroupRows); SmolLM2's decode
 // (NG = 3) took 2 before, ~8% slower on Zen 4 (scripts/PERF.md).
-template <int NG>
 constexpr int kPairTokenStep = 4;
 #ifdef BATCHGEN_DOT_BF16
 static_assert(fits_registers<BF16>(4 * kGroupRows + 4 + 1), "the pair path's step fits the registers");
@@ -366,7 +365,7 @@ __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/
 template <typename S, int NG>
 __attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
                                                        const CachedLoad<BF16> /*load*/, int D, int n, float* s) {
-  constexpr int TS = kPairTokenStep<NG>;
+  constexpr int TS = kPairTokenStep;
   const BF16* k = tile.k;
   const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
   for (int t = 0; t < n; t += TS) {

@@ -175,9 +175,6 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
   return reduce_add(sum + p);
 }
 
-// out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
-// projected to it, silu rounded, then the product), from float32 gate and up. silu(g) = g * sigmoid(g) with exp
-// only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
 // One row of a cache write into fp8 (reshape_and_cache): float_to_fp8 of x / scale, whose branch-free form the
 // loop vectorizes. Out of line, the format fixed per copy: inlined into quantize_fp8_row's dispatch, GCC left the
 // e4m3 loop scalar (the cache write of 2,048 SmolLM2 tokens on Zen 4: scripts/PERF.md).
@@ -194,6 +191,9 @@ void quantize_fp8_row(const void* x, uint8_t* dst, int64_t n, float scale, KVFor
   quantize_fp8_row_as<T, KVFormat::fp8_e4m3>(src, dst, n, scale);
 }
 
+// out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
+// projected to it, silu rounded, then the product), from float32 gate and up. silu(g) = g * sigmoid(g) with exp
+// only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
   constexpr int64_t kChunk = 64;  // a panel's row (48 columns) in one pass

@@ -177,14 +177,14 @@ class BytesToBF16 {
   // Whether byte b (sign clear) is looked up: (b + bump) has no bit of 0x78, bump carrying an all-ones
   // exponent over to 0 where the format has infinities.
   static bool looked_up(int b, int mantissa_bits, bool infinities) {
-    return ((b + (infinities ? 1 << mantissa_bits : 0)) & 0x78) == 0;
+    return ((b + bump(mantissa_bits, infinities)) & 0x78) == 0;
   }
 
   BytesToBF16(int mantissa_bits, int bias, bool infinities, const uint16_t (&table)[32]) {
     shift_ = 7 - mantissa_bits;
     magnitude_ = _mm512_set1_epi16(static_cast<int16_t>(0x7f << shift_));
     rebias_ = _mm512_set1_epi16(static_cast<int16_t>((127 - bias) << 7));
-    bump_ = _mm512_set1_epi16(static_cast<int16_t>(infinities ? 1 << mantissa_bits : 0));
+    bump_ = _mm512_set1_epi16(static_cast<int16_t>(bump(mantissa_bits, infinities)));
     table_ = _mm512_loadu_si512(table);
   }
 
@@ -204,6 +204,9 @@ class BytesToBF16 {
   }
 
  private:
+  // What carries an all-ones exponent over to 0 (the exponent's lowest bit), for a format with infinities.
+  static int bump(int mantissa_bits, bool infinities) { return infinities ? 1 << mantissa_bits : 0; }
+
   int shift_;
   __m512i magnitude_, rebias_, bump_, table_;
 };
