@@ -257,6 +257,7 @@ class StepProfile:
     def __init__(self, llm):
         self.totals: dict[str, float] = defaultdict(float)
         self.last = None
+        self._wrapped: list[tuple] = []  # (object, name, what it held), for finish to put back
         self.engine = engine = llm.engine
         self._wrap(engine.scheduler, "schedule", "schedule", keep=True)
         self._wrap(engine.runner, "execute", "execute")
@@ -268,10 +269,10 @@ class StepProfile:
         self.stack = getattr(engine.runner.model, "decoder_stack", None)
         self.stack_start = self.stack.op_seconds() if self.stack is not None else {}
         self.decode_attention = 0.0  # seconds, set by finish
-        self._unwrap: list = []
 
     def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
         fn = getattr(obj, name)
+        self._wrapped.append((obj, name, vars(obj).get(name)))  # None: the attribute was its class's
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -294,18 +295,22 @@ class StepProfile:
         self._wrap(backend.RequestGrammar, "accept", "grammar_accept")
 
     def time_decode_attention(self) -> None:
-        """Times decode attention on its own where the Python layers call it (the stack's has its own clock);
-        until finish, which puts the op back."""
+        """Times decode attention on its own where the Python layers call it (the stack's has its own clock)."""
         from batchgen import ops
 
-        self._unwrap.append((ops, "paged_attention_decode", ops.paged_attention_decode))
         self._wrap(ops, "paged_attention_decode", "decode_attention")
 
     def finish(self) -> None:
-        """At the run's end: adds the stack's attention (with its cache writes, as PagedAttention.forward has them)
-        since __init__, sums decode attention's seconds (the layers' and the stack's), and unwraps the ops."""
-        for obj, name, fn in self._unwrap:
-            setattr(obj, name, fn)
+        """At the run's end: puts back everything it wrapped (a module's function or a class's method would
+        otherwise stay timed into this profile in the next run of the process), adds the stack's attention (with
+        its cache writes, as PagedAttention.forward has them) since __init__ and sums decode attention's seconds
+        (the layers' and the stack's)."""
+        for obj, name, held in reversed(self._wrapped):
+            if held is None:
+                delattr(obj, name)  # it was the class's: the instance's own attribute goes
+            else:
+                setattr(obj, name, held)
+        self._wrapped.clear()
         self.decode_attention = self.totals.pop("decode_attention", 0.0)
         if self.stack is not None:
             now = self.stack.op_seconds()

@@ -89,6 +89,19 @@ def test_decode_attention_seconds_from_the_decoder_stack(bench, tmp_path, monkey
     assert report["ceilings"]["bfloat16"]["mixed_decode_attention_gb_s"] > 0
 
 
+def test_a_run_puts_back_what_it_timed(bench, tmp_path):
+    """StepProfile wraps module functions, class methods and instance methods with timers; after a run they are
+    the originals again, so a second run in the same process (--no-isolate) is not timed into the first's totals."""
+    from batchgen.engine import llm_engine
+    from batchgen.structured import backend
+
+    held = (ops.paged_attention_decode, llm_engine.sample, backend.RequestGrammar.accept)
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32", "--workloads", "mixed,json",
+                "--skip-peers"])
+    assert (ops.paged_attention_decode, llm_engine.sample, backend.RequestGrammar.accept) == held
+
+
 def test_a_run_whose_requests_fail_is_no_measurement(bench, tmp_path, monkeypatch):
     """The engine fails a request alone with the error of its step; the benchmark then stops with that error
     instead of reporting the rate of requests that were never served."""
