@@ -3,7 +3,8 @@
 Every output must be the exact product rounded to bf16, give or take one bf16 step (the kernel sums
 in float32), and a row's result must not depend on the other rows, the thread count or where the
 row sits in a tile. Each test runs under every kernel table with the GEMM this processor has: the
-vector dot product loop (avx512_bf16) and the AMX tiles (amx_bf16). Processors without AVX512-BF16
+vector dot product loop (avx512_bf16) and the AMX tiles (amx_bf16, or amx_emulated on an emulated tile unit
+where the processor has no AMX). Processors without AVX512-BF16
 run the reference instead (tested too).
 """
 
@@ -21,7 +22,7 @@ from kernel_cases import torch_threads
 from batchgen import _C, ops
 from batchgen.ops import reference
 
-GEMM_ISAS = [isa for isa in ("avx512_bf16", "amx_bf16") if isa in _C.supported_cpu_isas()]
+GEMM_ISAS = [isa for isa in ("avx512_bf16", "amx_bf16", "amx_emulated") if isa in _C.supported_cpu_isas()]
 needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX512-BF16 here")
 PANEL = _C.GEMM_PANEL_COLS
 

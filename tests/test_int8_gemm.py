@@ -142,6 +142,10 @@ def test_every_kernel_table_runs_the_int8_gemm_like_the_reference(cpu_isas):
     assert loops.get("avx2", "avx2") in ("avx2", "avx_vnni")
     if "amx_bf16" in loops and "amx_int8" in INT8_KERNELS:
         assert loops["amx_bf16"] == "amx_int8"
+    if "amx_emulated" in loops:
+        assert loops["amx_emulated"] == "amx_int8_emulated"
+    for isa in set(loops) - {"amx_emulated"}:
+        assert loops[isa] != "amx_int8_emulated", isa  # never chosen but under its own table
 
 
 def _silu_mul_operands(rows: int, depth: int, cols: int, seed: int, dtype=torch.bfloat16):

@@ -197,7 +197,7 @@ def has_gemm_bf16() -> bool:
 
 def gemm_on_tiles() -> bool:
     """Whether the active CPU kernels run the bf16 GEMM on AMX tiles (the amx_bf16 kernels)."""
-    return _C.cpu_isa() == "amx_bf16"
+    return _C.cpu_isa() in ("amx_bf16", "amx_emulated")
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

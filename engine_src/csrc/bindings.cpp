@@ -768,4 +768,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_cpu_isas", &batchgen::cpu::supported_isas, "Instruction sets usable on this processor");
   m.def("set_cpu_isa", &batchgen::cpu::set_isa, "Switch the CPU kernels' instruction set (tests, benchmarks)",
         py::arg("name"));
+  m.def("emulated_tile_products", &batchgen::cpu::emulated_tile_products,
+        "Tile products computed on the emulated AMX unit (the amx_emulated table) in this process");
 }

@@ -1,7 +1,7 @@
 // The AMX tile configuration the amx_bf16 kernels share (gemm_amx.h, the prefill path of
 // attention_impl.h): eight tiles of 16 rows x 64 bytes, i.e. 16 x 16 float32 sums or 16 x 32 bf16
 // operands. The configuration belongs to the thread, so every kernel call loads it and releases
-// the tiles when done.
+// the tiles when done. The amx_emulated table compiles the same code on an emulated unit (amx_emulated.h).
 #pragma once
 #ifndef BATCHGEN_AMX
 #error "amx_tiles.h is for the amx_bf16 kernel table"
@@ -10,6 +10,10 @@
 #include <immintrin.h>
 
 #include <cstdint>
+
+#ifdef BATCHGEN_AMX_EMULATED
+#include "cpu/amx_emulated.h"
+#endif
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
 namespace {

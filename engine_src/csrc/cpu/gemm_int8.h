@@ -76,6 +76,9 @@ void gemm_int8(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end)
 namespace int8_amx {  // tdpbusd on AMX tiles
 void gemm_int8(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end);
 }
+namespace int8_amx_emulated {  // the same on an emulated tile unit (amx_emulated.h), for tests
+void gemm_int8(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end);
+}
 #endif
 
 }  // namespace batchgen::cpu

@@ -38,6 +38,7 @@ bool has_avx512_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 bool has_amx_int8() { return has_avx512_vnni() && has_amx(25); }
+bool emulates_amx_int8() { return has_avx512_vnni() && !has_amx_int8(); }
 #endif
 
 // Slowest first.
@@ -51,6 +52,7 @@ const std::vector<Int8Kernel>& int8_kernels() {
 #ifdef BATCHGEN_HAVE_AVX512
       {"avx512_vnni", &int8_avx512_vnni::gemm_int8, &has_avx512_vnni, "avx512"},
       {"amx_int8", &int8_amx::gemm_int8, &has_amx_int8, "amx_bf16"},
+      {"amx_int8_emulated", &int8_amx_emulated::gemm_int8, &emulates_amx_int8, "amx_emulated"},
 #endif
   };
   return list;
@@ -59,7 +61,9 @@ const std::vector<Int8Kernel>& int8_kernels() {
 std::atomic<const Int8Kernel*> forced{nullptr};
 
 int table_rank(const std::string& table) {
-  static const std::vector<std::string> order = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
+  // amx_emulated last: its loop runs only under that table (or when forced).
+  static const std::vector<std::string> order = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16",
+                                                 "amx_emulated"};
   return static_cast<int>(std::find(order.begin(), order.end(), table) - order.begin());
 }
 

@@ -58,11 +58,20 @@ bool has_avx512() {
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 bool has_amx_bf16() { return has_avx512_bf16() && has_amx(22); }
+
+// The emulated tile unit runs the amx_bf16 code where the processor has everything else it needs; where AMX
+// runs, amx_bf16 itself is tested.
+bool emulates_amx() { return has_avx512_bf16() && !has_amx_bf16(); }
 #endif
 
-// Slowest first.
+std::atomic<int64_t> tile_products{0};
+
+// Slowest first (the emulated tile unit the slowest of all: never chosen by default).
 const std::vector<Candidate>& candidates() {
   static const std::vector<Candidate> list = {
+#ifdef BATCHGEN_HAVE_AVX512
+      {&amx_emulated::kernel_table, &emulates_amx},
+#endif
       {&scalar::kernel_table, &always},
 #ifdef BATCHGEN_HAVE_AVX2
       {&avx2::kernel_table, &has_avx2},
@@ -103,6 +112,9 @@ const KernelTable* initial_choice() {
 }
 
 }  // namespace
+
+int64_t emulated_tile_products() { return tile_products.load(std::memory_order_relaxed); }
+void count_emulated_tile_product() { tile_products.fetch_add(1, std::memory_order_relaxed); }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;

@@ -8,10 +8,12 @@
 namespace batchgen::cpu {
 
 // The kernels in use. The first call picks the best set the processor supports, or the one
-// named by the environment variable BATCHGEN_CPU_ISA (scalar, avx2, avx512, avx512_bf16, amx_bf16).
+// named by the environment variable BATCHGEN_CPU_ISA (scalar, avx2, avx512, avx512_bf16, amx_bf16, or
+// amx_emulated: the amx_bf16 code on an emulated tile unit, for tests on processors without AMX).
 const KernelTable& active_kernels();
 
-// Names of the sets this build has and this processor runs, slowest first.
+// Names of the sets this build has and this processor runs, slowest first (amx_emulated, where offered,
+// first of all; the last is the default).
 std::vector<std::string> supported_isas();
 
 // Switches the kernels in use (ValueError when `name` is not supported); for tests and benchmarks.

@@ -2,7 +2,8 @@
 //
 // The kernel sources (attention_impl.h and layer_impl.h, tabled by kernel_table_impl.h) are
 // compiled once per instruction set (kernels_scalar.cpp,
-// kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp), each copy in its own namespace
+// kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512_bf16.cpp, kernels_amx_bf16.cpp and
+// kernels_amx_emulated.cpp), each copy in its own namespace
 // so the copies never clash at link time; isa.cpp picks one table at run time. No torch header
 // is included on this side: a torch header compiled under an AVX-512 target pragma could leak
 // AVX-512 code into inline functions that the rest of the library shares.
@@ -281,6 +282,14 @@ const KernelTable& kernel_table();
 namespace amx_bf16 {  // avx512_bf16 with the GEMM on the AMX tile unit
 const KernelTable& kernel_table();
 }
+namespace amx_emulated {  // amx_bf16 on an emulated tile unit (amx_emulated.h), for tests
+const KernelTable& kernel_table();
+}
 #endif
+
+// The tile products the emulated tile unit has computed in this process (amx_emulated.h counts them; tests
+// check that the emulated tables ran on tiles).
+int64_t emulated_tile_products();
+void count_emulated_tile_product();
 
 }  // namespace batchgen::cpu
