@@ -53,7 +53,8 @@ class Rule:
 class FaultProxy:
     """``with FaultProxy(server.endpoint, rate=0.12, seed=1) as proxy:`` then point clients at ``proxy.endpoint``.
     ``every``: also a ``slowdown`` on every ``every``-th request. ``faults`` counts the faults made by kind,
-    ``statuses`` the store's answers by status code, ``requests`` every request."""
+    ``statuses`` the store's answers by status code, ``requests`` every request (``hung_up`` those whose
+    client went before its body had come whole: not forwarded, as S3 drops them)."""
 
     def __init__(self, target: str, *, rate: float = 0.0, kinds: tuple[str, ...] = KINDS, seed: int = 0,
                  every: int = 0, delay: float = 0.5, lifetime: float = 900.0):
@@ -70,6 +71,7 @@ class FaultProxy:
         self.kinds_seen: Counter[str] = Counter()  # requests by S3 kind (request_kind): LIST, GET, PUT, ...
         self.lease_requests = 0  # of them, the ones on lease objects (``.locks/``)
         self.requests = 0
+        self.hung_up = 0  # requests whose client hung up before its whole body came (not forwarded, not counted)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.server = http.server.ThreadingHTTPServer((HOST, 0), _handler(self))
@@ -171,6 +173,11 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _any(self) -> None:
             body = _request_body(self)
+            if body is _CLIENT_GONE:  # S3 drops a request whose body never arrived whole
+                with proxy._lock:
+                    proxy.hung_up += 1
+                self.close_connection = True
+                return None
             create_only = self.command == "PUT" and "If-None-Match" in self.headers
             kind = proxy.choose(self.command, self.path, create_only)
             if kind in _ERRORS:
@@ -217,14 +224,31 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
+_CLIENT_GONE = b"<the client hung up mid-body>"
+
+
 def _request_body(handler: http.server.BaseHTTPRequestHandler) -> bytes | None:
-    """The request's body, de-chunked (the forwarded request carries a plain Content-Length)."""
+    """The request's body, de-chunked (the forwarded request carries a plain Content-Length), or _CLIENT_GONE
+    when the connection ends before the whole body came (a writer killed mid-PUT): forwarded, the part
+    would become a short object, which S3 never stores."""
     if "chunked" not in (handler.headers.get("Transfer-Encoding") or ""):
         length = int(handler.headers.get("Content-Length") or 0)
-        return handler.rfile.read(length) if length else None
+        if not length:
+            return None
+        data = handler.rfile.read(length)
+        return data if len(data) == length else _CLIENT_GONE
     data = b""
-    while size := int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16):
-        data += handler.rfile.read(size)
+    while True:
+        line = handler.rfile.readline()
+        if not line:
+            return _CLIENT_GONE
+        size = int(line.split(b";")[0].strip() or b"0", 16)
+        if not size:
+            break
+        chunk = handler.rfile.read(size)
+        if len(chunk) < size:
+            return _CLIENT_GONE
+        data += chunk
         handler.rfile.readline()
     for _ in range(_MAX_TRAILERS):
         if not handler.rfile.readline().strip():

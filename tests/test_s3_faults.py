@@ -86,3 +86,24 @@ def test_the_proxy_stops_by_itself(s3_server):
     proxy = FaultProxy(s3_server.endpoint, lifetime=0.2).__enter__()
     time.sleep(0.6)
     assert not proxy._thread.is_alive()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_a_put_whose_writer_dies_mid_body_stores_nothing(s3_server, name, chunked):
+    """A writer killed while sending a PUT's body: S3 drops the request, so the proxy must not forward what
+    came (moto would store it as a short object, which a killed run never leaves on a real bucket)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with FaultProxy(s3_server.endpoint) as proxy:
+        target = urlsplit(proxy.endpoint)
+        framing = "Transfer-Encoding: chunked" if chunked else "Content-Length: 1000"
+        head = f"PUT /{name}/part-1 HTTP/1.1\r\nHost: {target.netloc}\r\n{framing}\r\n\r\n".encode()
+        body = b"3e8\r\n" + b"x" * 100 if chunked else b"x" * 100  # a tenth of the body, then the hang-up
+        with socket.create_connection((target.hostname, target.port)) as sock:
+            sock.sendall(head + body)
+        deadline = time.monotonic() + 5
+        while proxy.hung_up == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.hung_up == 1 and proxy.requests == 0
+    assert "Contents" not in s3_server.client().list_objects_v2(Bucket=name)
