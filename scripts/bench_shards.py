@@ -120,10 +120,10 @@ def _finish(procs: list, kills: dict[int, float], tally: Tally) -> list[tuple[in
             proc.join(timeout=max(0.0, kills[i] - (time.monotonic() - t0)))
             if proc.exitcode is None:
                 proc.kill()
-                tally.kills += 1
         proc.join(timeout=600)
-        if proc.exitcode == 0:
+        if proc.exitcode == 0:  # done (a kill sent as it was exiting came too late: not counted)
             continue
+        tally.kills += proc.exitcode == -signal.SIGKILL
         if proc.exitcode == -signal.SIGKILL and tries + 1 < MAX_TRIES:  # killed: run again later
             again.append((i, tries + 1))
         else:
