@@ -106,6 +106,7 @@ def main() -> None:
                              "(bench.make_lora_adapters, made with batchgen's environment), as bench.py's lora")
     parser.add_argument("--mixed-count", type=int, help="requests of mixed instead of 200 (bench.py's option)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
+    parser.add_argument("--json", type=Path, help="also write the runs here (bench_vs_vllm.py reads them)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as batchgen's run gets
     from transformers import AutoTokenizer
@@ -126,6 +127,7 @@ def main() -> None:
 
         loras = [LoRARequest(path.name, i + 1, str(path)) for i, path in enumerate(adapters)]
         runs = [("lora-base", None), ("lora", loras)] * 2  # alternately, as bench.py runs them
+    results = []
     for name, loras in runs:
         workload = "mixed" if name.startswith("lora") else name  # lora and lora-base: mixed's requests
         settings = bench.SETTINGS[False][workload]
@@ -137,6 +139,11 @@ def main() -> None:
         print(f"vllm {name:9s} {args.dtype} (kv_cache_dtype {args.kv_cache_dtype}): {seconds:6.2f} s, "
               f"{output_tokens / seconds:7.1f} output tok/s, "
               f"{total / seconds:7.1f} total tok/s ({wl.prompt_tokens} prompt + {output_tokens} output tokens)")
+        results.append({"workload": name, "seconds": seconds, "output_tokens": output_tokens,
+                        "prompt_tokens": wl.prompt_tokens, "out_tok_s": output_tokens / seconds,
+                        "total_tok_s": total / seconds, "kv_cache_dtype": args.kv_cache_dtype})
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

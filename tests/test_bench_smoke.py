@@ -163,6 +163,35 @@ def test_vllm_side_by_side_script_loads_without_vllm():
     assert "--workloads" in result.stdout
 
 
+FAKE_VLLM = """import json, sys
+args = sys.argv[1:]
+if args[args.index("--kv-cache-dtype") + 1] == "fp8":
+    sys.exit("fp8 KV cache needs AVX-512")  # as vLLM refuses one on processors without it
+json.dump([{"workload": "mixed", "total_tok_s": 100.0}], open(args[args.index("--json") + 1], "w"))
+"""
+
+
+def test_sandwich_against_vllm_alternates_and_takes_the_ratio(bench, tmp_path):
+    """scripts/bench_vs_vllm.py with a stand-in for vLLM's environment (a python that answers as bench_vllm.py
+    does, and refuses fp8): batchgen, vLLM, vLLM, batchgen per cache dtype, the ratio of the means; a refused
+    dtype is reported as not run, not as a failure."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    fake.chmod(0o755)
+    spec = importlib.util.spec_from_file_location("bench_vs_vllm", BENCH.parent / "bench_vs_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "sandwich.json"
+    report = module.main(["--vllm-python", str(fake), "--model", str(model), "--quick", "--kv-cache-dtypes",
+                          "auto,fp8", "--json", str(out)])
+    auto, fp8 = report["sandwiches"]
+    assert len(auto["batchgen_tok_s"]) == 2 and auto["vllm_tok_s"] == [100.0, 100.0]
+    assert auto["ratio"] == pytest.approx(sum(auto["batchgen_tok_s"]) / 2 / 100.0)
+    assert fp8["vllm_tok_s"] == [None, None] and fp8["ratio"] is None and all(fp8["batchgen_tok_s"])
+    assert json.loads(out.read_text()) == report
+
+
 def test_bucket_bench_quick_pass(tmp_path, tiny_model_dirs):
     """scripts/bench_buckets.py end to end on a tiny model: both runs, equal outputs, a ratio."""
     import subprocess
