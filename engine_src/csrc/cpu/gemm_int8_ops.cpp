@@ -38,7 +38,7 @@ bool has_avx512_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 bool has_amx_int8() { return has_avx512_vnni() && has_amx(25); }
-bool emulates_amx_int8() { return has_avx512_vnni() && !has_amx_int8(); }
+bool emulates_amx_int8() { return has_avx512_vnni() && (!has_amx_int8() || amx_emulation_asked()); }
 #endif
 
 // Slowest first.

@@ -13,6 +13,11 @@
 
 namespace batchgen::cpu {
 
+bool amx_emulation_asked() {
+  const char* env = std::getenv("BATCHGEN_EMULATE_AMX");
+  return env != nullptr && std::string(env) == "1";
+}
+
 bool has_amx(int feature_bit) {
 #if defined(__x86_64__) && defined(__linux__)
   // AMX-TILE (CPUID leaf 7, EDX bit 24) and Linux's leave to use the tile data (arch_prctl
@@ -60,8 +65,8 @@ bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf
 bool has_amx_bf16() { return has_avx512_bf16() && has_amx(22); }
 
 // The emulated tile unit runs the amx_bf16 code where the processor has everything else it needs; where AMX
-// runs, amx_bf16 itself is tested.
-bool emulates_amx() { return has_avx512_bf16() && !has_amx_bf16(); }
+// runs, amx_bf16 itself is tested (and the emulation only when asked, to compare the two).
+bool emulates_amx() { return has_avx512_bf16() && (!has_amx_bf16() || amx_emulation_asked()); }
 #endif
 
 std::atomic<int64_t> tile_products{0};

@@ -19,6 +19,10 @@ std::vector<std::string> supported_isas();
 // Switches the kernels in use (ValueError when `name` is not supported); for tests and benchmarks.
 void set_isa(const std::string& name);
 
+// Whether BATCHGEN_EMULATE_AMX=1 asks for the emulated AMX tables (amx_emulated, amx_int8_emulated) where the
+// processor has AMX itself, to compare the emulation with the tile unit (tests/test_amx_emulated.py).
+bool amx_emulation_asked();
+
 // Whether the processor has AMX tiles with the feature of CPUID leaf 7 EDX bit `feature_bit` (22 AMX-BF16,
 // 25 AMX-INT8) and Linux lets this process use them.
 bool has_amx(int feature_bit);
