@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -72,6 +73,8 @@ def main(argv=None) -> dict:
                         help="bench.py's tiny sizes for batchgen, in this process (smoke tests: no measurement)")
     parser.add_argument("--json", type=Path, help="write the runs and ratios here")
     args = parser.parse_args(argv)
+    if not os.access(args.vllm_python, os.X_OK):
+        parser.error(f"--vllm-python {args.vllm_python}: no such interpreter (bench_vllm.py's docstring makes one)")
     if args.model is None:
         from batchgen.models.smollm2 import ensure_smollm2
 

@@ -190,6 +190,8 @@ def test_sandwich_against_vllm_alternates_and_takes_the_ratio(bench, tmp_path):
     assert auto["ratio"] == pytest.approx(sum(auto["batchgen_tok_s"]) / 2 / 100.0)
     assert fp8["vllm_tok_s"] == [None, None] and fp8["ratio"] is None and all(fp8["batchgen_tok_s"])
     assert json.loads(out.read_text()) == report
+    with pytest.raises(SystemExit):  # a missing environment: one line from argparse, before any run
+        module.main(["--vllm-python", str(tmp_path / "nope" / "python"), "--model", str(model), "--quick"])
 
 
 def test_bucket_bench_quick_pass(tmp_path, tiny_model_dirs):
