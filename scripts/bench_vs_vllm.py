@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,9 +90,7 @@ def main(argv=None) -> dict:
         ratio = "no vLLM run" if s["ratio"] is None else f"x{s['ratio']:.2f}"
         print(f"  kv_cache_dtype {s['kv_cache_dtype']:5s}: batchgen {batchgen}; vLLM {vllm}: {ratio}")
     if args.json:
-        with tempfile.NamedTemporaryFile("w", dir=args.json.parent, delete=False) as f:
-            json.dump(report, f, indent=1)
-        Path(f.name).replace(args.json)
+        args.json.write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -93,6 +93,10 @@ class FaultProxy:
     def count(self) -> int:
         return self.requests
 
+    def count_hang_up(self) -> None:
+        with self._lock:
+            self.hung_up += 1
+
     def add(self, kind: str, method: str | None = None, key: str | None = None, create_only: bool = False,
             times: int = 1) -> FaultProxy:
         if kind not in KINDS:
@@ -172,10 +176,10 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             pass
 
         def _any(self) -> None:
-            body = _request_body(self)
-            if body is _CLIENT_GONE:  # S3 drops a request whose body never arrived whole
-                with proxy._lock:
-                    proxy.hung_up += 1
+            try:
+                body = _request_body(self)
+            except ClientGone:  # S3 drops a request whose body never arrived whole
+                proxy.count_hang_up()
                 self.close_connection = True
                 return None
             create_only = self.command == "PUT" and "If-None-Match" in self.headers
@@ -224,30 +228,33 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
-_CLIENT_GONE = b"<the client hung up mid-body>"
+class ClientGone(Exception):
+    """The connection ended before the request's whole body came (a writer killed mid-PUT): forwarded, the part
+    would become a short object, which S3 never stores."""
 
 
 def _request_body(handler: http.server.BaseHTTPRequestHandler) -> bytes | None:
-    """The request's body, de-chunked (the forwarded request carries a plain Content-Length), or _CLIENT_GONE
-    when the connection ends before the whole body came (a writer killed mid-PUT): forwarded, the part
-    would become a short object, which S3 never stores."""
+    """The request's body, de-chunked (the forwarded request carries a plain Content-Length); ClientGone when it
+    does not come whole."""
     if "chunked" not in (handler.headers.get("Transfer-Encoding") or ""):
         length = int(handler.headers.get("Content-Length") or 0)
         if not length:
             return None
         data = handler.rfile.read(length)
-        return data if len(data) == length else _CLIENT_GONE
+        if len(data) < length:
+            raise ClientGone
+        return data
     data = b""
     while True:
         line = handler.rfile.readline()
         if not line:
-            return _CLIENT_GONE
+            raise ClientGone
         size = int(line.split(b";")[0].strip() or b"0", 16)
         if not size:
             break
         chunk = handler.rfile.read(size)
         if len(chunk) < size:
-            return _CLIENT_GONE
+            raise ClientGone
         data += chunk
         handler.rfile.readline()
     for _ in range(_MAX_TRAILERS):

@@ -22,7 +22,20 @@ from kernel_cases import torch_threads
 from batchgen import _C, ops
 from batchgen.ops import reference
 
-GEMM_ISAS = [isa for isa in ("avx512_bf16", "amx_bf16", "amx_emulated") if isa in _C.supported_cpu_isas()]
+def _tables_with_the_gemm() -> list[str]:
+    active = _C.cpu_isa()
+    try:
+        found = []
+        for isa in _C.supported_cpu_isas():
+            _C.set_cpu_isa(isa)
+            if _C.has_gemm_bf16():
+                found.append(isa)
+        return found
+    finally:
+        _C.set_cpu_isa(active)
+
+
+GEMM_ISAS = _tables_with_the_gemm()
 needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX512-BF16 here")
 PANEL = _C.GEMM_PANEL_COLS
 

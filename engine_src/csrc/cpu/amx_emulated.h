@@ -98,43 +98,38 @@ inline float bf16_operand(const uint8_t* p) {  // input denormals read as zero
 
 inline float flush_denormal(float x) { return std::fabs(x) < 0x1p-126f ? std::copysign(0.0f, x) : x; }
 
-inline void emulated_dpbf16ps(int c, int a, int b) {
+// The loop both products share: row m of tile c (4-byte sums of type Sum) gains, for each group k of the depth in
+// order, add_group(sum, group k of a's row m, group n of b's row k) in its column n.
+template <typename Sum, typename AddGroup>
+void emulated_product(int c, int a, int b, AddGroup add_group) {
   EmulatedTiles& t = configured_tiles();
   check_product(t, c, a, b);
   const int N = t.colsb[c] / 4, K = t.colsb[a] / 4;
   for (int m = 0; m < t.rows[c]; ++m) {
-    float sum[16];
+    Sum sum[16];
     std::memcpy(sum, t.data[c][m], sizeof sum);
-    for (int k = 0; k < K; ++k) {
-      const float a0 = bf16_operand(&t.data[a][m][4 * k]), a1 = bf16_operand(&t.data[a][m][4 * k + 2]);
-      for (int n = 0; n < N; ++n) {
-        sum[n] = flush_denormal(std::fma(a0, bf16_operand(&t.data[b][k][4 * n]), sum[n]));
-        sum[n] = flush_denormal(std::fma(a1, bf16_operand(&t.data[b][k][4 * n + 2]), sum[n]));
-      }
-    }
+    for (int k = 0; k < K; ++k)
+      for (int n = 0; n < N; ++n) sum[n] = add_group(sum[n], &t.data[a][m][4 * k], &t.data[b][k][4 * n]);
     std::memcpy(t.data[c][m], sum, 4 * N);
   }
   count_emulated_tile_product();
 }
 
+// tdpbf16ps: per pair, the even product and then the odd one, each rounded.
+inline void emulated_dpbf16ps(int c, int a, int b) {
+  emulated_product<float>(c, a, b, [](float sum, const uint8_t* x, const uint8_t* y) {
+    sum = flush_denormal(std::fma(bf16_operand(x), bf16_operand(y), sum));
+    return flush_denormal(std::fma(bf16_operand(x + 2), bf16_operand(y + 2), sum));
+  });
+}
+
 // tdpbusd: unsigned bytes of a times signed bytes of b, four to a 32-bit sum (wrapping, as the hardware's).
 inline void emulated_dpbusd(int c, int a, int b) {
-  EmulatedTiles& t = configured_tiles();
-  check_product(t, c, a, b);
-  const int N = t.colsb[c] / 4, K = t.colsb[a] / 4;
-  for (int m = 0; m < t.rows[c]; ++m) {
-    uint32_t sum[16];
-    std::memcpy(sum, t.data[c][m], sizeof sum);
-    for (int k = 0; k < K; ++k)
-      for (int n = 0; n < N; ++n) {
-        int32_t group = 0;
-        for (int i = 0; i < 4; ++i)
-          group += int32_t{t.data[a][m][4 * k + i]} * int32_t{static_cast<int8_t>(t.data[b][k][4 * n + i])};
-        sum[n] += static_cast<uint32_t>(group);
-      }
-    std::memcpy(t.data[c][m], sum, 4 * N);
-  }
-  count_emulated_tile_product();
+  emulated_product<uint32_t>(c, a, b, [](uint32_t sum, const uint8_t* x, const uint8_t* y) {
+    int32_t group = 0;
+    for (int i = 0; i < 4; ++i) group += int32_t{x[i]} * int32_t{static_cast<int8_t>(y[i])};
+    return sum + static_cast<uint32_t>(group);
+  });
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The amx_bf16 kernels on an emulated tile unit (amx_emulated.h), for processors with AVX512-BF16 and no
 // AMX: the tile paths' logic tested where no tile unit runs them (see kernels_avx512.inc).
-#include <cstdio>
+#include <cstdio>  // for amx_emulated.h, included before kernels_avx512.inc's target pragma
 #include <cstdlib>
 
 #include "cpu/kernels.h"
