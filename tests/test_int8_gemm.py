@@ -8,6 +8,8 @@ reference's product within the rounding of the SiLU's exp.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import torch_threads
@@ -146,6 +148,29 @@ def test_every_kernel_table_runs_the_int8_gemm_like_the_reference(cpu_isas):
         assert loops["amx_emulated"] == "amx_int8_emulated"
     for isa in set(loops) - {"amx_emulated"}:
         assert loops[isa] != "amx_int8_emulated", isa  # never chosen but under its own table
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype))
+
+
+def test_every_kernel_tables_epilogue_gives_the_references_bits(cpu_isas):
+    """The float epilogue is each kernel table's own, vectorized for it: every output kind, with a bias and without,
+    in whole and partial panels, and the sign of zero (a zero row's sums times negative weight scales are -0
+    without a bias, +0 with a zero bias) as the reference has it."""
+    x, packed, _, bias = _operands(21, 130, 100, seed=9)  # 100 outputs: two whole panels and a partial one
+    x[3] = 0
+    bias[::5] = 0.0
+    q, scale = ops.quantize_int8_rows(x)
+    negative = dataclasses.replace(packed, scale=-packed.scale)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        for w in (packed, negative):
+            for out_dtype in (torch.int32, torch.float32, torch.bfloat16):
+                for b in (None, bias) if out_dtype != torch.int32 else (None,):
+                    got, want = ops.gemm_int8(q, scale, w, b, out_dtype), reference.gemm_int8(q, scale, w, b, out_dtype)
+                    assert torch.equal(_bits(got), _bits(want)), (isa, out_dtype, b is None)
+    assert bool((_bits(reference.gemm_int8(q, scale, negative))[3] < 0).all())  # the -0 case is there
 
 
 def _silu_mul_operands(rows: int, depth: int, cols: int, seed: int, dtype=torch.bfloat16):

@@ -1,6 +1,5 @@
-// The torch-free parts of the int8 GEMM shared by every loop (gemm_int8.h): the float epilogue and the
-// per-row quantization of the activations. Compiled for the library's baseline, with -ffp-contract=off
-// (setup.py): the epilogue rounds (sum * sx) * sw, then + bias, exactly as the torch reference does.
+// The torch-free part of the int8 GEMM shared by every loop (gemm_int8.h): the per-row quantization of the
+// activations, compiled for the library's baseline. (The float epilogue is the kernel table's, layer_impl.h.)
 #include "cpu/gemm_int8.h"
 
 #include <algorithm>
@@ -16,34 +15,6 @@
 #endif
 
 namespace batchgen::cpu {
-
-void finish_int8_rows(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
-                      bool offset_sums) {
-  const int width = static_cast<int>(std::min<int64_t>(kInt8PanelCols, a.cols - col));
-  const int32_t* compensation = a.compensation + col;
-  const float* w_scale = a.w_scale + col;
-  for (int64_t r = 0; r < count; ++r) {
-    int32_t exact[kInt8PanelCols];
-    for (int c = 0; c < width; ++c) exact[c] = sums[r * kInt8PanelCols + c] - (offset_sums ? compensation[c] : 0);
-    const int64_t offset = (row + r) * a.out_stride + col;
-    if (a.out_kind == Int8Out::i32) {
-      std::copy(exact, exact + width, static_cast<int32_t*>(a.out) + offset);
-      continue;
-    }
-    const float x_scale = a.x_scale[row + r];
-    float y[kInt8PanelCols];
-    for (int c = 0; c < width; ++c) y[c] = static_cast<float>(exact[c]) * x_scale * w_scale[c];
-    if (a.bias != nullptr) {
-      for (int c = 0; c < width; ++c) y[c] = y[c] + a.bias[col + c];
-    }
-    if (a.out_kind == Int8Out::f32) {
-      std::copy(y, y + width, static_cast<float*>(a.out) + offset);
-    } else {
-      BF16* out = static_cast<BF16*>(a.out) + offset;
-      for (int c = 0; c < width; ++c) out[c] = from_float<BF16>(y[c]);
-    }
-  }
-}
 
 namespace {
 

@@ -7,7 +7,7 @@
 // multiply the offset bytes subtract the zero point's share afterwards, 128 * sum_k w[n, k] per output
 // feature (`compensation`, computed at packing). Sums are int32 and exact, so every loop gives the same
 // sums whatever its order, and a row's output depends on that row alone (batch invariance); the float
-// epilogue (finish_int8_rows) is one function shared by every loop.
+// epilogue is the active kernel table's finish_int8_rows (kernels.h), whose bits every table shares.
 #pragma once
 #include <cstdint>
 
@@ -35,6 +35,7 @@ struct Int8GemmArgs {
   int64_t out_stride;
   Int8Out out_kind;
   int64_t rows, cols, depth;  // depth a multiple of kInt8DepthStep
+  FinishInt8RowsFn finish;    // the epilogue each loop calls on its blocks of sums
 };
 
 // The same call restricted to rows [first, first + count).
@@ -50,12 +51,6 @@ inline Int8GemmArgs int8_rows(const Int8GemmArgs& a, int64_t first, int64_t coun
 
 // Computes the columns of panels [panel_begin, panel_end) for every row.
 using Int8GemmFn = void (*)(const Int8GemmArgs& args, int64_t panel_begin, int64_t panel_end);
-
-// Writes rows [row, row + count) (count <= kInt8BlockRows) of the panel starting at column `col` from
-// their int32 sums, sums[r * kInt8PanelCols + c]; `offset_sums`: the sums are of the offset bytes, so the
-// compensation is subtracted first.
-void finish_int8_rows(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
-                      bool offset_sums);
 
 // The loops, slowest first; each namespace's `gemm_int8` runs only where its instructions exist.
 namespace int8_scalar {

@@ -66,7 +66,7 @@ void gemm_int8(const Int8GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, count - r));
         kTiles[rows](a.x + (row + r) * a.x_stride, a.x_stride, w, groups, sums + r * kInt8PanelCols);
       }
-      finish_int8_rows(a, row, count, panel * kInt8PanelCols, sums, true);
+      a.finish(a, row, count, panel * kInt8PanelCols, sums, true);
     }
   }
 }

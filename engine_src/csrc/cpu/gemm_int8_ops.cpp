@@ -178,6 +178,7 @@ Int8GemmArgs int8_args(const char* op, torch::Tensor& out, const torch::Tensor& 
   args.rows = rows;
   args.cols = cols;
   args.depth = depth;
+  args.finish = active_kernels().finish_int8_rows;
   return args;
 }
 

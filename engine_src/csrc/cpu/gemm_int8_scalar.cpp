@@ -27,7 +27,7 @@ void gemm_int8(const Int8GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
           sums[r * kInt8PanelCols + c] = acc;
         }
       }
-      finish_int8_rows(a, row, count, panel * kInt8PanelCols, sums, false);
+      a.finish(a, row, count, panel * kInt8PanelCols, sums, false);
     }
   }
 }

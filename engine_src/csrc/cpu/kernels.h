@@ -142,6 +142,12 @@ using SummariseBlockFn = void (*)(const void* row, int64_t begin, int64_t end, B
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 // One row of a cache write into fp8 (reshape_and_cache): dst[i] = float_to_fp8(x[i] / scale) for i < n.
 using QuantizeFp8RowFn = void (*)(const void* x, uint8_t* dst, int64_t n, float scale, KVFormat f);
+// The int8 GEMM's float epilogue (gemm_int8.h): rows [row, row + count) of the panel starting at column `col` from
+// their int32 sums, sums[r * kInt8PanelCols + c]; `offset_sums`: the sums are of the offset bytes, so the
+// compensation is subtracted first. One arithmetic on every table (the same bits), vectorized for each.
+struct Int8GemmArgs;
+using FinishInt8RowsFn = void (*)(const Int8GemmArgs& args, int64_t row, int64_t count, int64_t col,
+                                  const int32_t* sums, bool offset_sums);
 // The sampler's candidates: ids of the weights >= threshold (and > 0) in id order, their sum; returns their count.
 using CollectRowFn = int64_t (*)(const float* w, int64_t n, float threshold, int32_t* ids, float* mass);
 
@@ -260,6 +266,7 @@ struct KernelTable {
   LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
   LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
   QuantizeFp8RowFn quantize_fp8_row[kNumDTypes];
+  FinishInt8RowsFn finish_int8_rows;
 };
 
 namespace scalar {

@@ -11,11 +11,13 @@
 #error "define BATCHGEN_ISA_NS before including layer_impl.h"
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "cpu/dtype.h"
+#include "cpu/gemm_int8.h"
 #include "cpu/kernels.h"
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
@@ -214,6 +216,64 @@ void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
     }
 #pragma omp simd
     for (int64_t j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(silu[j]) * round_to<T>(up[i + j]));
+  }
+}
+
+// One row of the int8 GEMM's epilogue over a whole panel: y = float(sum - compensation) * x_scale * w_scale
+// (+ bias), rounded left to right as the torch reference rounds it, into out[0 .. kInt8PanelCols). A bias of
+// zero is not the same as none: -0 + 0 is +0.
+template <typename Out, bool kBias>
+inline void finish_int8_row(const int32_t* sums, const int32_t* compensation, float x_scale, const float* w_scale,
+                            const float* bias, Out* out) {
+#pragma omp simd
+  for (int c = 0; c < kInt8PanelCols; ++c) {
+    float y = static_cast<float>(sums[c] - compensation[c]) * x_scale * w_scale[c];
+    if constexpr (kBias) y = y + bias[c];
+    out[c] = from_float<Out>(y);
+  }
+}
+
+template <typename Out, bool kBias>
+void finish_int8_rows_as(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
+                         const int32_t* compensation) {
+  const int64_t width = std::min<int64_t>(kInt8PanelCols, a.cols - col);
+  alignas(64) float padded_bias[kInt8PanelCols] = {};  // the last panel's bias ends with the columns
+  const float* bias = a.bias == nullptr ? nullptr : a.bias + col;
+  if (kBias && width < kInt8PanelCols) {
+    std::copy(bias, bias + width, padded_bias);
+    bias = padded_bias;
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    Out* out = static_cast<Out*>(a.out) + (row + r) * a.out_stride + col;
+    const int32_t* row_sums = sums + r * kInt8PanelCols;
+    const float x_scale = a.x_scale[row + r];
+    if (width == kInt8PanelCols) {
+      finish_int8_row<Out, kBias>(row_sums, compensation, x_scale, a.w_scale + col, bias, out);
+    } else {
+      alignas(64) Out part[kInt8PanelCols];
+      finish_int8_row<Out, kBias>(row_sums, compensation, x_scale, a.w_scale + col, bias, part);
+      std::copy(part, part + width, out);
+    }
+  }
+}
+
+void finish_int8_rows(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
+                      bool offset_sums) {
+  static constexpr int32_t kNoCompensation[kInt8PanelCols] = {};
+  const int32_t* compensation = offset_sums ? a.compensation + col : kNoCompensation;
+  if (a.out_kind == Int8Out::i32) {
+    const int64_t width = std::min<int64_t>(kInt8PanelCols, a.cols - col);
+    for (int64_t r = 0; r < count; ++r) {
+      int32_t* out = static_cast<int32_t*>(a.out) + (row + r) * a.out_stride + col;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) out[c] = sums[r * kInt8PanelCols + c] - compensation[c];
+    }
+  } else if (a.out_kind == Int8Out::f32) {
+    if (a.bias != nullptr) return finish_int8_rows_as<float, true>(a, row, count, col, sums, compensation);
+    finish_int8_rows_as<float, false>(a, row, count, col, sums, compensation);
+  } else {
+    if (a.bias != nullptr) return finish_int8_rows_as<BF16, true>(a, row, count, col, sums, compensation);
+    finish_int8_rows_as<BF16, false>(a, row, count, col, sums, compensation);
   }
 }
 
