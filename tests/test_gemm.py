@@ -22,6 +22,7 @@ from kernel_cases import torch_threads
 from batchgen import _C, ops
 from batchgen.ops import reference
 
+
 def _tables_with_the_gemm() -> list[str]:
     active = _C.cpu_isa()
     try:
