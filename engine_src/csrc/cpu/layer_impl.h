@@ -237,10 +237,10 @@ template <typename Out, bool kBias>
 void finish_int8_rows_as(const Int8GemmArgs& a, int64_t row, int64_t count, int64_t col, const int32_t* sums,
                          const int32_t* compensation) {
   const int64_t width = std::min<int64_t>(kInt8PanelCols, a.cols - col);
-  alignas(64) float padded_bias[kInt8PanelCols] = {};  // the last panel's bias ends with the columns
-  const float* bias = a.bias == nullptr ? nullptr : a.bias + col;
+  alignas(64) float padded_bias[kInt8PanelCols];  // the last panel's bias ends with the columns
+  const float* bias = kBias ? a.bias + col : nullptr;
   if (kBias && width < kInt8PanelCols) {
-    std::copy(bias, bias + width, padded_bias);
+    std::fill(std::copy(bias, bias + width, padded_bias), padded_bias + kInt8PanelCols, 0.0f);
     bias = padded_bias;
   }
   for (int64_t r = 0; r < count; ++r) {
