@@ -78,6 +78,26 @@ def test_activation_ties_round_half_to_even(dtype):
     assert q[0, :8].tolist() == [255, 130, 126, 132, 128, 128, 130, 2]
 
 
+def test_activations_near_half_integers_round_as_their_quotients_do():
+    """Quotients a few ulps from k + 0.5 round as the reference's division rounds them, where a product by 1 / s
+    (a tempting replacement for the division, measured no faster) rounds many the other way."""
+    gen = torch.Generator().manual_seed(7)
+    rows, depth = 64, 256 + 8 + 3  # blocks of 32, a vector of 8 and a tail
+    amax = torch.rand(rows, generator=gen) * 50 + 0.5
+    scale = amax / 127
+    x = (torch.randint(-126, 126, (rows, depth), generator=gen) + 0.5) * scale[:, None]
+    for _ in range(3):  # up to 3 ulps either way
+        step = torch.randint(-1, 2, (rows, depth), generator=gen).float()
+        x = torch.nextafter(x, torch.where(step == 0, x, step * torch.inf))
+    x[:, 5] = amax
+    x[4] = x[4] * 1e-38  # subnormal values and scale
+    expected_q, expected_scale = reference.quantize_int8_rows(x)
+    by_product = torch.round(x * (1 / expected_scale)[:, None]).clamp(-127, 127) + 128
+    assert int((by_product != expected_q[:, :depth].float()).sum()) > 100  # near ties indeed
+    q, scale = ops.quantize_int8_rows(x)
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
+
+
 def test_weights_quantize_per_output_feature():
     w = torch.randn(50, 70) * torch.logspace(-3, 1, 50)[:, None]
     packed = ops.pack_int8_weight(w)
