@@ -98,6 +98,31 @@ def test_activations_near_half_integers_round_as_their_quotients_do():
     assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_table_quantizes_like_the_reference(cpu_isas, dtype):
+    """The quantization is each table's own (whole vectors of 8 or 16, blocks of 32, a tail): every width from 1
+    to 70, rows of zeros, an infinity, subnormals, near-ties (scale 1: every x.5 a tie) and a NaN, whose row takes
+    scale 1 as torch's amax makes it NaN; a NaN quotient (NaN, inf / inf) is the byte of -127 on every table."""
+    gen = torch.Generator().manual_seed(13)
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        for depth in range(1, 71):
+            x = (torch.randn(9, depth, generator=gen) * torch.logspace(-3, 3, 9)[:, None]).to(dtype)
+            x[1] = 0
+            x[2, depth // 2] = float("inf")
+            x[3] = x[3] * 1e-38  # subnormals in float32; in bf16 some flush to zero
+            x[4] = torch.round(x[4].float() * 2) / 2
+            x[4, 0] = 127
+            x[5, depth - 1] = float("nan")
+            q, scale = ops.quantize_int8_rows(x)
+            want_q, want_scale = reference.quantize_int8_rows(x)
+            assert torch.equal(scale, want_scale) and float(scale[5]) == 1.0, (isa, depth)
+            undefined = torch.isnan(x.float() / scale[:, None])  # inf / inf, NaN: torch makes them byte 0
+            want_q[:, :depth][undefined] = 1
+            assert torch.equal(q, want_q), (isa, depth)
+            assert int(undefined.sum()) == 2 and int(q[5, depth - 1]) == 1
+
+
 def test_weights_quantize_per_output_feature():
     w = torch.randn(50, 70) * torch.logspace(-3, 1, 50)[:, None]
     packed = ops.pack_int8_weight(w)

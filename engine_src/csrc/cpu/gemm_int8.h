@@ -1,4 +1,4 @@
-// Torch-free interface of the int8 GEMM (cpu/gemm_int8.cpp and the per-instruction-set loops in
+// Torch-free interface of the int8 GEMM (cpu/gemm_int8_ops.cpp and the per-instruction-set loops in
 // gemm_int8_<isa>.cpp): out[m, n] = sx[m] * sw[n] * sum_k q[m, k] w[n, k] (+ bias[n]).
 //
 // Weights are quantized symmetrically per output feature at load (int8 in [-127, 127] and a float32
@@ -6,8 +6,9 @@
 // kInt8ZeroPoint as unsigned bytes: the operand order of vpdpbusd and tdpbusd (u8 x s8). The loops that
 // multiply the offset bytes subtract the zero point's share afterwards, 128 * sum_k w[n, k] per output
 // feature (`compensation`, computed at packing). Sums are int32 and exact, so every loop gives the same
-// sums whatever its order, and a row's output depends on that row alone (batch invariance); the float
-// epilogue is the active kernel table's finish_int8_rows (kernels.h), whose bits every table shares.
+// sums whatever its order, and a row's output depends on that row alone (batch invariance); the activations'
+// quantization and the float epilogue are the active kernel table's quantize_int8_row and finish_int8_rows
+// (kernels.h), whose bytes and bits every table shares.
 #pragma once
 #include <cstdint>
 

@@ -1,4 +1,4 @@
-// The int8 GEMM on AVX512-VNNI (gemm_int8.h), called only where the processor has it (gemm_int8.cpp).
+// The int8 GEMM on AVX512-VNNI (gemm_int8.h), called only where the processor has it (gemm_int8_ops.cpp).
 //
 // A tile of up to 4 rows x one panel (48 columns, three vectors of 16 sums) keeps its 12 sums in
 // registers while the panel streams through once; one vpdpbusd adds 4 products of the depth to each sum.

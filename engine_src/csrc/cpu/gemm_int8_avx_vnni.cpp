@@ -1,5 +1,5 @@
 // The int8 GEMM on AVX-VNNI's 256-bit vpdpbusd (gemm_int8_256.inc), called only where the processor
-// has it (gemm_int8.cpp).
+// has it (gemm_int8_ops.cpp).
 #include <immintrin.h>
 
 #include <algorithm>

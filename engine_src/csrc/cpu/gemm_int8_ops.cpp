@@ -11,7 +11,6 @@
 
 #include "cpu/gemm_int8.h"
 #include "cpu/gemm_parallel.h"
-#include "cpu/int8_quantize.h"
 #include "cpu/isa.h"
 #include "ops.h"
 
@@ -226,15 +225,12 @@ void quantize_int8_rows(const torch::Tensor& x, torch::Tensor& q, torch::Tensor&
   const int64_t padded = q.size(1);
   uint8_t* q_data = q.data_ptr<uint8_t>();
   float* scales = x_scale.data_ptr<float>();
+  const QuantizeInt8RowFn quantize = active_kernels().quantize_int8_row[static_cast<int>(dtype_of(x))];
+  const auto* x_data = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = x.stride(0) * x.element_size();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      uint8_t* q_row = q_data + r * q.stride(0);
-      if (dtype == torch::kFloat32) {
-        scales[r] = quantize_int8_row(x.data_ptr<float>() + r * x.stride(0), depth, padded, q_row);
-      } else {
-        const auto* row = static_cast<const BF16*>(x.data_ptr()) + r * x.stride(0);
-        scales[r] = quantize_int8_row(row, depth, padded, q_row);
-      }
+      scales[r] = quantize(x_data + r * row_bytes, depth, padded, q_data + r * q.stride(0));
     }
   });
 }

@@ -1,4 +1,4 @@
-// How the panel GEMMs (gemm_ops.cpp's bf16, gemm_int8.cpp's int8) cut a call into tasks for torch's
+// How the panel GEMMs (gemm_ops.cpp's bf16, gemm_int8_ops.cpp's int8) cut a call into tasks for torch's
 // threads: whole panels and every row, so that each weight is read from memory once per call; where the
 // panels are too few for the threads (12 panels of a 576-wide projection on 16 threads), the rows are
 // cut into runs of `row_unit` rows as well.

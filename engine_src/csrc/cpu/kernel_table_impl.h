@@ -42,6 +42,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&lora_rows<float>, &lora_rows<BF16>, nullptr},
                              &lora_rows_bf16,
                              {&quantize_fp8_row<float>, &quantize_fp8_row<BF16>, &quantize_fp8_row<F16>},
+                             {&quantize_int8_row<float>, &quantize_int8_row<BF16>, nullptr},
                              &finish_int8_rows};
 
 }  // namespace

@@ -145,6 +145,11 @@ using QuantizeFp8RowFn = void (*)(const void* x, uint8_t* dst, int64_t n, float 
 // The int8 GEMM's float epilogue (gemm_int8.h): rows [row, row + count) of the panel starting at column `col` from
 // their int32 sums, sums[r * kInt8PanelCols + c]; `offset_sums`: the sums are of the offset bytes, so the
 // compensation is subtracted first. One arithmetic on every table (the same bits), vectorized for each.
+// The int8 GEMM's activations, one row (gemm_int8.h): q[k] = round_half_even(x[k] / s) clamped to [-127, 127],
+// plus the zero point, for k < depth, the zero point up to padded_depth; s = max_k |x[k]| / 127 (1 for a row of
+// zeros, or one holding a NaN, as torch's amax makes it NaN); NaN elements to -127. Returns s. The same bytes on
+// every table.
+using QuantizeInt8RowFn = float (*)(const void* x, int64_t depth, int64_t padded_depth, uint8_t* q);
 struct Int8GemmArgs;
 using FinishInt8RowsFn = void (*)(const Int8GemmArgs& args, int64_t row, int64_t count, int64_t col,
                                   const int32_t* sums, bool offset_sums);
@@ -266,6 +271,7 @@ struct KernelTable {
   LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
   LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
   QuantizeFp8RowFn quantize_fp8_row[kNumDTypes];
+  QuantizeInt8RowFn quantize_int8_row[kNumDTypes];
   FinishInt8RowsFn finish_int8_rows;
 };
 

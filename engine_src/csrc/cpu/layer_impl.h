@@ -219,6 +219,28 @@ void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
   }
 }
 
+// The int8 GEMM's activations, one row (kernels.h's QuantizeInt8RowFn). The largest magnitude is taken on the
+// bits (a float's magnitude orders as its bits do, NaN's above infinity's), so a NaN anywhere shows in the
+// result whatever the lanes; whole vectors in the table's magnitude_bits_max and quantize_int8_vectors, the rest
+// here with the same arithmetic.
+template <typename T>
+float quantize_int8_row(const void* x_, int64_t depth, int64_t padded_depth, uint8_t* q) {
+  const T* x = static_cast<const T*>(x_);
+  int64_t k = 0;
+  uint32_t bits = magnitude_bits_max(x, depth, k);
+  for (; k < depth; ++k) bits = std::max(bits, float_bits(to_float(x[k])) & 0x7fffffffu);
+  const float amax = bits_float(bits);
+  const float scale = bits <= 0x7f800000u && amax > 0.0f ? amax / 127.0f : 1.0f;  // a NaN: torch's amax is NaN
+  k = quantize_int8_vectors(x, depth, scale, kInt8ZeroPoint, q);
+  for (; k < depth; ++k) {
+    float v = std::rint(to_float(x[k]) / scale);  // the default rounding mode, half to even
+    v = v > 127.0f ? 127.0f : (v >= -127.0f ? v : -127.0f);  // NaN to -127
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(v) + kInt8ZeroPoint);
+  }
+  std::fill(q + depth, q + padded_depth, static_cast<uint8_t>(kInt8ZeroPoint));
+  return scale;
+}
+
 // One row of the int8 GEMM's epilogue over a whole panel: y = float(sum - compensation) * x_scale * w_scale
 // (+ bias), rounded left to right as the torch reference rounds it, into out[0 .. kInt8PanelCols). A bias of
 // zero is not the same as none: -0 + 0 is +0.

@@ -92,4 +92,62 @@ inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
   return {_mm256_blendv_ps(other.v, below.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_LT_OQ))};
 }
 
+// The largest of the unsigned 32-bit lanes of m.
+inline uint32_t reduce_max_u32(__m256i m) {
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1))));
+}
+
+// The largest of |x[j]|'s float32 bits for j < k, k advanced over the whole vectors of x[0 .. n) (float32 or
+// bf16): the sign cleared, an unsigned maximum, two operations a vector (layer_impl.h's quantize_int8_row).
+inline uint32_t magnitude_bits_max(const float* x, int64_t n, int64_t& k) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i m = _mm256_setzero_si256();
+  for (k = 0; k + 8 <= n; k += 8) {
+    m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), magnitude));
+  }
+  return reduce_max_u32(m);
+}
+
+inline uint32_t magnitude_bits_max(const BF16* x, int64_t n, int64_t& k) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  __m256i m = _mm256_setzero_si256();
+  for (k = 0; k + 16 <= n; k += 16) {
+    m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), magnitude));
+  }
+  const __m256i wide = _mm256_max_epu32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(m)),
+                                        _mm256_cvtepu16_epi32(_mm256_extracti128_si256(m, 1)));
+  return reduce_max_u32(wide) << 16;
+}
+
+// q[k] = round_half_even(clamp(x[k] / scale, -127, 127)) + zero_point for k below the returned count (whole
+// vectors; NaN to -127: minps and maxps return their second operand for NaN, 127 first, so NaN passes, then -127
+// takes it): the int8 GEMM's activations (layer_impl.h's quantize_int8_row). The zero point is added exactly in
+// float32. 32 at a time, four vectors narrow to bytes in three packs and a permute (the packs work within
+// 128-bit lanes), where one vector took an extract and two packs for 8 bytes.
+template <typename T>
+inline int64_t quantize_int8_vectors(const T* x, int64_t n, float scale, int zero_point, uint8_t* q) {
+  const Vec divisor = Vec::set1(scale);
+  const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+  const __m256 offset = _mm256_set1_ps(static_cast<float>(zero_point));
+  const auto bytes_of = [&](int64_t at) {
+    const __m256 v = round_nearest(Vec::load(x + at) / divisor).v;
+    return _mm256_cvtps_epi32(_mm256_add_ps(_mm256_max_ps(_mm256_min_ps(top, v), bottom), offset));
+  };
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const __m256i words = _mm256_packus_epi32(bytes_of(k), bytes_of(k + 8));
+    const __m256i bytes = _mm256_packus_epi16(words, _mm256_packus_epi32(bytes_of(k + 16), bytes_of(k + 24)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  for (; k + 8 <= n; k += 8) {
+    const __m256i words = bytes_of(k);
+    const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packus_epi16(halves, halves));
+  }
+  return k;
+}
+
 }  // namespace batchgen::cpu::avx2

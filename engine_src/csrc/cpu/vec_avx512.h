@@ -84,6 +84,41 @@ inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
   return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_LT_OQ), other.v, below.v)};
 }
 
+// The largest of |x[j]|'s float32 bits for j < k, k advanced over the whole vectors of x[0 .. n) (float32 or
+// bf16): the sign cleared, an unsigned maximum, two operations a vector (layer_impl.h's quantize_int8_row).
+inline uint32_t magnitude_bits_max(const float* x, int64_t n, int64_t& k) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i m = _mm512_setzero_si512();
+  for (k = 0; k + 16 <= n; k += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + k), magnitude));
+  return _mm512_reduce_max_epu32(m);
+}
+
+inline uint32_t magnitude_bits_max(const BF16* x, int64_t n, int64_t& k) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  __m512i m = _mm512_setzero_si512();
+  for (k = 0; k + 32 <= n; k += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(x + k), magnitude));
+  const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
+                                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
+  return _mm512_reduce_max_epu32(wide) << 16;
+}
+
+// q[k] = round_half_even(min(max(x[k] / scale, -127), 127)) + zero_point for k below the returned count (whole
+// vectors; NaN to -127: minps returns its second operand for NaN, maxps then -127): the int8 GEMM's activations
+// (layer_impl.h's quantize_int8_row). Clamped before rounding, as rounding after gives the same integers.
+template <typename T>
+inline int64_t quantize_int8_vectors(const T* x, int64_t n, float scale, int zero_point, uint8_t* q) {
+  const Vec divisor = Vec::set1(scale);
+  const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+  const __m512i offset = _mm512_set1_epi32(zero_point);
+  int64_t k = 0;
+  for (; k + Vec::N <= n; k += Vec::N) {
+    const __m512 v = _mm512_max_ps(_mm512_min_ps(top, (Vec::load(x + k) / divisor).v), bottom);
+    const __m512i i = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(i, offset)));
+  }
+  return k;
+}
+
 #ifdef BATCHGEN_DOT_BF16
 // 32 bf16 values, 16 pairs: an operand of the bf16 dot product (AVX512-BF16).
 struct BF16Pairs {

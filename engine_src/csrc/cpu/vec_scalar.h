@@ -119,4 +119,16 @@ inline Vec blend_below(Vec x, float limit, Vec below, Vec other) {
   return other;
 }
 
+// The int8 GEMM's activations in whole vectors (vec_avx2.h's): none here; quantize_int8_row's own loops do them all.
+template <typename T>
+inline uint32_t magnitude_bits_max(const T*, int64_t, int64_t& k) {
+  k = 0;
+  return 0;
+}
+
+template <typename T>
+inline int64_t quantize_int8_vectors(const T*, int64_t, float, int, uint8_t*) {
+  return 0;
+}
+
 }  // namespace batchgen::cpu::scalar
