@@ -264,6 +264,30 @@ def test_every_kernel_table_runs_silu_mul_like_the_reference(cpu_isas):
         _assert_silu_mul_close(ops.linear_silu_mul_int8(x, packed), want)
 
 
+def test_every_kernel_tables_silu_mul_rounds_subnormals_as_the_reference(cpu_isas):
+    """Gate sums of 64, where silu(g) is g exactly in float32 (exp(-g) is lost in 1 + exp(-g)), so the bf16 output
+    is bf16(bf16(gate) * bf16(up)) to the bit; up's scales (a checkpoint's) reach down into the subnormals, which
+    the processor's bf16 conversion (on the AVX512-BF16 tables) flushes to zero: those vectors must take the exact
+    rounding."""
+    cols, depth = 200, 64
+    gen = torch.Generator().manual_seed(21)
+    gate = torch.full((cols, depth), 100.0)
+    up = torch.randint(-127, 128, (cols, depth), generator=gen).float()
+    scale = torch.cat([torch.full((cols,), 0.01), torch.logspace(-45, -41, cols)])
+    scale[cols::7] = 1.0  # and some normal products among them
+    packed = ops.pack_int8_gate_up(torch.cat([gate, up]), scale)
+    x = torch.ones(3, depth, dtype=torch.bfloat16)
+    q, x_scale = ops.quantize_int8_rows(x)
+    g, u = (reference.gemm_int8(q, x_scale, w) for w in reference.gate_up_halves(packed))
+    assert float(g.min()) >= 17.0
+    want = (g.bfloat16().float() * u.bfloat16().float()).bfloat16()
+    tiny = (want != 0) & (want.float().abs() < torch.finfo(torch.float32).tiny)
+    assert 50 < int(tiny.sum()) < want.numel() - 50  # subnormal outputs, and normal ones
+    for isa in cpu_isas:
+        _C.set_cpu_isa(isa)
+        assert torch.equal(_bits(ops.linear_silu_mul_int8(x, packed)), _bits(want)), isa
+
+
 @pytest.mark.usefixtures("int8_kernel")
 def test_a_silu_mul_row_does_not_depend_on_the_batch_or_the_threads():
     x, _, packed = _silu_mul_operands(200, 576, 200, seed=12)

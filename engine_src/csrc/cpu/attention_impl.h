@@ -90,6 +90,14 @@ inline Vec exp_nonpositive(Vec x) {
   return zero_if_below(scale_pow2(p, n), x, kExpLow);
 }
 
+// silu(g) = g * sigmoid(g) with exp only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and
+// e / (1 + e) below, e = exp(-|g|).
+inline Vec silu(Vec g) {
+  const Vec e = exp_nonpositive(Vec::zero() - max(g, Vec::zero() - g));
+  const Vec inv = Vec::set1(1.0f) / (Vec::set1(1.0f) + e);
+  return g * blend_below(g, 0.0f, e * inv, inv);
+}
+
 // tanh(x), relative error ~2e-7, for the soft cap of the scores. Below |x| = 0.55 an odd
 // polynomial x + x^3 P(x^2), P a least-squares fit of (tanh(x) - x) / x^3 on [0, 0.55] weighted for
 // relative error (~6e-8 evaluated in float32); from there (1 - e) / (1 + e) with e = exp(-2|x|),

@@ -77,14 +77,6 @@ inline void multiply_tile(const BF16* x, int64_t x_stride, const BF16* panel, in
   }
 }
 
-// g * sigmoid(g), with exp only ever of -|g| (exp_nonpositive).
-inline Vec silu(Vec g) {
-  const __m512 e = exp_nonpositive(Vec{_mm512_abs_ps(g.v)} * Vec::set1(-1.0f)).v;
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-  const __mmask16 negative = _mm512_cmp_ps_mask(g.v, _mm512_setzero_ps(), _CMP_LT_OQ);
-  return {_mm512_mul_ps(g.v, _mm512_mask_mul_ps(inv, negative, inv, e))};
-}
-
 // Finishes one row of a panel's `width` (<= kGemmPanelCols) real columns from its float32 sums: the
 // SiLU product with the up projection's sums (`up`, or nullptr), or the bias, then the store.
 __attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t row, int64_t col, int width,

@@ -193,29 +193,44 @@ void quantize_fp8_row(const void* x, uint8_t* dst, int64_t n, float scale, KVFor
   quantize_fp8_row_as<T, KVFormat::fp8_e4m3>(src, dst, n, scale);
 }
 
+#ifdef BATCHGEN_DOT_BF16
+// silu_mul_row's bf16 rows in whole vectors with the processor's bf16 rounding (vcvtneps2bf16: one instruction
+// for from_float's seven, and the same bits, NaN included, but for subnormal inputs, which it flushes to zero);
+// stops before the first vector where any of the four roundings meets a subnormal, for the exact loop to do.
+// Returns how many it did.
+inline int64_t silu_mul_vectors(const float* gate, const float* up, BF16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    __mmask16 subnormal = 0;
+    const Vec g = round_bf16(Vec::load(gate + i), subnormal);
+    const Vec product = round_bf16(silu(g), subnormal) * round_bf16(Vec::load(up + i), subnormal);
+    if ((subnormal | subnormal_lanes(product)) != 0) break;
+    store_bf16(product, out + i);
+  }
+  return i;
+}
+#endif
+
 // out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
-// projected to it, silu rounded, then the product), from float32 gate and up. silu(g) = g * sigmoid(g) with exp
-// only ever of -|g| (no overflow): sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
+// projected to it, silu rounded, then the product), from float32 gate and up (silu: attention_impl.h).
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, void* out_, int64_t n) {
   constexpr int64_t kChunk = 64;  // a panel's row (48 columns) in one pass
   static_assert(kChunk % Vec::N == 0);
   T* out = static_cast<T*>(out_);
-  const Vec one = Vec::set1(1.0f);
-  alignas(64) float g[kChunk], silu[kChunk];
-  for (int64_t i = 0; i < n; i += kChunk) {
+  int64_t i = 0;
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<T, BF16>) i = silu_mul_vectors(gate, up, out, n);
+#endif
+  alignas(64) float g[kChunk], s[kChunk];
+  for (; i < n; i += kChunk) {
     const int64_t count = n - i < kChunk ? n - i : kChunk, vectors = (count + Vec::N - 1) / Vec::N * Vec::N;
 #pragma omp simd
     for (int64_t j = 0; j < count; ++j) g[j] = round_to<T>(gate[i + j]);
     for (int64_t j = count; j < vectors; ++j) g[j] = 0.0f;
-    for (int64_t j = 0; j < vectors; j += Vec::N) {
-      const Vec vg = Vec::load(g + j);
-      const Vec e = exp_nonpositive(Vec::zero() - max(vg, Vec::zero() - vg));
-      const Vec inv = one / (one + e);
-      (vg * blend_below(vg, 0.0f, e * inv, inv)).store(silu + j);
-    }
+    for (int64_t j = 0; j < vectors; j += Vec::N) silu(Vec::load(g + j)).store(s + j);
 #pragma omp simd
-    for (int64_t j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(silu[j]) * round_to<T>(up[i + j]));
+    for (int64_t j = 0; j < count; ++j) out[i + j] = from_float<T>(round_to<T>(s[j]) * round_to<T>(up[i + j]));
   }
 }
 

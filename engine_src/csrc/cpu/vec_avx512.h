@@ -197,6 +197,17 @@ inline void store_bf16(Vec x, BF16* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x.v));
 }
 
+// x rounded to bf16 and widened back (vcvtneps2bf16: nearest even, a NaN quieted as from_float quiets it); the
+// lanes holding a subnormal, which the instruction flushes to zero where from_float rounds it, are added to
+// `subnormal`.
+inline Vec round_bf16(Vec x, __mmask16& subnormal) {
+  subnormal |= _mm512_fpclass_ps_mask(x.v, 0x20);
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(x.v);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+}
+
+inline __mmask16 subnormal_lanes(Vec x) { return _mm512_fpclass_ps_mask(x.v, 0x20); }
+
 // The first `count` (0 to 16) lanes of x rounded to bf16 into dst[0 .. count).
 inline void store_bf16(Vec x, BF16* dst, int count) {
   _mm256_mask_storeu_epi16(dst, first_lanes(count), (__m256i)_mm512_cvtneps_pbh(x.v));
