@@ -201,10 +201,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_every_kernel_tables_epilogue_gives_the_references_bits(cpu_isas):
     """The float epilogue is each kernel table's own, vectorized for it: every output kind, with a bias and without,
-    in whole and partial panels, and the sign of zero (a zero row's sums times negative weight scales are -0
-    without a bias, +0 with a zero bias) as the reference has it."""
+    in whole and partial panels, the sign of zero (a zero row's sums times negative weight scales are -0 without a
+    bias, +0 with a zero bias) and subnormal outputs as the reference has them."""
     x, packed, _, bias = _operands(21, 130, 100, seed=9)  # 100 outputs: two whole panels and a partial one
     x[3] = 0
+    x[4] = x[4] * 1e-38  # subnormal outputs, which the AVX512-BF16 tables' bf16 conversion would flush to zero
     bias[::5] = 0.0
     q, scale = ops.quantize_int8_rows(x)
     negative = dataclasses.replace(packed, scale=-packed.scale)
@@ -216,6 +217,8 @@ def test_every_kernel_tables_epilogue_gives_the_references_bits(cpu_isas):
                     got, want = ops.gemm_int8(q, scale, w, b, out_dtype), reference.gemm_int8(q, scale, w, b, out_dtype)
                     assert torch.equal(_bits(got), _bits(want)), (isa, out_dtype, b is None)
     assert bool((_bits(reference.gemm_int8(q, scale, negative))[3] < 0).all())  # the -0 case is there
+    tiny = reference.gemm_int8(q, scale, packed, out_dtype=torch.bfloat16)[4].float().abs()
+    assert int(((tiny > 0) & (tiny < torch.finfo(torch.float32).tiny)).sum()) > 10  # and the subnormal one
 
 
 def _silu_mul_operands(rows: int, depth: int, cols: int, seed: int, dtype=torch.bfloat16):

@@ -256,12 +256,40 @@ float quantize_int8_row(const void* x_, int64_t depth, int64_t padded_depth, uin
   return scale;
 }
 
+#ifdef BATCHGEN_DOT_BF16
+// finish_int8_row into bf16 with the processor's rounding (silu_mul_vectors' vcvtneps2bf16), the same arithmetic;
+// false, having written nothing, where any result is subnormal (which the instruction flushes to zero).
+template <bool kBias>
+inline bool finish_int8_row_bf16(const int32_t* sums, const int32_t* compensation, float x_scale,
+                                 const float* w_scale, const float* bias, BF16* out) {
+  constexpr int kVectors = kInt8PanelCols / Vec::N;
+  static_assert(kVectors * Vec::N == kInt8PanelCols);
+  Vec y[kVectors];
+  __mmask16 subnormal = 0;
+  for (int v = 0; v < kVectors; ++v) {
+    const __m512i diff = _mm512_sub_epi32(_mm512_loadu_si512(sums + v * Vec::N),
+                                          _mm512_loadu_si512(compensation + v * Vec::N));
+    y[v] = Vec{_mm512_cvtepi32_ps(diff)} * Vec::set1(x_scale) * Vec::load(w_scale + v * Vec::N);
+    if constexpr (kBias) y[v] = y[v] + Vec::load(bias + v * Vec::N);
+    subnormal |= subnormal_lanes(y[v]);
+  }
+  if (subnormal != 0) return false;
+  for (int v = 0; v < kVectors; ++v) store_bf16(y[v], out + v * Vec::N);
+  return true;
+}
+#endif
+
 // One row of the int8 GEMM's epilogue over a whole panel: y = float(sum - compensation) * x_scale * w_scale
 // (+ bias), rounded left to right as the torch reference rounds it, into out[0 .. kInt8PanelCols). A bias of
 // zero is not the same as none: -0 + 0 is +0.
 template <typename Out, bool kBias>
 inline void finish_int8_row(const int32_t* sums, const int32_t* compensation, float x_scale, const float* w_scale,
                             const float* bias, Out* out) {
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<Out, BF16>) {
+    if (finish_int8_row_bf16<kBias>(sums, compensation, x_scale, w_scale, bias, out)) return;
+  }
+#endif
 #pragma omp simd
   for (int c = 0; c < kInt8PanelCols; ++c) {
     float y = static_cast<float>(sums[c] - compensation[c]) * x_scale * w_scale[c];
