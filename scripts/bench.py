@@ -269,6 +269,7 @@ class StepProfile:
         self.stack = getattr(engine.runner.model, "decoder_stack", None)
         self.stack_start = self.stack.op_seconds() if self.stack is not None else {}
         self.decode_attention = 0.0  # seconds, set by finish
+        self.stack_seconds: dict[str, float] = {}  # the stack's own clocks per op over the run, set by finish
 
     def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
         fn = getattr(obj, name)
@@ -317,6 +318,7 @@ class StepProfile:
             self.totals["attention"] += sum(now[k] - self.stack_start[k]
                                             for k in ("cache_write", "decode_attention", "prefill_attention"))
             self.decode_attention += now["decode_attention"] - self.stack_start["decode_attention"]
+            self.stack_seconds = {k: now[k] - self.stack_start[k] for k in now if now[k] > self.stack_start[k]}
 
     def is_decode_only(self) -> bool:
         out = self.last
@@ -436,7 +438,8 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
                  kv_blocks=kv_blocks, preemptions=stats["num_preemptions"], swap_preemptions=stats["swap_preemptions"],
                  prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
                  stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps,
-                 kv_cache=str(llm.engine.runner.device_caches[0][0].dtype), decode_attention_s=profile.decode_attention)
+                 kv_cache=str(llm.engine.runner.device_caches[0][0].dtype), decode_attention_s=profile.decode_attention,
+                 stack_seconds=profile.stack_seconds)
     if wl.structured_outputs is not None:
         order = {f"{wl.name}-{i}": i for i in range(len(wl.prompts))}
         in_order = sorted(finished, key=lambda r: order[r.request_id])
@@ -881,6 +884,8 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str], measures: di
         stages = r.extra["stage_seconds"]
         shares = ", ".join(f"{k} {v:.1f} ({v / r.seconds:.0%})" for k, v in stages.items())
         print(f"  {r.workload:9s} {r.engine:21s} {r.dtype:9s} {shares}")
+        if ops := r.extra.get("stack_seconds"):  # the layers in one C++ call: its own clock per op
+            print(f"  {'':9s} {'  its decoder stack':31s} " + ", ".join(f"{k} {v:.1f}" for k, v in ops.items()))
     if any(r.workload == "pressure" for r in runs):
         print("note: pressure is compared with the peers' mixed runs (the same requests; they have no KV budget)")
     for r in [r for r in runs if r.workload == "json"]:

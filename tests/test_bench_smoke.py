@@ -74,7 +74,7 @@ def test_quick_pass_with_an_fp8_kv_cache(bench, tmp_path):
 @pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
 def test_decode_attention_seconds_from_the_decoder_stack(bench, tmp_path, monkeypatch):
     """A bf16 model runs its layers in the C++ decoder stack, which never calls the Python op: decode attention's
-    seconds then come from the stack's own op clocks."""
+    seconds then come from the stack's own op clocks, as do the per-op seconds the breakdown shows."""
     python_calls = []
     python_op = ops.paged_attention_decode
     monkeypatch.setattr(ops, "paged_attention_decode", lambda *a, **k: python_calls.append(1) or python_op(*a, **k))
@@ -87,6 +87,9 @@ def test_decode_attention_seconds_from_the_decoder_stack(bench, tmp_path, monkey
     assert python_calls == []  # the stack did the attention
     assert mixed["extra"]["decode_attention_s"] > 0
     assert report["ceilings"]["bfloat16"]["mixed_decode_attention_gb_s"] > 0
+    ops_seen = mixed["extra"]["stack_seconds"]  # the stack's clock per op, printed under the stage breakdown
+    assert {"qkv", "o", "gate_up", "down", "decode_attention", "prefill_attention"} <= set(ops_seen)
+    assert all(v > 0 for v in ops_seen.values())
 
 
 def test_a_run_puts_back_what_it_timed(bench, tmp_path):
