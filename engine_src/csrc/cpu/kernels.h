@@ -142,14 +142,14 @@ using SummariseBlockFn = void (*)(const void* row, int64_t begin, int64_t end, B
 using WeightsRowFn = float (*)(const void* x, int64_t n, float temperature, float* w);
 // One row of a cache write into fp8 (reshape_and_cache): dst[i] = float_to_fp8(x[i] / scale) for i < n.
 using QuantizeFp8RowFn = void (*)(const void* x, uint8_t* dst, int64_t n, float scale, KVFormat f);
-// The int8 GEMM's float epilogue (gemm_int8.h): rows [row, row + count) of the panel starting at column `col` from
-// their int32 sums, sums[r * kInt8PanelCols + c]; `offset_sums`: the sums are of the offset bytes, so the
-// compensation is subtracted first. One arithmetic on every table (the same bits), vectorized for each.
 // The int8 GEMM's activations, one row (gemm_int8.h): q[k] = round_half_even(x[k] / s) clamped to [-127, 127],
 // plus the zero point, for k < depth, the zero point up to padded_depth; s = max_k |x[k]| / 127 (1 for a row of
 // zeros, or one holding a NaN, as torch's amax makes it NaN); NaN elements to -127. Returns s. The same bytes on
 // every table.
 using QuantizeInt8RowFn = float (*)(const void* x, int64_t depth, int64_t padded_depth, uint8_t* q);
+// The int8 GEMM's float epilogue (gemm_int8.h): rows [row, row + count) of the panel starting at column `col` from
+// their int32 sums, sums[r * kInt8PanelCols + c]; `offset_sums`: the sums are of the offset bytes, so the
+// compensation is subtracted first. One arithmetic on every table (the same bits), vectorized for each.
 struct Int8GemmArgs;
 using FinishInt8RowsFn = void (*)(const Int8GemmArgs& args, int64_t row, int64_t count, int64_t col,
                                   const int32_t* sums, bool offset_sums);
