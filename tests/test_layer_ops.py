@@ -108,3 +108,32 @@ def test_bad_arguments_name_the_argument():
         ops.rotary_embedding(torch.tensor([0, 1, 2, 99]), torch.randn(4, 2, 64), torch.randn(50, 64))
     with pytest.raises(ValueError, match="residual"):
         ops.fused_add_rms_norm(x, torch.randn(4, 32), torch.randn(64), 1e-5)
+
+
+def test_bf16_subnormal_results_are_not_flushed():
+    """The AVX512-BF16 tables round bf16 rows with the processor's conversion, which flushes subnormals to zero; a
+    vector meeting one takes the exact rounding, as the reference rounds it. Inputs chosen so that every
+    implementation computes the same float32 values (a row of 2s: its inverse rms is 0.5 exactly)."""
+    tiny = torch.finfo(torch.float32).tiny
+
+    def subnormal(t: torch.Tensor) -> int:
+        return int(((t != 0) & (t.float().abs() < tiny)).sum())
+
+    weight = (torch.logspace(-41, -36, 576) * torch.tensor([1.0, -1.0]).repeat(288)).bfloat16()
+    x = torch.full((3, 576), 2.0, dtype=torch.bfloat16)
+    out = ops.rms_norm(x, weight, 0.0)
+    assert subnormal(out) > 100 and torch.equal(out, reference.rms_norm(x, weight, 0.0))
+
+    x, residual = _rows(torch.bfloat16, (5, 576), 11) * 1e-38, _rows(torch.bfloat16, (5, 576), 12) * 1e-38
+    x_ref, residual_ref = x.clone(), residual.clone()
+    reference.fused_add_rms_norm(x_ref, residual_ref, weight, 1e-5)
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert subnormal(residual) > 100 and torch.equal(residual, residual_ref)
+
+    qk = _rows(torch.bfloat16, (6, 4, 64), 13) * 1e-37
+    angles = torch.rand(16, 32, generator=torch.Generator().manual_seed(14)) * 100
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
+    positions, expected = torch.arange(6), qk.clone()
+    reference.rotary_embedding(positions, expected, table)
+    ops.rotary_embedding(positions, qk, table)
+    assert subnormal(expected) > 50 and torch.equal(qk, expected)

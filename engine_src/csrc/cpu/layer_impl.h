@@ -28,6 +28,64 @@ inline float round_to(float x) {
   return to_float(from_float<T>(x));
 }
 
+#ifdef BATCHGEN_DOT_BF16
+// The bf16 rows of the kernels below in whole vectors with the processor's rounding (vcvtneps2bf16: one
+// instruction for from_float's seven, the same bits, NaN included, but for subnormals, which it flushes to zero):
+// each returns how many elements it did, stopping before the first vector where a rounding meets a subnormal,
+// for the exact loop to go on from there. A vector is read before it is written, so out may be x.
+
+// norm_row's second pass: out = round(w * round(x * inv)).
+inline int64_t norm_vectors(const BF16* x, const BF16* w, BF16* out, int64_t n, float inv) {
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    __mmask16 subnormal = 0;
+    const Vec y = Vec::load(w + i) * round_bf16(Vec::load(x + i) * Vec::set1(inv), subnormal);
+    if ((subnormal | subnormal_lanes(y)) != 0) break;
+    store_bf16(y, out + i);
+  }
+  return i;
+}
+
+// add_norm_row's sum: residual = round(residual + x).
+inline int64_t add_vectors(BF16* residual, const BF16* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    const Vec y = Vec::load(residual + i) + Vec::load(x + i);
+    if (subnormal_lanes(y) != 0) break;
+    store_bf16(y, residual + i);
+  }
+  return i;
+}
+
+// rotary_row's rotation (below).
+inline int64_t rotary_vectors(BF16* x1, BF16* x2, const float* cos, const float* sin, int64_t half) {
+  int64_t i = 0;
+  for (; i + Vec::N <= half; i += Vec::N) {
+    __mmask16 subnormal = 0;
+    const Vec a = Vec::load(x1 + i), b = Vec::load(x2 + i), c = Vec::load(cos + i), s = Vec::load(sin + i);
+    const Vec y1 = round_bf16(a * c, subnormal) - round_bf16(b * s, subnormal);
+    const Vec y2 = round_bf16(b * c, subnormal) + round_bf16(a * s, subnormal);
+    if ((subnormal | subnormal_lanes(y1) | subnormal_lanes(y2)) != 0) break;
+    store_bf16(y1, x1 + i);
+    store_bf16(y2, x2 + i);
+  }
+  return i;
+}
+
+// silu_mul_row's: out = round(round(silu(round(gate))) * round(up)).
+inline int64_t silu_mul_vectors(const float* gate, const float* up, BF16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::N <= n; i += Vec::N) {
+    __mmask16 subnormal = 0;
+    const Vec g = round_bf16(Vec::load(gate + i), subnormal);
+    const Vec product = round_bf16(silu(g), subnormal) * round_bf16(Vec::load(up + i), subnormal);
+    if ((subnormal | subnormal_lanes(product)) != 0) break;
+    store_bf16(product, out + i);
+  }
+  return i;
+}
+#endif
+
 // out = round(w * round(x * inv_rms(x))); out may be x.
 template <typename T>
 void norm_row(const void* x_, const void* w_, void* out_, int64_t n, float eps) {
@@ -41,8 +99,12 @@ void norm_row(const void* x_, const void* w_, void* out_, int64_t n, float eps) 
     sum += v * v;
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  int64_t done = 0;
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<T, BF16>) done = norm_vectors(x, w, out, n, inv);
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
+  for (int64_t i = done; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
 }
 
 // residual = round(residual + x), then x = norm(residual).
@@ -50,8 +112,12 @@ template <typename T>
 void add_norm_row(void* x_, void* residual_, const void* w, int64_t n, float eps) {
   T* x = static_cast<T*>(x_);
   T* residual = static_cast<T*>(residual_);
+  int64_t done = 0;
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<T, BF16>) done = add_vectors(residual, x, n);
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+  for (int64_t i = done; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
   norm_row<T>(residual, w, x, n, eps);
 }
 
@@ -62,8 +128,12 @@ template <typename T>
 void rotary_row(void* x_, const float* cos, const float* sin, int64_t half) {
   T* x1 = static_cast<T*>(x_);
   T* x2 = x1 + half;
+  int64_t done = 0;
+#ifdef BATCHGEN_DOT_BF16
+  if constexpr (std::is_same_v<T, BF16>) done = rotary_vectors(x1, x2, cos, sin, half);
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
+  for (int64_t i = done; i < half; ++i) {
     const float a = to_float(x1[i]), b = to_float(x2[i]);
     x1[i] = from_float<T>(round_to<T>(a * cos[i]) - round_to<T>(b * sin[i]));
     x2[i] = from_float<T>(round_to<T>(b * cos[i]) + round_to<T>(a * sin[i]));
@@ -193,24 +263,6 @@ void quantize_fp8_row(const void* x, uint8_t* dst, int64_t n, float scale, KVFor
   quantize_fp8_row_as<T, KVFormat::fp8_e4m3>(src, dst, n, scale);
 }
 
-#ifdef BATCHGEN_DOT_BF16
-// silu_mul_row's bf16 rows in whole vectors with the processor's bf16 rounding (vcvtneps2bf16: one instruction
-// for from_float's seven, and the same bits, NaN included, but for subnormal inputs, which it flushes to zero);
-// stops before the first vector where any of the four roundings meets a subnormal, for the exact loop to do.
-// Returns how many it did.
-inline int64_t silu_mul_vectors(const float* gate, const float* up, BF16* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + Vec::N <= n; i += Vec::N) {
-    __mmask16 subnormal = 0;
-    const Vec g = round_bf16(Vec::load(gate + i), subnormal);
-    const Vec product = round_bf16(silu(g), subnormal) * round_bf16(Vec::load(up + i), subnormal);
-    if ((subnormal | subnormal_lanes(product)) != 0) break;
-    store_bf16(product, out + i);
-  }
-  return i;
-}
-#endif
-
 // out = round(round(silu(round(gate))) * round(up)): transformers' MLP in the activation dtype (gate and up
 // projected to it, silu rounded, then the product), from float32 gate and up (silu: attention_impl.h).
 template <typename T>
@@ -257,7 +309,7 @@ float quantize_int8_row(const void* x_, int64_t depth, int64_t padded_depth, uin
 }
 
 #ifdef BATCHGEN_DOT_BF16
-// finish_int8_row into bf16 with the processor's rounding (silu_mul_vectors' vcvtneps2bf16), the same arithmetic;
+// finish_int8_row into bf16 with the processor's rounding (as norm_vectors and the others), the same arithmetic;
 // false, having written nothing, where any result is subnormal (which the instruction flushes to zero).
 template <bool kBias>
 inline bool finish_int8_row_bf16(const int32_t* sums, const int32_t* compensation, float x_scale,
