@@ -70,6 +70,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
+def subnormal_count(t: torch.Tensor) -> int:
+    """How many of t's values are subnormal in float32 (nonzero and below its smallest normal): the values the
+    AVX512-BF16 tables' bf16 conversion would flush to zero, which tests of those tables need to hold."""
+    magnitude = t.float().abs()
+    return int(((magnitude > 0) & (magnitude < torch.finfo(torch.float32).tiny)).sum())
+
+
 @dataclass
 class PagedKV:
     key_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_dim]

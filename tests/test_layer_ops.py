@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import every_isa  # noqa: F401 - the fixture
+from kernel_cases import every_isa, subnormal_count  # noqa: F401 - the fixture
 
 from batchgen import ops
 from batchgen.ops import reference
@@ -110,30 +110,32 @@ def test_bad_arguments_name_the_argument():
         ops.fused_add_rms_norm(x, torch.randn(4, 32), torch.randn(64), 1e-5)
 
 
-def test_bf16_subnormal_results_are_not_flushed():
-    """The AVX512-BF16 tables round bf16 rows with the processor's conversion, which flushes subnormals to zero; a
-    vector meeting one takes the exact rounding, as the reference rounds it. Inputs chosen so that every
-    implementation computes the same float32 values (a row of 2s: its inverse rms is 0.5 exactly)."""
-    tiny = torch.finfo(torch.float32).tiny
 
-    def subnormal(t: torch.Tensor) -> int:
-        return int(((t != 0) & (t.float().abs() < tiny)).sum())
+# The AVX512-BF16 tables round bf16 rows with the processor's conversion, which flushes subnormals to zero; a
+# vector meeting one takes the exact rounding, as the reference rounds it. The inputs below make every
+# implementation compute the same float32 values, so the bf16 results must match the reference to the bit.
+SUBNORMAL_WEIGHT = (torch.logspace(-41, -36, 576) * torch.tensor([1.0, -1.0]).repeat(288)).bfloat16()
 
-    weight = (torch.logspace(-41, -36, 576) * torch.tensor([1.0, -1.0]).repeat(288)).bfloat16()
-    x = torch.full((3, 576), 2.0, dtype=torch.bfloat16)
-    out = ops.rms_norm(x, weight, 0.0)
-    assert subnormal(out) > 100 and torch.equal(out, reference.rms_norm(x, weight, 0.0))
 
+def test_rms_norm_keeps_subnormal_results():
+    x = torch.full((3, 576), 2.0, dtype=torch.bfloat16)  # a row of 2s: its inverse rms is 0.5 exactly
+    out = ops.rms_norm(x, SUBNORMAL_WEIGHT, 0.0)
+    assert subnormal_count(out) > 100 and torch.equal(out, reference.rms_norm(x, SUBNORMAL_WEIGHT, 0.0))
+
+
+def test_fused_add_keeps_subnormal_sums():
     x, residual = _rows(torch.bfloat16, (5, 576), 11) * 1e-38, _rows(torch.bfloat16, (5, 576), 12) * 1e-38
     x_ref, residual_ref = x.clone(), residual.clone()
-    reference.fused_add_rms_norm(x_ref, residual_ref, weight, 1e-5)
-    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
-    assert subnormal(residual) > 100 and torch.equal(residual, residual_ref)
+    reference.fused_add_rms_norm(x_ref, residual_ref, SUBNORMAL_WEIGHT, 1e-5)
+    ops.fused_add_rms_norm(x, residual, SUBNORMAL_WEIGHT, 1e-5)
+    assert subnormal_count(residual) > 100 and torch.equal(residual, residual_ref)
 
+
+def test_rotary_keeps_subnormal_results():
     qk = _rows(torch.bfloat16, (6, 4, 64), 13) * 1e-37
     angles = torch.rand(16, 32, generator=torch.Generator().manual_seed(14)) * 100
     table = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
     positions, expected = torch.arange(6), qk.clone()
     reference.rotary_embedding(positions, expected, table)
     ops.rotary_embedding(positions, qk, table)
-    assert subnormal(expected) > 50 and torch.equal(qk, expected)
+    assert subnormal_count(expected) > 50 and torch.equal(qk, expected)

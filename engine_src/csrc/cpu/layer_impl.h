@@ -248,8 +248,9 @@ float weights_row(const void* logits, int64_t n, float temperature, float* w) {
 }
 
 // One row of a cache write into fp8 (reshape_and_cache): float_to_fp8 of x / scale, whose branch-free form the
-// loop vectorizes (on AVX2 given -fno-trapping-math, setup.py). Out of line, the format fixed per copy: inlined into quantize_fp8_row's dispatch, GCC left the
-// e4m3 loop scalar (the cache write of 2,048 SmolLM2 tokens on Zen 4: scripts/PERF.md).
+// loop vectorizes (on AVX2 given -fno-trapping-math, setup.py). Out of line, the format fixed per copy: inlined
+// into quantize_fp8_row's dispatch, GCC left the e4m3 loop scalar (the cache write of 2,048 SmolLM2 tokens on
+// Zen 4: scripts/PERF.md).
 template <typename T, KVFormat F>
 __attribute__((noinline)) void quantize_fp8_row_as(const T* x, uint8_t* dst, int64_t n, float scale) {
 #pragma omp simd
