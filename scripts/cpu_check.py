@@ -18,7 +18,7 @@ The targets are the issue's, set for AMX Xeons; on other processors the table sh
 that fails is reported and the rest still run; the exit status is 1 when a step failed (a missed target is a
 measurement, not a failure).
 
-    .venv/bin/python scripts/cpu_check.py --vllm-python /tmp/vllm/bin/python    # ~20 minutes on 2 cores
+    .venv/bin/python scripts/cpu_check.py --vllm-python /tmp/vllm/bin/python    # ~25 minutes on 2 cores
     .venv/bin/python scripts/cpu_check.py --quick                                 # smoke test: no measurement
 """
 
@@ -56,7 +56,7 @@ class Figure:
             return "-"
         if isinstance(self.value, str):
             return self.value
-        return f"{self.value:.0%}" if self.name.endswith("(share)") else f"{self.value:,.2f}"
+        return f"{self.value:.1%}" if self.name.endswith("(share)") else f"{self.value:,.2f}"
 
 
 def at_least(step: str, name: str, value: float | None, target: float) -> Figure:
@@ -105,7 +105,7 @@ def bench_figures(path: Path) -> list[Figure]:
                       limit.get("mixed_decode_attention_share_of_read")),
                at_least("bench", "int8 / bf16 total tok/s on mixed", int8.get("int8_over_dtype"), 1.5)]
     change = int8.get("perplexity_change")
-    figures.append(Figure("bench", "int8: perplexity against bf16 (share)", change, "<= 2%",
+    figures.append(Figure("bench", "int8: perplexity above bf16's (share)", change, "<= 2%",
                           None if change is None else change <= 0.02))
     figures.append(Figure("bench", "int8: greedy agreement, tokens before a first difference (share)",
                           int8.get("agreement", {}).get("token_share")))
