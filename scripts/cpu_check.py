@@ -191,9 +191,12 @@ def main(argv=None) -> dict:
         out.unlink(missing_ok=True)
         env = {"BATCHGEN_EMULATE_AMX": "1"} if step == "tests" else {}
         ok, log = run_step(step, step_argv(step, args, out), args.log_dir, env)
-        if out.exists():
-            report["figures"] += [asdict(f) for f in FIGURES[step](out)]
-        report["steps"][step] = {"status": "ok" if ok and out.exists() else "FAILED", "detail": f"log {log}"}
+        detail = f"log {log}"
+        try:
+            report["figures"] += [asdict(f) for f in FIGURES[step](out)] if out.exists() else []
+        except (KeyError, TypeError, ValueError, ElementTree.ParseError) as e:  # a report of another shape
+            ok, detail = False, f"{out}: not the report expected ({type(e).__name__}: {e}); log {log}"
+        report["steps"][step] = {"status": "ok" if ok and out.exists() else "FAILED", "detail": detail}
     print_summary(report)
     (args.json or args.log_dir / "report.json").write_text(json.dumps(report, indent=1))
     return report

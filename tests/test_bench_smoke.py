@@ -421,3 +421,18 @@ def test_cpu_check_reports_a_failed_step_and_runs_the_rest(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().endswith("RESULT: FAILED (bench)")
     with pytest.raises(SystemExit):  # a step that does not exist: one line from argparse, before any run
         module.main(["--steps", "bench,gpu"])
+
+
+def test_cpu_check_reports_a_report_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """A step whose report is not what its reader expects (a script changed under it) is a failed step with one
+    line naming the file, not a traceback."""
+    module = load_script("cpu_check")
+
+    def bad_json(step, args, out):
+        return [sys.executable, "-c", f"open({str(out)!r}, 'w').write('{{\"runs\": []}}')"]
+
+    monkeypatch.setattr(module, "step_argv", bad_json)
+    report = module.main(["--steps", "decode", "--log-dir", str(tmp_path)])
+    assert report["steps"]["decode"]["status"] == "FAILED"
+    assert report["steps"]["decode"]["detail"].startswith(f"{tmp_path / 'decode.json'}: not the report expected")
+    assert capsys.readouterr().out.rstrip().endswith("RESULT: FAILED (decode)")
