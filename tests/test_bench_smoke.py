@@ -186,8 +186,6 @@ def fake_vllm_python(folder: Path) -> Path:
     return fake
 
 
-
-
 def test_sandwich_against_vllm_alternates_and_takes_the_ratio(bench, tmp_path):
     """scripts/bench_vs_vllm.py with a stand-in for vLLM's environment (a python that answers as bench_vllm.py
     does, and refuses fp8): batchgen, vLLM, vLLM, batchgen per cache dtype, the ratio of the means; a refused
