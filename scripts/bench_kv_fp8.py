@@ -14,7 +14,10 @@
               the fp8 caches, the fastest of 30 calls or more. Beside each, called in turn with it: a plain read of
               the same bytes in decode's order on decode's threads (ops.read_decode_blocks), the yardstick issue 53
               sets (decode's K/V read rate at 90% of it); the same blocks read a whole block (all kv heads) at a
-              time; and a sequential read of memory (the fastest sum over a 256 MiB tensor, bench.py's read_gb_s)
+              time; and a sequential read of memory (the fastest sum over a 256 MiB tensor, bench.py's read_gb_s).
+              Then the same as the engine meets it on "mixed": 30 layers' caches called in turn (so that each call's
+              K/V come from memory, not from the cache a call before left them in), 75 sequences of 20-650 tokens
+              (`engine_like` in the JSON); on a 2-core Zen 4 one layer's K/V of such a batch lie partly in L3.
 
 Each configuration runs in a fresh process. On a processor without AVX-512, bf16 models multiply float32 copies of
 their weights (compute_dtype in batchgen/layers/linear.py), a little slower than float32 itself: float32 is the
@@ -61,49 +64,63 @@ def cache_blocks(model: str, dtype: str, kv_cache_dtype: str, memory: str) -> in
                swap_space=0).llm_engine.scheduler.config.num_device_blocks
 
 
-def decode_and_reads(query, k, v, tables, lens) -> dict[str, float]:
-    """Seconds of decode attention and of the plain reads of its bytes (decode's order, whole blocks): the fastest
-    call of each, the three called in turn (bench_kernels.time_interleaved) so that a slow spell of the machine
-    touches all."""
+def decode_and_reads(query, caches, tables, lens) -> dict[str, float]:
+    """Seconds of decode attention and of the plain reads of its bytes (decode's order, whole blocks), each over
+    every layer's (k, v) in `caches` in turn: the fastest pass of each, the three called in turn
+    (bench_kernels.time_interleaved) so that a slow spell of the machine touches all."""
     from bench_kernels import time_interleaved
 
     from batchgen import ops
 
-    runs = {"decode": lambda: ops.paged_attention_decode(query, k, v, tables, lens, query.shape[-1] ** -0.5),
-            "read": lambda: ops.read_decode_blocks(k, v, tables, lens),
-            "whole_blocks": lambda: ops.read_decode_blocks(k, v, tables, lens, whole_blocks=True)}
+    scale = query.shape[-1] ** -0.5
+    runs = {"decode": lambda: [ops.paged_attention_decode(query, k, v, tables, lens, scale) for k, v in caches],
+            "read": lambda: [ops.read_decode_blocks(k, v, tables, lens) for k, v in caches],
+            "whole_blocks": lambda: [ops.read_decode_blocks(k, v, tables, lens, whole_blocks=True) for k, v in caches]}
     return dict(zip(runs, time_interleaved(list(runs.values()), torch.device("cpu"), min_time=0.3, min_reps=30),
                     strict=True))
 
 
-def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0) -> list[dict]:
+def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0, layers: int = 1,
+                 ragged: bool = False) -> list[dict]:
+    """Decode attention against the plain reads of its bytes, per (query, cache) dtype. `ragged`: sequences of
+    20 to `context` tokens (seeded) instead of `context` each; `layers`: caches called in turn, each one
+    layer's, so that every call reads K/V from memory (one layer's may stay in the processor's cache)."""
     from batchgen import ops
 
     torch.set_num_threads(threads)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    blocks = seqs * context // block_size
-    tables = torch.randperm(blocks).int().view(seqs, context // block_size)
-    lens = torch.full((seqs,), context, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(20, context + 1, (seqs,), generator=gen) if ragged else torch.full((seqs,), context)
+    lens = lens.int()
+    per_seq = (lens + block_size - 1) // block_size
+    blocks = int(per_seq.sum())
+    tables = torch.zeros(seqs, int(per_seq.max()), dtype=torch.int32)  # scattered over the cache
+    for s, ids in enumerate(torch.randperm(blocks, generator=gen).int().split(per_seq.tolist())):
+        tables[s, : len(ids)] = ids
     kv = torch.randn(blocks, kv_heads, block_size, head_dim, generator=gen)
+    keys_read = int(lens.sum()) * kv_heads * head_dim * 2 * layers  # elements of K and V, over every layer
     rows = []
     plain = read_gb_s(threads, min_time=read_time)
     print(f"sequential read of memory: {plain:.1f} GB/s", flush=True)
     for activation in (torch.float32, torch.float16, torch.bfloat16):
         query = torch.randn(seqs, heads, head_dim, generator=gen).to(activation)
         for cache_dtype in (activation, torch.float8_e4m3fn, torch.float8_e5m2):
-            k, v = ops.allocate_kv_cache(blocks, kv_heads, block_size, head_dim, cache_dtype, "cpu")
-            k.copy_(kv.to(cache_dtype))
-            v.copy_((kv / 2).to(cache_dtype))
-            seconds = decode_and_reads(query, k, v, tables, lens)
-            rate = {name: 2 * k.nbytes / s / 1e9 for name, s in seconds.items()}
-            rows.append(dict(query=str(activation), cache=str(cache_dtype), ms=seconds["decode"] * 1e3,
-                             cache_gb_s=rate["decode"], read_gb_s=rate["read"],
+            caches = []
+            for layer in range(layers):
+                k, v = ops.allocate_kv_cache(blocks, kv_heads, block_size, head_dim, cache_dtype, "cpu")
+                k.copy_((kv + layer).to(cache_dtype))
+                v.copy_(((kv - layer) / 2).to(cache_dtype))
+                caches.append((k, v))
+            seconds = decode_and_reads(query, caches, tables, lens)
+            rate = {name: keys_read * k.element_size() / s / 1e9 for name, s in seconds.items()}
+            rows.append(dict(query=str(activation), cache=str(cache_dtype), layers=layers, ragged=ragged,
+                             ms=seconds["decode"] * 1e3 / layers, cache_gb_s=rate["decode"], read_gb_s=rate["read"],
                              whole_block_read_gb_s=rate["whole_blocks"], share_of_read=rate["decode"] / rate["read"],
                              sequential_read_gb_s=plain, share_of_sequential_read=rate["decode"] / plain))
             print(f"query {rows[-1]['query']:14s} cache {rows[-1]['cache']:20s} {rows[-1]['ms']:6.2f} ms "
                   f"{rate['decode']:5.1f} GB/s = {rows[-1]['share_of_read']:4.0%} of a plain read of the same bytes "
                   f"({rate['read']:.1f} GB/s; whole blocks {rate['whole_blocks']:.1f})", flush=True)
+            del caches
     return rows
 
 
@@ -112,7 +129,11 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     if args.decode:
+        seqs, context, layers = (8, 160, 3) if args.quick else (75, 650, 30)
+        print("one layer, 64 sequences of 1,024 tokens:", flush=True)
         report = {"decode": decode_speed(args.threads)}
+        print(f"\nas in the engine: {layers} layers in turn, {seqs} sequences of 20-{context} tokens:", flush=True)
+        report["engine_like"] = decode_speed(args.threads, seqs, context, layers=layers, ragged=True)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return report

@@ -10,7 +10,7 @@ and whether it is met, and the whole in a JSON report.
           reads, decode attention's read rate within the run, int8 against bf16 with its perplexity and greedy
           agreement, and the decoder stack's seconds per op in both.
   decode  bench_kv_fp8.py --decode: decode attention's K/V read rate against a plain read of the same blocks, bf16
-          queries over bf16 and fp8 caches.
+          queries over bf16 and fp8 caches, on one layer and as in the engine (layers in turn, ragged lengths).
   vllm    bench_vs_vllm.py --kv-cache-dtypes auto,fp8: the sandwich against vLLM's CPU engine, where --vllm-python
           names vLLM's CPU environment (bench_vllm.py's docstring makes one); without it the step is skipped.
 
@@ -119,10 +119,13 @@ def bench_figures(path: Path) -> list[Figure]:
 
 def decode_figures(path: Path) -> list[Figure]:
     report = json.loads(path.read_text())
-    shares = {row["cache"]: row["share_of_read"] for row in report["decode"] if row["query"] == "torch.bfloat16"}
-    return [at_least("decode", f"decode, bf16 over {cache.removeprefix('torch.')}: of a plain read (share)",
-                     shares.get(cache), 0.9)
-            for cache in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2")]
+    figures = []
+    for case, where in (("decode", "one layer"), ("engine_like", "as in the engine")):
+        shares = {row["cache"]: row["share_of_read"] for row in report[case] if row["query"] == "torch.bfloat16"}
+        figures += [at_least("decode", f"decode {where}, bf16 over {cache.removeprefix('torch.')}: of a plain read "
+                             "(share)", shares.get(cache), 0.9)
+                    for cache in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2")]
+    return figures
 
 
 def vllm_figures(path: Path) -> list[Figure]:

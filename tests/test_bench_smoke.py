@@ -371,14 +371,16 @@ def test_kv_fp8_decode_bench_quick_pass(bench):
     """scripts/bench_kv_fp8.py --decode's timing loop on a small cache: a row per (query, cache) dtype, each with
     its read rate and its share of the plain read of the same bytes (ops.read_decode_blocks) measured beside it."""
     module = load_script("bench_kv_fp8")
-    rows = module.decode_speed(threads=1, seqs=2, context=64, read_time=0.1)
     queries = {"torch.float32", "torch.float16", "torch.bfloat16"}
-    assert {(r["query"], r["cache"]) for r in rows} == {
-        (q, c) for q in queries for c in (q, "torch.float8_e4m3fn", "torch.float8_e5m2")}
-    for r in rows:
-        assert r["ms"] > 0 and min(r["read_gb_s"], r["whole_block_read_gb_s"], r["sequential_read_gb_s"]) > 0
-        assert r["share_of_read"] == pytest.approx(r["cache_gb_s"] / r["read_gb_s"])
-        assert r["share_of_sequential_read"] == pytest.approx(r["cache_gb_s"] / r["sequential_read_gb_s"])
+    for layers, ragged in ((1, False), (2, True)):  # one layer; as in the engine: layers in turn, ragged lengths
+        rows = module.decode_speed(threads=1, seqs=2, context=64, read_time=0.1, layers=layers, ragged=ragged)
+        assert {(r["query"], r["cache"]) for r in rows} == {
+            (q, c) for q in queries for c in (q, "torch.float8_e4m3fn", "torch.float8_e5m2")}
+        for r in rows:
+            assert (r["layers"], r["ragged"]) == (layers, ragged)
+            assert r["ms"] > 0 and min(r["read_gb_s"], r["whole_block_read_gb_s"], r["sequential_read_gb_s"]) > 0
+            assert r["share_of_read"] == pytest.approx(r["cache_gb_s"] / r["read_gb_s"])
+            assert r["share_of_sequential_read"] == pytest.approx(r["cache_gb_s"] / r["sequential_read_gb_s"])
 
 
 def test_cpu_check_runs_every_step_and_reads_each_report(tmp_path, capsys):
@@ -401,7 +403,7 @@ def test_cpu_check_runs_every_step_and_reads_each_report(tmp_path, capsys):
     assert figures["bench", "int8: perplexity above bf16's (share)"]["target"] == "<= 2%"
     assert "gate_up" in figures["bench", "int8: decoder stack seconds per op"]["value"]
     decode = [f for f in report["figures"] if f["step"] == "decode"]
-    assert len(decode) == 3 and all(f["value"] > 0 and f["met"] == (f["value"] >= 0.9) for f in decode)
+    assert len(decode) == 6 and all(f["value"] > 0 and f["met"] == (f["value"] >= 0.9) for f in decode)
     auto, fp8 = (figures["vllm", f"batchgen / vLLM on mixed, kv_cache_dtype {d}"] for d in ("auto", "fp8"))
     assert auto["value"] > 0 and (fp8["value"], fp8["met"]) == (None, None)  # the stand-in refuses fp8
     assert json.loads((logs / "report.json").read_text()) == report
