@@ -129,11 +129,14 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     if args.decode:
-        seqs, context, layers = (8, 160, 3) if args.quick else (75, 650, 30)
-        print("one layer, 64 sequences of 1,024 tokens:", flush=True)
-        report = {"decode": decode_speed(args.threads)}
-        print(f"\nas in the engine: {layers} layers in turn, {seqs} sequences of 20-{context} tokens:", flush=True)
-        report["engine_like"] = decode_speed(args.threads, seqs, context, layers=layers, ragged=True)
+        (seqs, context), (ragged_seqs, ragged_context, layers) = ((64, 1024), (75, 650, 30)) if not args.quick else \
+            ((8, 256), (8, 160, 3))
+        read_time = 0.2 if args.quick else 2.0
+        print(f"one layer, {seqs} sequences of {context:,} tokens:", flush=True)
+        report = {"decode": decode_speed(args.threads, seqs, context, read_time)}
+        print(f"\nas in the engine: {layers} layers in turn, {ragged_seqs} sequences of 20-{ragged_context} tokens:",
+              flush=True)
+        report["engine_like"] = decode_speed(args.threads, ragged_seqs, ragged_context, read_time, layers, ragged=True)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return report

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,13 +69,14 @@ def at_least(step: str, name: str, value: float | None, target: float) -> Figure
 def run_step(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> tuple[bool, Path]:
     """Runs argv in a fresh process, its output shown as it comes and kept in log_dir/<name>.txt."""
     log = log_dir / f"{name}.txt"
+    start = time.monotonic()
     print(f"\n[cpu_check] {name}: {' '.join(argv)}", flush=True)
     with log.open("w") as out, subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             out.write(line)
-    print(f"[cpu_check] {name}: exit status {proc.returncode}", flush=True)
+    print(f"[cpu_check] {name}: exit status {proc.returncode} after {time.monotonic() - start:.0f} s", flush=True)
     return proc.returncode == 0, log
 
 
@@ -161,8 +163,9 @@ def step_argv(step: str, args: argparse.Namespace, out: Path) -> list[str]:
         return [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_amx_emulated.py", *select,
                 f"--junitxml={out}"]
     if step == "bench":
+        no_isolate = ["--no-isolate"] if args.quick else []  # engines in one process: quicker to start
         return [python, str(SCRIPTS / "bench.py"), "--skip-peers", "--dtype", "bf16", "--workloads", "mixed,int8",
-                *model, *threads, *quick, "--json", str(out)]
+                *model, *threads, *quick, *no_isolate, "--json", str(out)]
     if step == "decode":
         return [python, str(SCRIPTS / "bench_kv_fp8.py"), "--decode", *threads, *quick, "--json", str(out)]
     return [python, str(SCRIPTS / "bench_vs_vllm.py"), "--vllm-python", args.vllm_python, "--kv-cache-dtypes",
