@@ -64,6 +64,11 @@ def cache_blocks(model: str, dtype: str, kv_cache_dtype: str, memory: str) -> in
                swap_space=0).llm_engine.scheduler.config.num_device_blocks
 
 
+# --decode's cases, full and --quick: one layer of `seqs` x `context` tokens, then `engine_like`.
+DECODE_SIZES = {False: dict(seqs=64, context=1024, read_time=2.0, engine_like=dict(seqs=75, context=650, layers=30)),
+                True: dict(seqs=8, context=256, read_time=0.2, engine_like=dict(seqs=8, context=160, layers=3))}
+
+
 def decode_and_reads(query, caches, tables, lens) -> dict[str, float]:
     """Seconds of decode attention and of the plain reads of its bytes (decode's order, whole blocks), each over
     every layer's (k, v) in `caches` in turn: the fastest pass of each, the three called in turn
@@ -90,8 +95,7 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: f
     torch.set_num_threads(threads)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(20, context + 1, (seqs,), generator=gen) if ragged else torch.full((seqs,), context)
-    lens = lens.int()
+    lens = (torch.randint(20, context + 1, (seqs,), generator=gen) if ragged else torch.full((seqs,), context)).int()
     per_seq = (lens + block_size - 1) // block_size
     blocks = int(per_seq.sum())
     tables = torch.zeros(seqs, int(per_seq.max()), dtype=torch.int32)  # scattered over the cache
@@ -112,7 +116,7 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: f
                 v.copy_(((kv - layer) / 2).to(cache_dtype))
                 caches.append((k, v))
             seconds = decode_and_reads(query, caches, tables, lens)
-            rate = {name: keys_read * k.element_size() / s / 1e9 for name, s in seconds.items()}
+            rate = {name: keys_read * caches[0][0].element_size() / s / 1e9 for name, s in seconds.items()}
             rows.append(dict(query=str(activation), cache=str(cache_dtype), layers=layers, ragged=ragged,
                              ms=seconds["decode"] * 1e3 / layers, cache_gb_s=rate["decode"], read_gb_s=rate["read"],
                              whole_block_read_gb_s=rate["whole_blocks"], share_of_read=rate["decode"] / rate["read"],
@@ -120,7 +124,7 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: f
             print(f"query {rows[-1]['query']:14s} cache {rows[-1]['cache']:20s} {rows[-1]['ms']:6.2f} ms "
                   f"{rate['decode']:5.1f} GB/s = {rows[-1]['share_of_read']:4.0%} of a plain read of the same bytes "
                   f"({rate['read']:.1f} GB/s; whole blocks {rate['whole_blocks']:.1f})", flush=True)
-            del caches
+            del caches  # before the next dtype's: 30 float32 layers hold ~1.2 GB
     return rows
 
 
@@ -129,14 +133,13 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     if args.decode:
-        (seqs, context), (ragged_seqs, ragged_context, layers) = ((64, 1024), (75, 650, 30)) if not args.quick else \
-            ((8, 256), (8, 160, 3))
-        read_time = 0.2 if args.quick else 2.0
-        print(f"one layer, {seqs} sequences of {context:,} tokens:", flush=True)
-        report = {"decode": decode_speed(args.threads, seqs, context, read_time)}
-        print(f"\nas in the engine: {layers} layers in turn, {ragged_seqs} sequences of 20-{ragged_context} tokens:",
-              flush=True)
-        report["engine_like"] = decode_speed(args.threads, ragged_seqs, ragged_context, read_time, layers, ragged=True)
+        size = DECODE_SIZES[args.quick]
+        print(f"one layer, {size['seqs']} sequences of {size['context']:,} tokens:", flush=True)
+        report = {"decode": decode_speed(args.threads, size["seqs"], size["context"], size["read_time"])}
+        like = size["engine_like"]
+        print(f"\nas in the engine: {like['layers']} layers in turn, {like['seqs']} sequences of 20-{like['context']} "
+              "tokens:", flush=True)
+        report["engine_like"] = decode_speed(args.threads, read_time=size["read_time"], ragged=True, **like)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return report

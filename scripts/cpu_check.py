@@ -182,9 +182,8 @@ def main(argv=None) -> dict:
 
     from batchgen import _C
 
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     report = {"processor": processor(), "kernels": _C.cpu_isa(), "int8_kernel": _C.int8_kernel(),
-              "amx": sorted(f for f in flags if f.startswith("amx")), "threads": args.threads, "quick": args.quick,
+              "amx": "amx_bf16" in _C.supported_cpu_isas(), "threads": args.threads, "quick": args.quick,
               "steps": {}, "figures": []}
     for step in STEPS:
         if step not in args.steps:

@@ -436,3 +436,34 @@ def test_cpu_check_reports_a_report_it_cannot_read(tmp_path, monkeypatch, capsys
     assert report["steps"]["decode"]["status"] == "FAILED"
     assert report["steps"]["decode"]["detail"].startswith(f"{tmp_path / 'decode.json'}: not the report expected")
     assert capsys.readouterr().out.rstrip().endswith("RESULT: FAILED (decode)")
+
+
+def test_cpu_check_hands_each_step_its_command_and_environment(tmp_path, monkeypatch):
+    """Without --quick: each step's command line as a measurement runs it (the whole test file, engines isolated,
+    both cache dtypes against vLLM), and the tests step alone with BATCHGEN_EMULATE_AMX=1, which on an AMX
+    processor is what compares the emulated tile unit with the hardware. No step runs here."""
+    module = load_script("cpu_check")
+    calls = {}
+
+    def record(name, argv, log_dir, env=None):
+        calls[name] = (argv, env or {})
+        return True, log_dir / f"{name}.txt"
+
+    monkeypatch.setattr(module, "run_step", record)
+    fake = fake_vllm_python(tmp_path)
+    report = module.main(["--vllm-python", str(fake), "--threads", "3", "--log-dir", str(tmp_path)])
+    assert set(calls) == set(module.STEPS) and all(s["status"] == "FAILED" for s in report["steps"].values())
+    (tests, tests_env), (bench, bench_env) = calls["tests"], calls["bench"]
+    assert tests_env == {"BATCHGEN_EMULATE_AMX": "1"} and bench_env == calls["decode"][1] == calls["vllm"][1] == {}
+    assert "tests/test_amx_emulated.py" in tests and "-k" not in tests
+    assert tests[-1] == f"--junitxml={tmp_path / 'tests.xml'}"
+    assert bench[1].endswith("bench.py") and "--no-isolate" not in bench and "--quick" not in bench
+    assert bench[bench.index("--workloads") + 1] == "mixed,int8" and bench[bench.index("--threads") + 1] == "3"
+    decode = calls["decode"][0]
+    assert decode[1].endswith("bench_kv_fp8.py") and "--decode" in decode and "--quick" not in decode
+    vllm = calls["vllm"][0]
+    assert vllm[vllm.index("--vllm-python") + 1] == str(fake)
+    assert vllm[vllm.index("--kv-cache-dtypes") + 1] == "auto,fp8"
+    for step, (argv, _) in calls.items():
+        if step != "tests":
+            assert argv[argv.index("--json") + 1] == str(tmp_path / f"{step}.json")

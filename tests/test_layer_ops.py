@@ -110,7 +110,6 @@ def test_bad_arguments_name_the_argument():
         ops.fused_add_rms_norm(x, torch.randn(4, 32), torch.randn(64), 1e-5)
 
 
-
 # The AVX512-BF16 tables round bf16 rows with the processor's conversion, which flushes subnormals to zero; a
 # vector meeting one takes the exact rounding, as the reference rounds it. The inputs below make every
 # implementation compute the same float32 values, so the bf16 results must match the reference to the bit.
