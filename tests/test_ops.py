@@ -636,6 +636,18 @@ def test_set_cpu_isa_rejects_unknown_names():
     assert "scalar" in _C.supported_cpu_isas()
 
 
+def test_the_bf16_tables_are_offered_exactly_where_the_processor_has_their_instructions():
+    """avx512_bf16 (and the AMX tables above it) need AVX512-BF16 and AVX512-VBMI, whose byte lookups convert fp8
+    caches: offered wherever Linux lists both (every Zen 4 on and Sapphire Rapids on), not on a Cooper Lake."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    if not avx512:
+        pytest.skip("no AVX-512 here")
+    assert "avx512" in _C.supported_cpu_isas()
+    assert ("avx512_bf16" in _C.supported_cpu_isas()) == ({"avx512_bf16", "avx512vbmi"} <= flags)
+
+
 @pytest.mark.parametrize("isa,expect", [("scalar", "scalar"), ("avx9000", "ValueError")])
 def test_isa_from_environment(isa, expect):
     code = (

@@ -168,16 +168,25 @@ struct Prefetcher {
 
 // fp8 caches (AttnArgs::kv_format): the plain score and value loops (tile_scores and values_chunks, on
 // every table for float32 and fp16 activations, and for bf16 ones where the Vec has no bf16 dot product)
-// read the fp8 bytes themselves and convert them in registers (a tile of Fp8 elements, CachedLoad). The
-// paths that need the tile in memory as T (bf16 pairs, the transposed K, the tile unit) widen each tile
-// into scratch memory first (widen_fp8) and then run as on any cache of T. Both formats convert to
-// float32, bf16 and fp16 exactly and both ways give the same floats, so the bits are those of a cache of
-// T holding the same values; the scales are applied outside (the scores' scale, the output's
-// normalisation). On the Zen 2 the widening pass cost more than the fp8 bytes saved (16-bit decode 1.5x
-// slower than over a 16-bit cache, scripts/PERF.md), hence the loops that read fp8 directly.
+// read the fp8 bytes themselves and convert them in registers (a tile of Fp8 elements, CachedLoad), and so
+// does the bf16 pair path where it does not transpose K (Fp8Pairs). The paths that need the tile in memory
+// as T (the transposed K, the tile unit) widen each tile into scratch memory first (widen_fp8) and then run
+// as on any cache of T. Both formats convert to float32, bf16 and fp16 exactly and every way gives the same
+// floats, so the bits are those of a cache of T holding the same values; the scales are applied outside (the
+// scores' scale, the output's normalisation). On the Zen 2 the widening pass cost more than the fp8 bytes saved
+// (16-bit decode 1.5x slower than over a 16-bit cache, scripts/PERF.md), hence the loops that read fp8 directly.
 
 // An fp8 cache's element, as the element type of a tile that the plain loops read without widening.
 struct Fp8 {
+  uint8_t bits;
+};
+
+// An fp8 cache's element as the bf16 pair path reads it where it does not transpose K (decode, and any task
+// of at most kGroupRows rows a kv head): each step's bytes converted to bf16 in registers (BytesToBF16), the
+// same values a widened tile holds, so the same bits, without writing the tile to memory and reading it back.
+// With attend_tile out of line, decode on Zen 4 (bench_kv_fp8.py --decode, scripts/PERF.md): one layer of 64 x
+// 1,024 tokens 1.47-1.51 -> 1.20-1.23 ms, 30 layers' caches in turn 0.63-0.69 -> 0.55-0.60 ms a layer.
+struct Fp8Pairs {
   uint8_t bits;
 };
 
@@ -198,6 +207,17 @@ struct CachedLoad {
   explicit CachedLoad(KVFormat) {}
   Vec operator()(const S* p) const { return Vec::load(p); }
   Vec value(const S* p) const { return Vec::load(p); }
+#ifdef BATCHGEN_DOT_BF16
+  // The pair path's operands (S = BF16): `count` elements at p; rows a and b (zeros where b is null)
+  // interleaved, kPairChunk elements.
+  BF16Pairs pairs(const S* p, int count) const { return BF16Pairs::load(p, count); }
+  void interleaved(const S* a, const S* b, BF16Pairs& lo, BF16Pairs& hi) const {
+    const BF16Pairs x = BF16Pairs::load(a, 2 * Vec::N);
+    const BF16Pairs y = b != nullptr ? BF16Pairs::load(b, 2 * Vec::N) : BF16Pairs::zero();
+    lo = interleave_lo(x, y);
+    hi = interleave_hi(x, y);
+  }
+#endif
 };
 
 template <>
@@ -215,7 +235,8 @@ struct CachedLoad<Fp8> {
   Vec value(const Fp8* p) const { return Vec::load_fp8_as_half(&p->bits, shift); }
 };
 
-// Whether T's plain loops read an fp8 cache's bytes in registers (else the tile is widened first).
+// Whether T's plain loops read an fp8 cache's bytes in registers (else the tile is widened first, or read as
+// Fp8Pairs by the pair path).
 template <typename T>
 constexpr bool kFp8InRegisters = !kPairs<T> && !kTilePath<T>;
 
@@ -236,28 +257,46 @@ void widen_fp8_through_float(const uint8_t* src, T* dst, int64_t n, KVFormat f) 
 }
 
 #ifdef BATCHGEN_DOT_BF16
-// The integer conversion of format f's bytes to bf16 (BytesToBF16), made once per format; the bytes it looks
-// up hold what widen_fp8_through_float makes of them, so the two give the same bits for every byte (NaNs too).
+// The table conversion of format f's bytes to bf16 (BytesToBF16), made once per format from what
+// widen_fp8_through_float makes of the 128 magnitudes, so the two give the same bits for every byte (NaNs too).
 inline const BytesToBF16& bytes_to_bf16(KVFormat f) {
   auto make = [](KVFormat format) {
-    const Fp8Layout layout = fp8_layout(format);
-    const bool infinities = format == KVFormat::fp8_e5m2;
     alignas(64) uint8_t bytes[128];
     BF16 wide[128];
     for (int b = 0; b < 128; ++b) bytes[b] = static_cast<uint8_t>(b);
     widen_fp8_through_float(bytes, wide, 128, format);
-    uint16_t table[32] = {};
-    for (int b = 0; b < 128; ++b)
-      if (BytesToBF16::looked_up(b, layout.mantissa_bits, infinities)) table[b & 31] = wide[b].bits;
-    return BytesToBF16(layout.mantissa_bits, layout.bias, infinities, table);
+    uint16_t table[128];
+    for (int b = 0; b < 128; ++b) table[b] = wide[b].bits;
+    return BytesToBF16(table);
   };
   static const BytesToBF16 e4m3 = make(KVFormat::fp8_e4m3), e5m2 = make(KVFormat::fp8_e5m2);
   return f == KVFormat::fp8_e5m2 ? e5m2 : e4m3;
 }
+
+template <>
+struct CachedLoad<Fp8Pairs> {
+  static constexpr float unbias = 1.0f;  // the exact values: no scaled probabilities
+  static constexpr int kRegisters = BytesToBF16::kRegisters;
+  BytesToBF16 to_bf16;
+
+  explicit CachedLoad(KVFormat f) : to_bf16(bytes_to_bf16(f)) {}
+  BF16Pairs pairs(const Fp8Pairs* p, int count) const { return to_bf16.pairs(&p->bits, count); }
+  void interleaved(const Fp8Pairs* a, const Fp8Pairs* b, BF16Pairs& lo, BF16Pairs& hi) const {
+    to_bf16.interleaved(&a->bits, b != nullptr ? &b->bits : nullptr, lo, hi);
+  }
+  Vec value(const Fp8Pairs* p) const { return first_floats(to_bf16.pairs(&p->bits, Vec::N)); }
+};
+
+// Whether T's tasks read an fp8 cache as Fp8Pairs where they do not transpose K.
+template <typename T>
+constexpr bool kFp8Pairs = kPairs<T> && !kTilePath<T>;
+#else
+template <typename T>
+constexpr bool kFp8Pairs = false;
 #endif
 
-// n fp8 bytes (a multiple of Vec::N) as T, exactly: bf16 in integer steps where the table has them, else
-// through float32. Both give the same bits.
+// n fp8 bytes (a multiple of Vec::N) as T, exactly: bf16 by table where the kernel table has the bf16 dot
+// product, else through float32. Both give the same bits.
 template <typename T>
 void widen_fp8(const uint8_t* src, T* dst, int64_t n, KVFormat f) {
 #ifdef BATCHGEN_DOT_BF16
@@ -311,7 +350,8 @@ constexpr int kTokenStep = fits_registers<S>(8 * NG + NG + 1) ? 8 : fits_registe
 // (NG = 3) took 2 before, ~8% slower on Zen 4 (scripts/PERF.md).
 constexpr int kPairTokenStep = 4;
 #ifdef BATCHGEN_DOT_BF16
-static_assert(fits_registers<BF16>(4 * kGroupRows + 4 + 1), "the pair path's step fits the registers");
+static_assert(fits_registers<BF16>(4 * kGroupRows + 4 + 1) && fits_registers<Fp8Pairs>(4 * kGroupRows + 4 + 1),
+              "the pair path's step fits the registers");
 #endif
 
 // Sums acc[i][g] into s[g][t + i] (tokens t .. t + TS - 1, rows 0 .. NG - 1). Forced inline: as
@@ -371,11 +411,11 @@ __attribute__((always_inline)) inline void tile_scores(std::false_type /*pairs*/
 // tile_scores with bf16 dot products on pairs of elements: D is a multiple of 16, so the last
 // step of 2 * Vec::N elements may be a half one.
 template <typename S, int NG>
-__attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<BF16>& tile,
-                                                       const CachedLoad<BF16> /*load*/, int D, int n, float* s) {
+__attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/, const BF16* q, BlockKV<S>& tile,
+                                                       const CachedLoad<S> load, int D, int n, float* s) {
   constexpr int TS = kPairTokenStep;
-  const BF16* k = tile.k;
-  const int prefetch = lines_for(int64_t{TS} * D * sizeof(BF16));
+  const S* k = tile.k;
+  const int prefetch = lines_for(int64_t{TS} * D * sizeof(S));
   for (int t = 0; t < n; t += TS) {
     tile.next_k.lines(prefetch);
     Vec acc[TS][NG];
@@ -384,7 +424,7 @@ __attribute__((always_inline)) inline void tile_scores(std::true_type /*pairs*/,
     for (int c = 0; c < D; c += 2 * Vec::N) {
       const int count = D - c < 2 * Vec::N ? D - c : 2 * Vec::N;
       BF16Pairs x[TS];
-      for (int i = 0; i < TS; ++i) x[i] = BF16Pairs::load(k + (t + i) * D + c, count);
+      for (int i = 0; i < TS; ++i) x[i] = load.pairs(k + (t + i) * D + c, count);
       for (int g = 0; g < NG; ++g) {
         const BF16Pairs qg = BF16Pairs::load(q + g * D + c, count);
         for (int i = 0; i < TS; ++i) acc[i][g] = dot_pairs(qg, x[i], acc[i][g]);
@@ -655,14 +695,15 @@ constexpr int kPairChunk = 2 * Vec::N;  // elements of an output chunk on the pa
 // whatever the rows (as in values_chunks).
 template <typename S, int NG>
 __attribute__((always_inline)) inline
-void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<BF16>& tile, int D, int BS,
+void tile_values(std::true_type /*pairs*/, const float* p, const float* correction, Tile<S>& tile, int D, int BS,
                  int fb, int n, float* acc) {
   constexpr int TP = kPairChains;
+  const CachedLoad<S> load = tile.load;  // in registers (see tile_scores)
   BF16 pb[NG][kTileKeys];           // p in bf16; zero past each row's limit, as p is
   const int width = (n + Vec::N - 1) / Vec::N * Vec::N;
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < width; c += Vec::N) store_bf16(Vec::load(p + g * kTileKeys + c), pb[g] + c);
-  const int prefetch = lines_for(int64_t{BS} * kPairChunk * sizeof(BF16));
+  const int prefetch = lines_for(int64_t{BS} * kPairChunk * sizeof(S));
   int c = 0;
   for (; c + kPairChunk <= D; c += kPairChunk) {
     Vec lo[TP][NG], hi[TP][NG];
@@ -673,13 +714,12 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
     }
     for (int b = fb; b * BS < n; ++b) {
       tile.block[b].next_v.lines(prefetch);
-      const BF16* v = tile.block[b].v;
+      const S* v = tile.block[b].v;
       const int first = b * BS, nb = min_i64(BS, n - first);
       // One step: rows t, t + 1 of the block (the second as zeros when t + 1 == nb: V past n may be NaN).
       auto step = [&](int i, int t) {
-        const BF16Pairs x = BF16Pairs::load(v + t * D + c, kPairChunk);
-        const BF16Pairs y = t + 1 < nb ? BF16Pairs::load(v + (t + 1) * D + c, kPairChunk) : BF16Pairs::zero();
-        const BF16Pairs x_lo = interleave_lo(x, y), x_hi = interleave_hi(x, y);
+        BF16Pairs x_lo, x_hi;
+        load.interleaved(v + t * D + c, t + 1 < nb ? v + (t + 1) * D + c : nullptr, x_lo, x_hi);
         for (int g = 0; g < NG; ++g) {
           const BF16Pairs w = BF16Pairs::broadcast_pair(pb[g] + first + t);
           lo[i][g] = dot_pairs(x_lo, w, lo[i][g]);
@@ -702,7 +742,7 @@ void tile_values(std::true_type /*pairs*/, const float* p, const float* correcti
       total_hi.store(acc + g * D + c + Vec::N);
     }
   }
-  if (c < D) values_chunks<BF16, NG, 1>(p, correction, tile, D, BS, fb, n, c, 0, acc);
+  if (c < D) values_chunks<S, NG, 1>(p, correction, tile, D, BS, fb, n, c, 0, acc);
 }
 
 // Restores the order of a row accumulated by the pair path (see unpermute_chunk).
@@ -775,9 +815,11 @@ inline void score_variants(const AttnArgs& a, const GroupKeys& keys, int ng, int
 
 // Query rows r0 .. r0 + NG - 1 against one tile of S elements; row g sees the tile's keys
 // [keys.low[g], keys.limit[g]).
+// Kept out of the walk: inlined there (as GCC chose for Fp8Pairs), the pair path's value accumulators went to
+// the stack at every step (bf16 decode over fp8 in L2, one thread, Zen 4: 178 -> 150 us with this).
 template <typename T, typename S, int NG>
-void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys, Tile<S>& tile,
-                 const uint32_t* kt) {
+__attribute__((noinline)) void attend_tile(const AttnArgs& a, const Rows<T>& rows, int64_t r0, const GroupKeys& keys,
+                                           Tile<S>& tile, const uint32_t* kt) {
   const int D = a.head_dim, BS = a.block_size;
   const int fb = keys.fb;
   int n = 0;
@@ -1047,6 +1089,18 @@ inline AttnTask member_task(const AttnArgs& a, const AttnTask& task, int64_t j) 
   return member;
 }
 
+// Whether a task's tiles serve several row groups of T on the pair path, which then transposes each tile's K
+// once (transpose_keys) from a tile of T.
+template <typename T>
+bool transposes_keys([[maybe_unused]] const AttnArgs& a, [[maybe_unused]] const AttnTask& task) {
+#ifdef BATCHGEN_DOT_BF16
+  const int64_t per_head = task.q_count * (a.num_heads / a.num_kv_heads);
+  return kPairs<T> && !kTilePath<T> && per_head > kGroupRows && can_transpose_keys(a.head_dim, a.block_size);
+#else
+  return false;
+#endif
+}
+
 // attend for a task whose tiles hold the cache's elements as S (see attend_walk).
 template <typename T, typename S>
 void attend_as(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
@@ -1072,7 +1126,7 @@ void attend_as(const AttnArgs& a, const AttnTask& task, const AttnTask* next_tas
   }
 #endif
 #ifdef BATCHGEN_DOT_BF16
-  if (kPairs<T> && !kTilePath<T> && per_head > kGroupRows && can_transpose_keys(D, a.block_size)) {
+  if (transposes_keys<T>(a, task) && std::is_same_v<S, T>) {
     const auto after_scores = reinterpret_cast<uintptr_t>(rows.s + kGroupRows * kTileKeys);
     kt = reinterpret_cast<uint32_t*>((after_scores + 63) / 64 * 64);
   }
@@ -1116,11 +1170,15 @@ void attend_as(const AttnArgs& a, const AttnTask& task, const AttnTask* next_tas
 }
 
 // One task (AttnTask) of T activations: over an fp8 cache the tiles hold the bytes themselves where T's
-// loops read them (kFp8InRegisters), else elements of T.
+// loops read them (kFp8InRegisters, and kFp8Pairs where the task does not transpose K), else elements of T.
 template <typename T>
 void attend(const AttnArgs& a, const AttnTask& task, const AttnTask* next_task, float* scratch) {
   if constexpr (kFp8InRegisters<T>) {
     if (a.kv_format != KVFormat::same) return attend_as<T, Fp8>(a, task, next_task, scratch);
+  }
+  if constexpr (kFp8Pairs<T>) {
+    if (a.kv_format != KVFormat::same && !transposes_keys<T>(a, task))
+      return attend_as<T, Fp8Pairs>(a, task, next_task, scratch);
   }
   attend_as<T, T>(a, task, next_task, scratch);
 }

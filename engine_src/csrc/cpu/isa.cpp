@@ -59,8 +59,12 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// Must cover the target list of kernels_avx512_bf16.cpp.
-bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+// Must cover the target list of kernels_avx512_bf16.cpp. AVX512-VBMI converts fp8 caches to bf16 (BytesToBF16):
+// every processor with AVX512-BF16 has it (AMD Zen 4 on, Intel Sapphire Rapids on) except Intel's Cooper Lake,
+// which runs the avx512 table.
+bool has_avx512_bf16() {
+  return has_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+}
 
 bool has_amx_bf16() { return has_avx512_bf16() && has_amx(22); }
 

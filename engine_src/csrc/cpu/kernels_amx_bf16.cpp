@@ -3,7 +3,7 @@
 
 #ifdef BATCHGEN_HAVE_AVX512
 #define BATCHGEN_ISA_NS amx_bf16
-#define BATCHGEN_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16"
+#define BATCHGEN_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,amx-tile,amx-bf16"
 #define BATCHGEN_DOT_BF16 1
 #define BATCHGEN_AMX 1
 #include "cpu/kernels_avx512.inc"

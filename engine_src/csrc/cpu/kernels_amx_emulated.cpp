@@ -7,7 +7,7 @@
 
 #ifdef BATCHGEN_HAVE_AVX512
 #define BATCHGEN_ISA_NS amx_emulated
-#define BATCHGEN_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
+#define BATCHGEN_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi"
 #define BATCHGEN_DOT_BF16 1
 #define BATCHGEN_AMX 1
 #define BATCHGEN_AMX_EMULATED 1

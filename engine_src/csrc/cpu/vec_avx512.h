@@ -158,6 +158,11 @@ inline void unpermute_chunk(Vec& lo, Vec& hi) {
   hi = {_mm512_shuffle_f32x4(second, second, 0xd8)};
 }
 
+// Elements 0 .. N - 1 of x as floats.
+inline Vec first_floats(BF16Pairs x) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x.v)), 16))};
+}
+
 // c + (a . b) per pair: lane i gains a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
 inline Vec dot_pairs(BF16Pairs a, BF16Pairs b, Vec c) {
   return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};
@@ -213,48 +218,84 @@ inline void store_bf16(Vec x, BF16* dst, int count) {
   _mm256_mask_storeu_epi16(dst, first_lanes(count), (__m256i)_mm512_cvtneps_pbh(x.v));
 }
 
-// fp8 bytes (e4m3 or e5m2: a sign, 7 - mantissa_bits exponent bits of the given bias, the mantissa) as bf16,
-// exactly, 32 at a time in integer steps: the magnitude's bits moved into bf16's places and the exponent
-// rebiased by one add, except for the bytes `looked_up` (exponent 0, and for a format with `infinities` all
-// ones), which `table[byte & 31]` holds. About half the instructions of widening through float32 and none of
-// them a conversion (bf16 decode over an fp8 cache on Zen 4: scripts/PERF.md).
+// fp8 bytes (e4m3 or e5m2) as bf16, exactly, by table: the bf16 of each of the 128 magnitudes split into its low
+// and its high byte, two 128-byte tables that vpermt2b (AVX512-VBMI) looks 64 bytes up in at once, the byte's
+// sign or-ed into the high byte, the two bytes then put side by side, in order or as the pair path's
+// interleaved V rows, by one more vpermt2b. Four instructions for 32 elements where the integer steps through
+// the exponent took seven (and a lookup for the subnormals), and no byte needs a case of its own. A copy held
+// in a loop's local variable keeps its constants in kRegisters vector registers.
 class BytesToBF16 {
  public:
-  // Whether byte b (sign clear) is looked up: (b + bump) has no bit of 0x78, bump carrying an all-ones
-  // exponent over to 0 where the format has infinities.
-  static bool looked_up(int b, int mantissa_bits, bool infinities) {
-    return ((b + bump(mantissa_bits, infinities)) & 0x78) == 0;
+  static constexpr int kRegisters = 8;
+
+  // bf16_of[b]: the bf16 bits of magnitude b (the byte with its sign clear).
+  explicit BytesToBF16(const uint16_t (&bf16_of)[128]) {
+    alignas(64) uint8_t low[128], high[128], in_order[64], lo_pairs[64], hi_pairs[64];
+    for (int b = 0; b < 128; ++b) {
+      low[b] = static_cast<uint8_t>(bf16_of[b] & 0xff);
+      high[b] = static_cast<uint8_t>(bf16_of[b] >> 8);
+    }
+    // Word w of the result from element e: its low byte from the low bytes' vector (indices 0-63), its high
+    // byte from the high bytes' (64-127). Elements 0-31 are the first row's bytes, 32-63 the second's.
+    auto word = [](uint8_t* index, int w, int e) {
+      index[2 * w] = static_cast<uint8_t>(e);
+      index[2 * w + 1] = static_cast<uint8_t>(64 + e);
+    };
+    for (int w = 0; w < 32; ++w) {
+      word(in_order, w, w);
+      // interleave_lo/hi's order: per 128-bit lane L, elements 8L .. 8L + 3 (lo) or 8L + 4 .. 8L + 7 (hi) of the
+      // two rows, alternately.
+      const int lane = w / 8, k = w % 8, row = k % 2 == 0 ? 0 : 32;
+      word(lo_pairs, w, row + 8 * lane + k / 2);
+      word(hi_pairs, w, row + 8 * lane + 4 + k / 2);
+    }
+    low_[0] = _mm512_load_si512(low);
+    low_[1] = _mm512_load_si512(low + 64);
+    high_[0] = _mm512_load_si512(high);
+    high_[1] = _mm512_load_si512(high + 64);
+    in_order_ = _mm512_load_si512(in_order);
+    lo_pairs_ = _mm512_load_si512(lo_pairs);
+    hi_pairs_ = _mm512_load_si512(hi_pairs);
+    sign_ = _mm512_set1_epi8(static_cast<char>(0x80));
   }
 
-  BytesToBF16(int mantissa_bits, int bias, bool infinities, const uint16_t (&table)[32]) {
-    shift_ = 7 - mantissa_bits;
-    magnitude_ = _mm512_set1_epi16(static_cast<int16_t>(0x7f << shift_));
-    rebias_ = _mm512_set1_epi16(static_cast<int16_t>((127 - bias) << 7));
-    bump_ = _mm512_set1_epi16(static_cast<int16_t>(bump(mantissa_bits, infinities)));
-    table_ = _mm512_loadu_si512(table);
+  // The first `count` (32 or 16) bytes at p as bf16, zeros after them (byte 0 is bf16 0): the pair path's
+  // operand, converted in registers (attention_impl.h's CachedLoad<Fp8Pairs>).
+  BF16Pairs pairs(const uint8_t* p, int count) const {
+    const __m256i bytes = count == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                      : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m512i low, high;
+    look_up(_mm512_zextsi256_si512(bytes), low, high);
+    return {_mm512_permutex2var_epi8(low, in_order_, high)};
+  }
+
+  // interleave_lo and interleave_hi of the bf16 of 32 bytes at a and at b (zeros where b is null).
+  void interleaved(const uint8_t* a, const uint8_t* b, BF16Pairs& lo, BF16Pairs& hi) const {
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+    const __m256i second =
+        b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
+    __m512i low, high;
+    look_up(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), low, high);
+    lo = {_mm512_permutex2var_epi8(low, lo_pairs_, high)};
+    hi = {_mm512_permutex2var_epi8(low, hi_pairs_, high)};
   }
 
   // dst[0 .. n) = the bf16 of src[0 .. n), n a multiple of 32.
   void operator()(const uint8_t* src, BF16* dst, int64_t n) const {
     // The constants in registers: the stores below may alias the members (vector types may alias anything),
     // and loading them again each step made the loop 1.6x slower (a microbenchmark on Zen 4).
-    const __m512i magnitude = magnitude_, rebias = rebias_, bump = bump_, table = table_;
-    const __m512i special = _mm512_set1_epi16(0x78), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
-    const __m128i shift = _mm_cvtsi32_si128(shift_);
-    for (int64_t i = 0; i < n; i += 32) {
-      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-      __m512i x = _mm512_add_epi16(_mm512_and_si512(_mm512_sll_epi16(w, shift), magnitude), rebias);
-      x = _mm512_mask_permutexvar_epi16(x, _mm512_testn_epi16_mask(_mm512_add_epi16(w, bump), special), w, table);
-      _mm512_storeu_si512(dst + i, _mm512_ternarylogic_epi32(x, w, sign, 0xf8));  // x | (w & sign)
-    }
+    const BytesToBF16 local = *this;
+    for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512(dst + i, local.pairs(src + i, 32).v);
   }
 
  private:
-  // What carries an all-ones exponent over to 0 (the exponent's lowest bit), for a format with infinities.
-  static int bump(int mantissa_bits, bool infinities) { return infinities ? 1 << mantissa_bits : 0; }
+  // The low bytes and the signed high bytes of the bf16 of the 64 bytes in x.
+  void look_up(__m512i x, __m512i& low, __m512i& high) const {
+    low = _mm512_permutex2var_epi8(low_[0], x, low_[1]);
+    high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high_[0], x, high_[1]), x, sign_, 0xf8);  // | x & sign
+  }
 
-  int shift_;
-  __m512i magnitude_, rebias_, bump_, table_;
+  __m512i low_[2], high_[2], in_order_, lo_pairs_, hi_pairs_, sign_;
 };
 #endif
 
