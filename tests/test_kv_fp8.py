@@ -139,7 +139,9 @@ def test_cache_write_skips_padding_and_keeps_other_slots(fp8):
 
 
 def fp8_case(lens, num_kv_heads, head_dim, block_size, fp8, gen):
-    """paged_kv's random sequences, written into fp8 caches by the reference with random scales."""
+    """paged_kv's random sequences, written into fp8 caches by the reference with random scales; every slot that
+    belongs to no sequence holds the byte 0xff, NaN in both formats (e5m2's reads as NaN, e4m3's as -480), as
+    paged_kv's own padding holds NaN: a kernel that reads V past a sequence's end shows it in its output."""
     kv = paged_kv(lens, num_kv_heads, head_dim, block_size, torch.float32, "cpu", gen)
     k_scale, v_scale = random_scales(num_kv_heads, gen), random_scales(num_kv_heads, gen)
     key_cache, value_cache = fp8_cache_like(kv.key_cache, fp8), fp8_cache_like(kv.value_cache, fp8)
@@ -149,6 +151,9 @@ def fp8_case(lens, num_kv_heads, head_dim, block_size, fp8, gen):
     as_rows = [c.permute(0, 2, 1, 3).reshape(blocks * bs, heads, d).nan_to_num(0.0) * 3 for c in (kv.key_cache,
                                                                                                     kv.value_cache)]
     reference.reshape_and_cache(*as_rows, key_cache, value_cache, slots, k_scale, v_scale)
+    for cache, padded in ((key_cache, kv.key_cache.isnan()), (value_cache, kv.value_cache.isnan())):
+        assert padded.any(), "the case has padding"
+        cache.view(torch.uint8)[padded] = 0xFF
     return kv, key_cache, value_cache, k_scale, v_scale
 
 

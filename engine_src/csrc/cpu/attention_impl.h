@@ -265,9 +265,7 @@ inline const BytesToBF16& bytes_to_bf16(KVFormat f) {
     BF16 wide[128];
     for (int b = 0; b < 128; ++b) bytes[b] = static_cast<uint8_t>(b);
     widen_fp8_through_float(bytes, wide, 128, format);
-    uint16_t table[128];
-    for (int b = 0; b < 128; ++b) table[b] = wide[b].bits;
-    return BytesToBF16(table);
+    return BytesToBF16(wide);
   };
   static const BytesToBF16 e4m3 = make(KVFormat::fp8_e4m3), e5m2 = make(KVFormat::fp8_e5m2);
   return f == KVFormat::fp8_e5m2 ? e5m2 : e4m3;

@@ -15,9 +15,10 @@ struct Vec {
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec set1(float a) { return {_mm512_set1_ps(a)}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec load(const BF16* p) {  // bf16 is the high half of a float: widen and shift
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  static Vec load(const BF16* p) { return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // N bf16 values' bits as floats: bf16 is the high half of a float, so widen and shift.
+  static Vec from_bf16(__m256i bits) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
   }
   static Vec load(const F16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   // N fp8 bytes placed in fp16 bits (sign to bit 15, the rest shifted left by `shift`, 7 or 8), as floats
@@ -160,7 +161,7 @@ inline void unpermute_chunk(Vec& lo, Vec& hi) {
 
 // Elements 0 .. N - 1 of x as floats.
 inline Vec first_floats(BF16Pairs x) {
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x.v)), 16))};
+  return Vec::from_bf16(_mm512_castsi512_si256(x.v));
 }
 
 // c + (a . b) per pair: lane i gains a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
@@ -207,8 +208,7 @@ inline void store_bf16(Vec x, BF16* dst) {
 // `subnormal`.
 inline Vec round_bf16(Vec x, __mmask16& subnormal) {
   subnormal |= _mm512_fpclass_ps_mask(x.v, 0x20);
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(x.v);
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+  return Vec::from_bf16((__m256i)_mm512_cvtneps_pbh(x.v));
 }
 
 inline __mmask16 subnormal_lanes(Vec x) { return _mm512_fpclass_ps_mask(x.v, 0x20); }
@@ -228,12 +228,12 @@ class BytesToBF16 {
  public:
   static constexpr int kRegisters = 8;
 
-  // bf16_of[b]: the bf16 bits of magnitude b (the byte with its sign clear).
-  explicit BytesToBF16(const uint16_t (&bf16_of)[128]) {
+  // bf16_of[b]: the bf16 of magnitude b (the byte with its sign clear).
+  explicit BytesToBF16(const BF16 (&bf16_of)[128]) {
     alignas(64) uint8_t low[128], high[128], in_order[64], lo_pairs[64], hi_pairs[64];
     for (int b = 0; b < 128; ++b) {
-      low[b] = static_cast<uint8_t>(bf16_of[b] & 0xff);
-      high[b] = static_cast<uint8_t>(bf16_of[b] >> 8);
+      low[b] = static_cast<uint8_t>(bf16_of[b].bits & 0xff);
+      high[b] = static_cast<uint8_t>(bf16_of[b].bits >> 8);
     }
     // Word w of the result from element e: its low byte from the low bytes' vector (indices 0-63), its high
     // byte from the high bytes' (64-127). Elements 0-31 are the first row's bytes, 32-63 the second's.
