@@ -85,22 +85,43 @@ def decode_and_reads(query, caches, tables, lens) -> dict[str, float]:
                     strict=True))
 
 
-def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0, layers: int = 1,
-                 ragged: bool = False) -> list[dict]:
-    """Decode attention against the plain reads of its bytes, per (query, cache) dtype. `ragged`: sequences of
-    20 to `context` tokens (seeded) instead of `context` each; `layers`: caches called in turn, each one
-    layer's, so that every call reads K/V from memory (one layer's may stay in the processor's cache)."""
-    from batchgen import ops
-
-    torch.set_num_threads(threads)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(0)
+def decode_batch(seqs: int, context: int, ragged: bool, gen: torch.Generator,
+                 block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A decode batch in scattered blocks: (lens, block tables, blocks in all). `ragged`: sequences of 20 to
+    `context` tokens (seeded) instead of `context` each."""
     lens = (torch.randint(20, context + 1, (seqs,), generator=gen) if ragged else torch.full((seqs,), context)).int()
     per_seq = (lens + block_size - 1) // block_size
     blocks = int(per_seq.sum())
     tables = torch.zeros(seqs, int(per_seq.max()), dtype=torch.int32)  # scattered over the cache
     for s, ids in enumerate(torch.randperm(blocks, generator=gen).int().split(per_seq.tolist())):
         tables[s, : len(ids)] = ids
+    return lens, tables, blocks
+
+
+def layer_caches(kv: torch.Tensor, layers: int, cache_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`layers` (K, V) caches shaped as `kv` ([blocks, kv heads, block size, head dim]), allocated as the engine
+    allocates its own, each layer's values a little different."""
+    from batchgen import ops
+
+    blocks, kv_heads, block_size, head_dim = kv.shape
+    caches = []
+    for layer in range(layers):
+        k, v = ops.allocate_kv_cache(blocks, kv_heads, block_size, head_dim, cache_dtype, "cpu")
+        k.copy_((kv + layer).to(cache_dtype))
+        v.copy_(((kv - layer) / 2).to(cache_dtype))
+        caches.append((k, v))
+    return caches
+
+
+def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: float = 2.0, layers: int = 1,
+                 ragged: bool = False) -> list[dict]:
+    """Decode attention against the plain reads of its bytes, per (query, cache) dtype. `ragged`: sequences of
+    20 to `context` tokens (seeded) instead of `context` each; `layers`: caches called in turn, each one
+    layer's, so that every call reads K/V from memory (one layer's may stay in the processor's cache)."""
+    torch.set_num_threads(threads)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    lens, tables, blocks = decode_batch(seqs, context, ragged, gen, block_size)
     kv = torch.randn(blocks, kv_heads, block_size, head_dim, generator=gen)
     keys_read = int(lens.sum()) * kv_heads * head_dim * 2 * layers  # elements of K and V, over every layer
     rows = []
@@ -109,12 +130,7 @@ def decode_speed(threads: int, seqs: int = 64, context: int = 1024, read_time: f
     for activation in (torch.float32, torch.float16, torch.bfloat16):
         query = torch.randn(seqs, heads, head_dim, generator=gen).to(activation)
         for cache_dtype in (activation, torch.float8_e4m3fn, torch.float8_e5m2):
-            caches = []
-            for layer in range(layers):
-                k, v = ops.allocate_kv_cache(blocks, kv_heads, block_size, head_dim, cache_dtype, "cpu")
-                k.copy_((kv + layer).to(cache_dtype))
-                v.copy_(((kv - layer) / 2).to(cache_dtype))
-                caches.append((k, v))
+            caches = layer_caches(kv, layers, cache_dtype)
             seconds = decode_and_reads(query, caches, tables, lens)
             rate = {name: keys_read * caches[0][0].element_size() / s / 1e9 for name, s in seconds.items()}
             rows.append(dict(query=str(activation), cache=str(cache_dtype), layers=layers, ragged=ragged,

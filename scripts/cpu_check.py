@@ -40,7 +40,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from machine import processor  # noqa: E402
 
-STEPS = ("tests", "bench", "decode", "vllm")
+STEPS = ("tests", "bench", "decode", "tables", "vllm")
 BITS_TEST = "test_the_emulated_unit_gives_the_tile_units_bits"
 
 
@@ -130,6 +130,24 @@ def decode_figures(path: Path) -> list[Figure]:
     return figures
 
 
+def tables_figures(path: Path) -> list[Figure]:
+    report = json.loads(path.read_text())
+    first, second = report["isas"]
+    return [Figure("tables", f"attention, {case}: ms, {first} / {second}",
+                   f"{ms[first]:.3f} / {ms[second]:.3f} ({ms[second] / ms[first]:.2f}x)")
+            for case, ms in report["ms"].items()]
+
+
+def table_below(default: str, supported: list[str]) -> str | None:
+    """The kernel table just below `default` among those this processor runs natively (supported_cpu_isas lists
+    them in rising order, the emulated tile unit first), or None where there is none."""
+    native = [isa for isa in supported if isa != "amx_emulated"]
+    if default not in native:  # the emulated tile unit, asked for: against the best native table
+        return native[-1] if native else None
+    at = native.index(default)
+    return native[at - 1] if at > 0 else None
+
+
 def vllm_figures(path: Path) -> list[Figure]:
     report = json.loads(path.read_text())
     return [at_least("vllm", f"batchgen / vLLM on mixed, kv_cache_dtype {s['kv_cache_dtype']}", s["ratio"], 1.5)
@@ -168,11 +186,15 @@ def step_argv(step: str, args: argparse.Namespace, out: Path) -> list[str]:
                 *model, *threads, *quick, *no_isolate, "--json", str(out)]
     if step == "decode":
         return [python, str(SCRIPTS / "bench_kv_fp8.py"), "--decode", *threads, *quick, "--json", str(out)]
+    if step == "tables":
+        return [python, str(SCRIPTS / "bench_attn_ab.py"), "--isas", ",".join(args.tables), *threads, *quick,
+                "--json", str(out)]
     return [python, str(SCRIPTS / "bench_vs_vllm.py"), "--vllm-python", args.vllm_python, "--kv-cache-dtypes",
             "auto,fp8", *model, *threads, *quick, "--json", str(out)]
 
 
-FIGURES = {"tests": tests_figures, "bench": bench_figures, "decode": decode_figures, "vllm": vllm_figures}
+FIGURES = {"tests": tests_figures, "bench": bench_figures, "decode": decode_figures, "tables": tables_figures,
+           "vllm": vllm_figures}
 
 
 def main(argv=None) -> dict:
@@ -185,12 +207,17 @@ def main(argv=None) -> dict:
     report = {"processor": processor(), "kernels": _C.cpu_isa(), "int8_kernel": _C.int8_kernel(),
               "amx": "amx_bf16" in _C.supported_cpu_isas(), "threads": args.threads, "quick": args.quick,
               "steps": {}, "figures": []}
+    below = table_below(_C.cpu_isa(), _C.supported_cpu_isas())
+    args.tables = (_C.cpu_isa(), below)
     for step in STEPS:
         if step not in args.steps:
             report["steps"][step] = {"status": "not asked for", "detail": ""}
             continue
         if step == "vllm" and not args.vllm_python:
             report["steps"][step] = {"status": "skipped", "detail": "no --vllm-python"}
+            continue
+        if step == "tables" and below is None:
+            report["steps"][step] = {"status": "skipped", "detail": f"no kernel table below {_C.cpu_isa()} here"}
             continue
         out = args.log_dir / f"{step}.{'xml' if step == 'tests' else 'json'}"
         out.unlink(missing_ok=True)
@@ -216,13 +243,15 @@ def print_summary(report: dict) -> None:
         print("--quick: tiny sizes, no measurement")
     for step, s in report["steps"].items():
         print(f"step {step:7s} {s['status']:13s} {s['detail']}")
-    print(f"{'figure':66s} {'measured':>12s}  {'target':12s} met")
-    for f in (Figure(**f) for f in report["figures"]):
+    figures = [Figure(**f) for f in report["figures"]]
+    width = max([len(f.name) for f in figures if not f.name.endswith("seconds per op")], default=6)
+    print(f"{'figure':{width}s} {'measured':>12s}  {'target':12s} met")
+    for f in figures:
         met = "-" if f.met is None else "yes" if f.met else "NO"
         if f.name.endswith("seconds per op"):
             print(f"{f.name}: {f.value}")
         else:
-            print(f"{f.name:66s} {f.shown():>12s}  {f.target:12s} {met}")
+            print(f"{f.name:{width}s} {f.shown():>12s}  {f.target:12s} {met}")
     failed = [step for step, s in report["steps"].items() if s["status"] == "FAILED"]
     print("RESULT: " + (f"FAILED ({', '.join(failed)})" if failed else "ok"))
 

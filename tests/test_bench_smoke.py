@@ -11,7 +11,7 @@ import pytest
 from conftest import _tiny_tokenizer, build_tiny_model
 from transformers import AutoConfig, AutoTokenizer
 
-from batchgen import ops
+from batchgen import _C, ops
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
@@ -404,6 +404,8 @@ def test_cpu_check_runs_every_step_and_reads_each_report(tmp_path, capsys):
     assert "gate_up" in figures["bench", "int8: decoder stack seconds per op"]["value"]
     decode = [f for f in report["figures"] if f["step"] == "decode"]
     assert len(decode) == 6 and all(f["value"] > 0 and f["met"] == (f["value"] >= 0.9) for f in decode)
+    tables = [f for f in report["figures"] if f["step"] == "tables"]  # the kernel table and the one below it
+    assert len(tables) == 4 and all(" / " in f["value"] and f["met"] is None for f in tables)
     auto, fp8 = (figures["vllm", f"batchgen / vLLM on mixed, kv_cache_dtype {d}"] for d in ("auto", "fp8"))
     assert auto["value"] > 0 and (fp8["value"], fp8["met"]) == (None, None)  # the stand-in refuses fp8
     assert json.loads((logs / "report.json").read_text()) == report
@@ -417,7 +419,8 @@ def test_cpu_check_reports_a_failed_step_and_runs_the_rest(tmp_path, capsys):
     report = module.main(["--quick", "--model", str(tmp_path / "no-model"), "--steps", "bench,tests",
                           "--log-dir", str(tmp_path)])
     steps = {step: s["status"] for step, s in report["steps"].items()}
-    assert steps == {"tests": "ok", "bench": "FAILED", "decode": "not asked for", "vllm": "not asked for"}
+    assert steps == {"tests": "ok", "bench": "FAILED", "decode": "not asked for", "tables": "not asked for",
+                     "vllm": "not asked for"}
     assert capsys.readouterr().out.rstrip().endswith("RESULT: FAILED (bench)")
     with pytest.raises(SystemExit):  # a step that does not exist: one line from argparse, before any run
         module.main(["--steps", "bench,gpu"])
@@ -450,6 +453,8 @@ def test_cpu_check_hands_each_step_its_command_and_environment(tmp_path, monkeyp
         return True, log_dir / f"{name}.txt"
 
     monkeypatch.setattr(module, "run_step", record)
+    supported = _C.supported_cpu_isas()
+    assert module.table_below(_C.cpu_isa(), supported) is not None  # every x86-64 build has scalar and avx2
     fake = fake_vllm_python(tmp_path)
     report = module.main(["--vllm-python", str(fake), "--threads", "3", "--log-dir", str(tmp_path)])
     assert set(calls) == set(module.STEPS) and all(s["status"] == "FAILED" for s in report["steps"].values())
@@ -461,9 +466,39 @@ def test_cpu_check_hands_each_step_its_command_and_environment(tmp_path, monkeyp
     assert bench[bench.index("--workloads") + 1] == "mixed,int8" and bench[bench.index("--threads") + 1] == "3"
     decode = calls["decode"][0]
     assert decode[1].endswith("bench_kv_fp8.py") and "--decode" in decode and "--quick" not in decode
+    tables = calls["tables"][0]
+    assert tables[1].endswith("bench_attn_ab.py") and "--quick" not in tables
+    assert tables[tables.index("--isas") + 1] == f"{_C.cpu_isa()},{module.table_below(_C.cpu_isa(), supported)}"
     vllm = calls["vllm"][0]
     assert vllm[vllm.index("--vllm-python") + 1] == str(fake)
     assert vllm[vllm.index("--kv-cache-dtypes") + 1] == "auto,fp8"
     for step, (argv, _) in calls.items():
         if step != "tests":
             assert argv[argv.index("--json") + 1] == str(tmp_path / f"{step}.json")
+
+
+def test_cpu_check_compares_a_table_with_the_one_below_it():
+    """The tables step's pair: the processor's table and the native one below it, in supported_cpu_isas' rising
+    order, the emulated tile unit left out (asked for, it is compared with the best native table)."""
+    module = load_script("cpu_check")
+    amx = ["amx_emulated", "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"]
+    assert module.table_below("amx_bf16", amx) == "avx512_bf16"
+    assert module.table_below("avx512_bf16", amx[:-1]) == "avx512"
+    assert module.table_below("avx2", ["amx_emulated", "scalar", "avx2"]) == "scalar"
+    assert module.table_below("scalar", ["amx_emulated", "scalar"]) is None
+    assert module.table_below("amx_emulated", amx[:-1]) == "avx512_bf16"
+
+
+def test_attention_bench_compares_two_kernel_tables_in_one_process(tmp_path):
+    """scripts/bench_attn_ab.py --isas: every case timed under both tables, calls in turn, and the process's
+    table put back afterwards; a table the processor lacks is one line, before any timing."""
+    module = load_script("bench_attn_ab")
+    before = _C.cpu_isa()
+    report = module.main(["--isas", f"{before},scalar", "--quick", "--threads", "1", "--json",
+                          str(tmp_path / "t.json")])
+    assert _C.cpu_isa() == before
+    assert report["isas"] == [before, "scalar"] and json.loads((tmp_path / "t.json").read_text()) == report
+    assert len(report["ms"]) == 4 and "layers in turn" in list(report["ms"])[-1]
+    assert all(ms[before] > 0 and ms["scalar"] > 0 for ms in report["ms"].values())
+    with pytest.raises(SystemExit, match="not supported here"):
+        module.main(["--isas", f"{before},no_such_table", "--quick"])
