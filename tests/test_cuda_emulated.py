@@ -703,32 +703,73 @@ def test_decode_fp8(lib, dtype, fp8, head_dim):
     assert torch.equal(alone[0], out[1])
 
 
+def prefill_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, query_lens, scale,
+                num_heads):
+    """One prefill launch over fp8 caches: sequence i's last query_lens[i] tokens, its keys seq_lens[i]."""
+    num_kv_heads, block_size, head_dim = key_cache.shape[1:]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full((query.shape[0], num_heads, head_dim), float("nan"), dtype=query.dtype)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    rc = lib.emu_prefill_fp8(DTYPE_CODE[query.dtype], FP8_CODE[key_cache.dtype], ptr(out), ptr(query),
+                             ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
+                             len(lens), query.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+                             ptr(k_scale), ptr(v_scale))
+    assert rc == 0
+    return out
+
+
 @pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefill_fp8(lib, dtype, fp8):
-    """Prefill and a chunk behind cached context over fp8 caches (the CUDA-core kernel, tiles widened as they
-    are gathered) against the reference; the chunked rows are the whole prompt's bit for bit."""
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 64),
+                                             (torch.bfloat16, 80), (torch.float16, 128), (torch.bfloat16, 256)],
+                         ids=str)
+def test_prefill_fp8(lib, dtype, head_dim, fp8):
+    """Prefill and a chunk behind cached context over fp8 caches against the reference; the chunked rows are the
+    whole prompt's bit for bit. fp16 and bf16 run the tensor-core kernel (the tiles' bytes copied with cp.async,
+    then widened into its swizzled tiles: 64-key tiles, 32 at head_dim 128 and 256, five chunks a row at 80),
+    float32 the CUDA-core one (tiles widened as they are gathered)."""
     gen = torch.Generator().manual_seed(11)
-    seq_lens, num_heads, num_kv_heads, head_dim = [70, 45], 4, 2, 64
+    seq_lens, num_heads, num_kv_heads = [70, 45], 4, 2
     key_cache, value_cache, k_scale, v_scale, tables, keys, values = fp8_sequences(
         seq_lens, num_kv_heads, 16, head_dim, fp8, gen)
     scale = 0.125
-
-    def prefill(query_lens, query, table_rows):
-        lens = torch.tensor([seq_lens[i] for i in table_rows], dtype=torch.int32)
-        out = torch.full((query.shape[0], num_heads, head_dim), float("nan"), dtype=dtype)
-        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        chosen = tables[table_rows].contiguous()
-        rc = lib.emu_prefill_fp8(DTYPE_CODE[dtype], FP8_CODE[fp8], ptr(out), ptr(query), ptr(key_cache),
-                                 ptr(value_cache), ptr(chosen), chosen.stride(0),
-                                 ptr(lens), ptr(starts), len(lens), query.shape[0],
-                                 num_heads, num_kv_heads, head_dim, 16, scale, ptr(k_scale), ptr(v_scale))
-        assert rc == 0
-        return out
-
     queries = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
-    whole = prefill(seq_lens, torch.cat(queries), [0, 1])
+    whole = prefill_fp8(lib, torch.cat(queries), key_cache, value_cache, k_scale, v_scale, tables, seq_lens,
+                        seq_lens, scale, num_heads)
     want = [reference(q, keys[i], values[i], list(range(len(q))), scale) for i, q in enumerate(queries)]
     assert_close(whole, torch.cat(want), dtype)
-    chunk = prefill([25], queries[1][20:].contiguous(), [1])  # 20 tokens cached in front
+    chunk = prefill_fp8(lib, queries[1][20:].contiguous(), key_cache, value_cache, k_scale, v_scale,
+                        tables[1:].contiguous(), seq_lens[1:], [25], scale, num_heads)  # 20 tokens cached in front
     assert torch.equal(chunk, whole[70 + 20:])
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp8_gives_the_bits_of_a_cache_holding_its_values(lib, monkeypatch, dtype, fp8):
+    """With scales of 1 an fp8 cache's prefill is, bit for bit, that of a cache of the activations' dtype holding
+    the same values (the widening is exact and the sums run in the same order): on the tensor cores (sm_80,
+    sm_90) and on the CUDA cores (sm_75), whose bits differ from each other. So is its decode."""
+    gen = torch.Generator().manual_seed(12)
+    seq_lens, num_heads, num_kv_heads, head_dim = [100, 33], 6, 2, 64
+    key_cache, value_cache, _, _, tables, _, _ = fp8_sequences(seq_lens, num_kv_heads, 16, head_dim, fp8, gen)
+    ones = torch.ones(num_kv_heads)
+    query = torch.randn(sum(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    same_k, same_v = key_cache.to(dtype), value_cache.to(dtype)
+    outs = {}
+    for major in (7, 8, 9):
+        monkeypatch.setenv("BATCHGEN_EMU_CC_MAJOR", str(major))
+        got = prefill_fp8(lib, query, key_cache, value_cache, ones, ones, tables, seq_lens, seq_lens, 0.125,
+                          num_heads)
+        want = torch.full_like(got, float("nan"))
+        rc = lib.emu_prefill(DTYPE_CODE[dtype], ptr(want), *want.stride()[:2], ptr(query), *query.stride()[:2],
+                             ptr(same_k), ptr(same_v), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
+                             len(seq_lens), query.shape[0], num_heads, num_kv_heads, head_dim, 16, 0.125, 0, 0.0)
+        assert rc == 0 and not torch.isnan(got.float()).any()
+        assert torch.equal(got, want), major
+        outs[major] = got
+    assert torch.equal(outs[8], outs[9]) and not torch.equal(outs[7], outs[8])
+    last = query[starts[1:] - 1].contiguous()
+    got = decode_fp8(lib, last, key_cache, value_cache, ones, ones, tables, seq_lens, 0.125)
+    want, _ = decode(lib, last, same_k, same_v, tables, seq_lens, 0.125)
+    assert torch.equal(got, want)

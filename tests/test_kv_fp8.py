@@ -383,6 +383,38 @@ def test_fp8_gives_the_bits_of_the_same_values_in_the_activations_dtype(fp8, act
                              torch.tensor(lens, dtype=torch.int32), starts, 0.125, key_limit=key_limit, **variant)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=fmt_id)
+def test_cuda_kernels_read_fp8_caches(fp8, activation):
+    """On a card: decode and prefill (whole, behind a cached context, one token) over fp8 caches with per-head
+    scales against the reference, fp16 and bf16 prefill on tensor cores; and without scales the bits of a
+    cache of the activations' dtype holding the same values, as the emulated kernels give them
+    (tests/test_cuda_emulated.py)."""
+    gen = torch.Generator().manual_seed(21)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    lens, q_lens = [150, 33, 80, 1], [150, 10, 47, 1]
+    kv, k_cache, v_cache, k_scale, v_scale = fp8_case(lens, num_kv_heads, head_dim, 16, fp8, gen)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    on_card = {name: t.cuda() for name, t in scales.items()}
+    q = random_query(sum(q_lens), num_heads, head_dim, activation, "cpu", gen)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (q, k_cache, v_cache, kv.block_tables, kv.seq_lens, starts)
+    got = ops.paged_attention_prefill(*(t.cuda() for t in args), 0.125, **on_card)
+    want = reference.paged_attention_prefill(*args, 0.125, **scales)
+    assert rel_err(got.cpu(), want) < tolerance(activation, "cuda")
+    last = q[starts[1:] - 1].contiguous()  # each sequence's last token, decoded
+    args = (last, k_cache, v_cache, kv.block_tables, kv.seq_lens)
+    got = ops.paged_attention_decode(*(t.cuda() for t in args), 0.125, **on_card)
+    want = reference.paged_attention_decode(*args, 0.125, **scales)
+    assert rel_err(got.cpu(), want) < tolerance(activation, "cuda")
+    caches, widened = fp8_and_widened(k_cache.shape, fp8, activation, gen)
+    caches, widened = tuple(c.cuda() for c in caches), tuple(c.cuda() for c in widened)
+    tables, lens = kv.block_tables.cuda(), kv.seq_lens.cuda()
+    assert_same_bits(ops.paged_attention_prefill, caches, widened, q.cuda(), tables, lens, starts.cuda(), 0.125)
+    assert_same_bits(ops.paged_attention_decode, caches, widened, last.cuda(), tables, lens, 0.125)
+
+
 # --- copies and swaps ----------------------------------------------------------------------------
 
 

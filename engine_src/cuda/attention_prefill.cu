@@ -48,10 +48,12 @@
 //      probabilities go through shared memory so that, for step 4, lanes switch to owning
 //      head_dim elements instead of keys;
 //   4. each lane accumulates its elements of probs x values.
-// fp8 caches (any activation dtype) take the CUDA-core kernel: step 1 widens the tile's keys and values to
-// the activations' dtype as it gathers them (exact), the key scale is folded into the queries' scale and the
-// value scale into the rows' normalisation. (Widening into the tensor-core kernel's swizzled tiles is not
-// done yet.)
+// fp8 caches: the tensor-core kernel (fp16 and bf16 activations) copies each tile's bytes into shared memory
+// with cp.async as they lie in the cache, double-buffered as above, then widens the tile to the activations'
+// dtype (exact: every fp8 value is an fp16 and a bf16 value) into the swizzled tile the MMAs read; the key
+// scale multiplies the scores' scale, the value scale the rows' normalisation. With scales of 1 the bits are
+// those of a cache of T holding the same values. The CUDA-core kernel (float32, or below sm_80) widens the
+// tile's keys and values as it gathers them, the key scale folded into the queries' scale.
 #include <cstdint>
 #include <type_traits>
 
@@ -398,8 +400,14 @@ struct TcConfig {
   static constexpr int kKeySteps = kKeys / 16;            // k-steps of P V, column-tile pairs of Q K^T
   static constexpr size_t kQueryElems = static_cast<size_t>(kRows) * HEAD_DIM;
   static constexpr size_t kTileElems = static_cast<size_t>(kKeys) * HEAD_DIM;
-  // The queries, then two stages of keys, then two of values.
-  static constexpr size_t kSmemBytes = (kQueryElems + 4 * kTileElems) * sizeof(T);
+  // Over a cache of T: the queries, then two stages of keys, then two of values. Over an fp8 cache (C): the
+  // queries, one stage of keys and one of values widened to T, then two stages of each as the cache's bytes
+  // (the copies in flight). The same bytes at every head_dim.
+  template <typename C>
+  static constexpr size_t smem_bytes() {
+    if constexpr (std::is_same_v<C, T>) return (kQueryElems + 4 * kTileElems) * sizeof(T);
+    return (kQueryElems + 2 * kTileElems) * sizeof(T) + 4 * kTileElems * sizeof(C);
+  }
 };
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile of HEAD_DIM-wide rows,
@@ -421,40 +429,71 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 // Starts copying keys key0 .. key0 + kKeys - 1 of one kv head, and their values, into shared memory
 // (cp.async, 16 bytes a copy, each key's row through the block table). Keys before kv_begin or at or
 // past kv_end are zero-filled and not read: their blocks may be poisoned or their table entries invalid.
-template <typename T, int HEAD_DIM>
+// A cache of T lands in the swizzled tiles the MMAs read; an fp8 cache's bytes (C) as they lie in the
+// cache, [kKeys][HEAD_DIM] bytes, for widen_fp8_tile.
+template <typename T, typename C, int HEAD_DIM>
 __device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const int* block_table, int kv_head,
-                                                   int key0, int kv_begin, int kv_end, T* key_s, T* value_s) {
-  using Config = TcConfig<T, HEAD_DIM>;
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
-  for (int i = threadIdx.x; i < Config::kKeys * Config::kChunks; i += kTcThreads) {
-    const int n = i / Config::kChunks;
-    const int c = i % Config::kChunks;
+                                                   int key0, int kv_begin, int kv_end, C* key_s, C* value_s) {
+  constexpr int kPerCopy = 16 / sizeof(C);  // elements
+  static_assert(HEAD_DIM % kPerCopy == 0, "rows of whole 16-byte copies");
+  constexpr int kCopies = HEAD_DIM / kPerCopy;  // a row's
+  const C* key_cache = static_cast<const C*>(p.key_cache);
+  const C* value_cache = static_cast<const C*>(p.value_cache);
+  for (int i = threadIdx.x; i < TcConfig<T, HEAD_DIM>::kKeys * kCopies; i += kTcThreads) {
+    const int n = i / kCopies;
+    const int c = i % kCopies;
     const int key = key0 + n;
     const bool read = key >= kv_begin && key < kv_end;
     int64_t offset = 0;
     if (read) {
       const int64_t block = block_table[key / p.block_size];
-      offset = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM + c * 8;
+      offset = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM + c * kPerCopy;
     }
-    const int dst = swizzle<HEAD_DIM>(n, c);
+    const int dst = std::is_same_v<C, T> ? swizzle<HEAD_DIM>(n, c) : n * HEAD_DIM + c * kPerCopy;
     cp_async_16(key_s + dst, key_cache + offset, read);
     cp_async_16(value_s + dst, value_cache + offset, read);
   }
 }
 
-template <typename T, int HEAD_DIM>
+// Widens a tile of fp8 bytes (load_kv_tile_async's layout for them) into the swizzled tile of T the MMAs read, 8
+// elements (one 16-byte chunk of T) a step; exact, zero bytes to zeros.
+template <typename T, typename C, int HEAD_DIM>
+__device__ __forceinline__ void widen_fp8_tile(const C* bytes, T* tile) {
+  using Config = TcConfig<T, HEAD_DIM>;
+  for (int i = threadIdx.x; i < Config::kKeys * Config::kChunks; i += kTcThreads) {
+    const int n = i / Config::kChunks;
+    const int c = i % Config::kChunks;
+    const uint2 piece = *reinterpret_cast<const uint2*>(bytes + n * HEAD_DIM + c * 8);
+    uint32_t pairs[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t word = e < 2 ? piece.x : piece.y;
+      const int shift = 16 * (e % 2);
+      pairs[e] = pack_pair<T>(fp8_to_float(static_cast<uint8_t>(word >> shift), C::kFormat),
+                              fp8_to_float(static_cast<uint8_t>(word >> (shift + 8)), C::kFormat));
+    }
+    *reinterpret_cast<uint4*>(tile + swizzle<HEAD_DIM>(n, c)) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+  }
+}
+
+template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(const PrefillParams p) {
   using Config = TcConfig<T, HEAD_DIM>;
   constexpr int kRows = Config::kRows;
   constexpr int kM = Config::kMTiles;
   constexpr int kKeys = Config::kKeys;
   constexpr int kChunks = Config::kChunks;
+  constexpr bool kFp8 = IsFp8<C>::value;
+  static_assert(kFp8 || std::is_same_v<C, T>, "a cache of T or of fp8 bytes");
 
   extern __shared__ __align__(16) unsigned char smem[];
-  T* query_s = reinterpret_cast<T*>(smem);       // [kRows][HEAD_DIM], swizzled
-  T* key_s = query_s + Config::kQueryElems;      // [2][kKeys][HEAD_DIM], swizzled
-  T* value_s = key_s + 2 * Config::kTileElems;   // [2][kKeys][HEAD_DIM], swizzled
+  constexpr int kStages = kFp8 ? 1 : 2;           // of the tiles the MMAs read
+  T* query_s = reinterpret_cast<T*>(smem);        // [kRows][HEAD_DIM], swizzled
+  T* key_s = query_s + Config::kQueryElems;       // [kStages][kKeys][HEAD_DIM], swizzled
+  T* value_s = key_s + kStages * Config::kTileElems;
+  // Where the copies' two stages land: in those tiles, or over an fp8 cache as its bytes, after them.
+  C* key_copies = kFp8 ? reinterpret_cast<C*>(value_s + kStages * Config::kTileElems) : reinterpret_cast<C*>(key_s);
+  C* value_copies = kFp8 ? key_copies + 2 * Config::kTileElems : reinterpret_cast<C*>(value_s);
 
   // Which rows (as in the CUDA-core kernel): every early return here is taken by the whole block. A
   // sequence's row tiles run from its last to its first, so the longest (causal) go out first.
@@ -496,8 +535,10 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   // share the block, so each row meets its keys in the same tiles and order however it is batched.
   int key0 = kv_begin / kKeys * kKeys;
   const int last_key0 = (kv_end - 1) / kKeys * kKeys;
-  load_kv_tile_async<T, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_s, value_s);
+  load_kv_tile_async<T, C, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_copies, value_copies);
   cp_async_commit();
+  // An fp8 cache's key scale goes into the scores' scale, its value scale into the rows' normalisation.
+  const float score_scale = p.k_scale != nullptr ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
 
   // The warp's rows are block rows warp * kWarpRows + 16 m + (0 .. 15) for M-tile m; this lane holds rows
   // g and g + 8 of each M-tile (the MMA's C layout), their scores and outputs at columns 2t and 2t + 1
@@ -545,18 +586,23 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   for (int stage = 0; key0 <= last_key0; key0 += kKeys, stage ^= 1) {
     // Double buffering: the next tile's copies start before this one is used.
     if (key0 + kKeys <= last_key0) {
-      load_kv_tile_async<T, HEAD_DIM>(p, block_table, kv_head, key0 + kKeys, kv_begin, kv_end,
-                                      key_s + (stage ^ 1) * Config::kTileElems,
-                                      value_s + (stage ^ 1) * Config::kTileElems);
+      load_kv_tile_async<T, C, HEAD_DIM>(p, block_table, kv_head, key0 + kKeys, kv_begin, kv_end,
+                                         key_copies + (stage ^ 1) * Config::kTileElems,
+                                         value_copies + (stage ^ 1) * Config::kTileElems);
     }
     cp_async_commit();
     cp_async_wait<1>();  // every group but the newest: this tile (and the queries) arrived
     __syncthreads();     // ... for every thread's copies
+    const T* key_tile = key_s + (kFp8 ? 0 : stage) * Config::kTileElems;
+    const T* value_tile = value_s + (kFp8 ? 0 : stage) * Config::kTileElems;
+    if constexpr (kFp8) {  // the bytes widened into the one stage of T (read by no warp since the last barrier)
+      widen_fp8_tile<T, C, HEAD_DIM>(key_copies + stage * Config::kTileElems, key_s);
+      widen_fp8_tile<T, C, HEAD_DIM>(value_copies + stage * Config::kTileElems, value_s);
+      __syncthreads();
+    }
 
     // A warp skips tiles wholly past its rows or before their windows (no row of it sees a key there).
     if (warp_has_rows && key0 <= warp_last_key && key0 + kKeys > warp_first_key) {
-      const T* key_tile = key_s + stage * Config::kTileElems;
-      const T* value_tile = value_s + stage * Config::kTileElems;
 
       // Scores S = Q K^T: per M-tile 16 rows x kKeys keys, kKeys / 8 fragments of 16 x 8; each K
       // fragment serves every M-tile.
@@ -595,7 +641,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 #pragma unroll
         for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e] * p.scale_log2, p.soft_cap_log2);
+          for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e] * score_scale, p.soft_cap_log2);
         }
       }
       if (key0 + kKeys - 1 > warp_min_key || key0 < warp_last_first_key) {
@@ -692,7 +738,8 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
     for (int h = 0; h < 2; ++h) {
       float total = row_sum[m][h] + __shfl_xor_sync(0xffffffffu, row_sum[m][h], 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
-      const float inv_total = 1.f / total;
+      float inv_total = 1.f / total;
+      if (p.v_scale != nullptr) inv_total *= p.v_scale[kv_head];
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
         T* dst = query_s + swizzle<HEAD_DIM>(warp_s0 + 16 * m + g + 8 * h, dt) + 2 * t;
@@ -715,10 +762,10 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   }
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 cudaError_t launch_prefill_tc(const PrefillParams& p, int64_t num_tiles, cudaStream_t stream) {
-  return launch_over_tiles(paged_attention_prefill_tc_kernel<T, HEAD_DIM>, p, num_tiles, kTcThreads,
-                           TcConfig<T, HEAD_DIM>::kSmemBytes, stream);
+  return launch_over_tiles(paged_attention_prefill_tc_kernel<T, C, HEAD_DIM>, p, num_tiles, kTcThreads,
+                           TcConfig<T, HEAD_DIM>::template smem_bytes<C>(), stream);
 }
 
 // The tensor-core kernel needs sm_80 (mma.sync with bf16, cp.async) and 16-byte aligned rows: query and
@@ -779,7 +826,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.k_scale = k_scale;
   p.v_scale = v_scale;
   p.key_limit = key_limit;
-  const bool tensor_cores = dtype != DType::kFloat32 && kv_format == KVFormat::same &&
+  const bool tensor_cores = dtype != DType::kFloat32 &&
                             tensor_cores_fit(out, out_token_stride, out_head_stride, query, query_token_stride,
                                              query_head_stride, key_cache, value_cache);
 
@@ -790,7 +837,9 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
       if constexpr (!std::is_same_v<T, float>) {  // float32 stays on CUDA cores: true fp32 products
         if (tensor_cores) {
           const int64_t num_tiles = num_tokens * group / TcConfig<T, kHeadDim>::kRows + num_seqs;
-          return launch_prefill_tc<T, kHeadDim>(p, num_tiles, stream);
+          return dispatch_cache<T>(kv_format, [&](auto cache_tag) {
+            return launch_prefill_tc<T, typename decltype(cache_tag)::type, kHeadDim>(p, num_tiles, stream);
+          });
         }
       }
       const int64_t num_tiles = num_tokens * group / PrefillConfig<T, kHeadDim>::kRows + num_seqs;

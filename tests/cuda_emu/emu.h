@@ -1,7 +1,8 @@
 // A small host emulation of the CUDA execution model, so that the kernels of engine_src/cuda run
 // (slowly) on a CPU in tests/test_cuda_emulated.py. Each thread of a block is a ucontext fiber;
 // __syncthreads, __syncwarp and warp shuffles are cooperative barriers, and the fibers run in a
-// new random order after every barrier, so a missing barrier shows up as wrong results. A
+// new random order after every barrier, so a missing barrier shows up as wrong results. A warp whose
+// 32 lanes meet at a warp barrier may go on at once, ahead of the block's other warps, as on a GPU. A
 // barrier that not every thread reaches aborts ("deadlock"). Blocks run one after another, so
 // static __shared__ arrays become function statics; dynamic shared memory starts as NaN bytes.
 // It includes the CUDA headers first and then redefines the CUDA keywords: include it first.
@@ -266,6 +267,32 @@ inline void fail(const char* what) {
   std::abort();
 }
 
+inline unsigned coin_flip() {
+  static unsigned coin = 88172645u;
+  coin ^= coin << 13;
+  coin ^= coin >> 17;
+  coin ^= coin << 5;
+  return coin;
+}
+
+// Releases warp w's lanes when all 32 wait at a warp barrier; a warp barrier with exited lanes is an error.
+inline bool release_warp_if_met(int w) {
+  auto& s = S();
+  int waiting = 0, done = 0;
+  for (int l = 0; l < 32; ++l) {
+    const Thread& t = s.threads[w * 32 + l];
+    waiting += !t.done && t.blocked == 2;
+    done += t.done;
+  }
+  if (waiting == 32) {
+    for (int l = 0; l < 32; ++l) s.threads[w * 32 + l].blocked = 0;
+    ++s.barriers;
+    return true;
+  }
+  if (waiting > 0 && done > 0) fail("warp barrier with exited lanes");
+  return false;
+}
+
 inline void run_block() {
   auto& s = S();
   const int n = s.block_dim.x * s.block_dim.y * s.block_dim.z;
@@ -294,29 +321,26 @@ inline void run_block() {
       seed = seed * 1103515245u + 12345u;
       std::swap(order[i], order[(seed >> 8) % (i + 1)]);
     }
-    for (int i : order) {
+    std::deque<int> queue(order.begin(), order.end());
+    while (!queue.empty()) {
+      const int i = queue.front();
+      queue.pop_front();
       Thread& t = s.threads[i];
       if (t.done || t.blocked) continue;
       s.cur = &t;
       swapcontext(&s.main_ctx, &t.ctx);
       progress = true;
+      // The last lane of a warp at a warp barrier: on a coin, the warp goes on at once, ahead of the threads
+      // this pass has not run yet, as a warp on a GPU never waits for the others at a warp barrier; so shared
+      // memory that another warp has not written yet (a missing __syncthreads) is read stale here too, even
+      // by a warp-collective ldmatrix.
+      if (t.blocked == 2 && (coin_flip() & 1) && release_warp_if_met(i / 32)) {
+        const int lane0 = i / 32 * 32, first = static_cast<int>(coin_flip() % 32);
+        for (int l = 31; l >= 0; --l) queue.push_front(lane0 + (first + l) % 32);
+      }
     }
     // Warp barriers: all 32 lanes must wait on one.
-    for (int w = 0; w < n / 32; ++w) {
-      int waiting = 0, done = 0;
-      for (int l = 0; l < 32; ++l) {
-        const Thread& t = s.threads[w * 32 + l];
-        waiting += !t.done && t.blocked == 2;
-        done += t.done;
-      }
-      if (waiting == 32) {
-        for (int l = 0; l < 32; ++l) s.threads[w * 32 + l].blocked = 0;
-        progress = true;
-        ++s.barriers;
-      } else if (waiting > 0 && done > 0) {
-        fail("warp barrier with exited lanes");
-      }
-    }
+    for (int w = 0; w < n / 32; ++w) progress |= release_warp_if_met(w);
     int live = 0, at_block = 0;
     for (auto& t : s.threads) {
       live += !t.done;
