@@ -11,7 +11,8 @@ Every time is the fastest of several calls, the least disturbed one.
 On CUDA it also measures prefill on tensor cores (issue 51's grid, `--prefill-flops`): causal prompts of
 512, 2,048 and 4,096 tokens (16,384 tokens a call), head dim 64 (9/3 heads) and 128 (32/8 heads), fp16 or
 bf16, in TFLOP/s of the paged kernel next to torch SDPA's flash backend on the same K/V laid out
-contiguously (each kv head repeated for its query heads), timed in turn.
+contiguously (each kv head repeated for its query heads), and of the paged kernel over an fp8 (e4m3) copy of
+the caches (tiles widened for the tensor cores, docs/kv-cache.md), timed in turn.
 
     python scripts/bench_kernels.py --quick
     python scripts/bench_kernels.py --device cuda --json out.json
@@ -149,8 +150,9 @@ def sdpa_flash(query, key, value, scale):
 
 
 def bench_prefill_flops(heads_name, tokens, dtype_name, device, block_size):
-    """TFLOP/s of causal prefill over paged K/V (whole prompts, no cached context) and of SDPA's flash
-    backend over the same K/V contiguous, and the largest difference between their outputs."""
+    """TFLOP/s of causal prefill over paged K/V (whole prompts, no cached context), of SDPA's flash backend over
+    the same K/V contiguous, and of the paged kernel over the caches' fp8 (e4m3) copies; the largest difference
+    between the first two's outputs."""
     num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[heads_name]
     batch = max(1, PREFILL_FLOPS_TOKENS // tokens)
     query, key_cache, value_cache, tables, lens, (k, v) = paged_inputs(
@@ -164,20 +166,25 @@ def bench_prefill_flops(heads_name, tokens, dtype_name, device, block_size):
     out = torch.empty_like(query)
     kernel = lambda: ops.paged_attention_prefill(query, key_cache, value_cache, tables, lens, starts, scale, out=out)
     flash = lambda: sdpa_flash(q_dense, k_full, v_full, scale)
-    kernel_s, flash_s = time_interleaved([kernel, flash], device)
+    fp8_caches = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
+    fp8_out = torch.empty_like(query)
+    fp8 = lambda: ops.paged_attention_prefill(query, *fp8_caches, tables, lens, starts, scale, out=fp8_out)
+    kernel_s, flash_s, fp8_s = time_interleaved([kernel, flash, fp8], device)
     kernel()
     want = flash().transpose(1, 2).reshape_as(out)
     flops = 4 * num_heads * head_dim * batch * tokens * (tokens + 1) / 2  # causal: q.k and p.v per visible pair
     return {"kind": "prefill-flops", "heads": heads_name, "head_dim": head_dim, "dtype": dtype_name, "batch": batch,
             "tokens": tokens, "kernel_ms": kernel_s * 1e3, "sdpa_flash_ms": flash_s * 1e3,
             "kernel_tflops": flops / kernel_s / 1e12, "sdpa_flash_tflops": flops / flash_s / 1e12,
-            "vs_flash": flash_s / kernel_s, "max_abs_diff": (out.float() - want.float()).abs().max().item()}
+            "vs_flash": flash_s / kernel_s, "max_abs_diff": (out.float() - want.float()).abs().max().item(),
+            "fp8_kernel_ms": fp8_s * 1e3, "fp8_kernel_tflops": flops / fp8_s / 1e12}
 
 
 def print_prefill_flops(row):
     print(f"{row['heads']:13} {row['head_dim']:4} {row['dtype']:5} {row['batch']:5} {row['tokens']:6} "
           f"{row['kernel_ms']:10.3f} {row['sdpa_flash_ms']:10.3f} {row['kernel_tflops']:9.1f} "
-          f"{row['sdpa_flash_tflops']:9.1f} {row['vs_flash']:8.2f}x {row['max_abs_diff']:9.2e}", flush=True)
+          f"{row['sdpa_flash_tflops']:9.1f} {row['vs_flash']:8.2f}x {row['max_abs_diff']:9.2e} "
+          f"{row['fp8_kernel_tflops']:9.1f}", flush=True)
 
 
 def print_row(row):
@@ -261,7 +268,7 @@ def main() -> None:
     elif want_flops:
         print("\nprefill, causal, whole prompts: TFLOP/s of the paged kernel and of SDPA's flash backend")
         print(f"{'heads':13} {'hd':>4} {'dtype':5} {'batch':>5} {'tokens':>6} {'_C ms':>10} {'flash ms':>10} "
-              f"{'_C TF/s':>9} {'flash TF/s':>9} {'vs flash':>9} {'max diff':>9}")
+              f"{'_C TF/s':>9} {'flash TF/s':>9} {'vs flash':>9} {'max diff':>9} {'fp8 TF/s':>9}")
         for heads, tokens in PREFILL_FLOPS_GRID:
             row = bench_prefill_flops(heads, tokens, args.dtype, device, args.block_size)
             print_prefill_flops(row)

@@ -502,3 +502,19 @@ def test_attention_bench_compares_two_kernel_tables_in_one_process(tmp_path):
     assert all(ms[before] > 0 and ms["scalar"] > 0 for ms in report["ms"].values())
     with pytest.raises(SystemExit, match="not supported here"):
         module.main(["--isas", f"{before},no_such_table", "--quick"])
+
+
+def test_prefill_flops_row_times_the_kernel_over_fp8_too(monkeypatch):
+    """bench_kernels.py's prefill TFLOP/s row (a CUDA measurement) on the CPU, SDPA's flash backend standing in
+    as plain SDPA: the paged kernel, SDPA and the paged kernel over fp8 copies of the caches each timed."""
+    import torch
+    import torch.nn.functional as F
+
+    module = load_script("bench_kernels")
+    monkeypatch.setattr(module, "PREFILL_FLOPS_TOKENS", 128)
+    monkeypatch.setattr(module, "sdpa_flash", lambda q, k, v, scale: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale))
+    row = module.bench_prefill_flops("smollm2-135m", 64, "bf16", torch.device("cpu"), 16)
+    assert row["batch"] == 2 and min(row["kernel_ms"], row["sdpa_flash_ms"], row["fp8_kernel_ms"]) > 0
+    assert row["fp8_kernel_tflops"] > 0 and row["max_abs_diff"] < 0.1
+    module.print_prefill_flops(row)
