@@ -194,16 +194,15 @@ def main(argv=None) -> dict:
               "ms of the fastest")
         for name, ms in report["ms"].items():
             a, b = ms[isas[0]], ms[isas[1]]
-            print(f"{name:34s} A {a:8.3f}   B {b:8.3f}   B/A {b / a:.3f}")
+            print(f"{name:38s} A {a:8.3f}   B {b:8.3f}   B/A {b / a:.3f}")
     else:
         report = compare_builds(args)
-        results = report
-        print(f"A = {args.a} ({results['A'][0]['isa']}), B = {args.b} ({results['B'][0]['isa']}), "
+        print(f"A = {args.a} ({report['A'][0]['isa']}), B = {args.b} ({report['B'][0]['isa']}), "
               f"{args.dtype}, {args.threads} threads, {args.rounds} alternating rounds, ms (best .. worst process)")
-        for name in results["A"][0]["ms"]:
-            a = [r["ms"][name] for r in results["A"]]
-            b = [r["ms"][name] for r in results["B"]]
-            print(f"{name:34s} A {min(a):8.3f} .. {max(a):8.3f}   B {min(b):8.3f} .. {max(b):8.3f}   "
+        for name in report["A"][0]["ms"]:
+            a = [r["ms"][name] for r in report["A"]]
+            b = [r["ms"][name] for r in report["B"]]
+            print(f"{name:38s} A {min(a):8.3f} .. {max(a):8.3f}   B {min(b):8.3f} .. {max(b):8.3f}   "
                   f"B/A {min(b) / min(a):.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -502,6 +502,10 @@ def test_attention_bench_compares_two_kernel_tables_in_one_process(tmp_path):
     assert all(ms[before] > 0 and ms["scalar"] > 0 for ms in report["ms"].values())
     with pytest.raises(SystemExit, match="not supported here"):
         module.main(["--isas", f"{before},no_such_table", "--quick"])
+    root = str(BENCH.parents[1])  # two builds, here the same one: a process each, A then B
+    builds = module.main(["--a", root, "--b", root, "--rounds", "1", "--quick", "--threads", "1"])
+    assert [run["isa"] for run in builds["A"] + builds["B"]] == [before, before]
+    assert list(builds["A"][0]["ms"]) == list(report["ms"])
 
 
 def test_prefill_flops_row_times_the_kernel_over_fp8_too(monkeypatch):
