@@ -744,6 +744,31 @@ def test_prefill_fp8(lib, dtype, head_dim, fp8):
 
 @pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prefill_reads_back_every_fp8_byte(lib, monkeypatch, dtype, fp8):
+    """A one-token prompt's output is its value row: every byte of the format (e4m3's NaN, never written, aside;
+    e5m2's infinities and NaNs included) comes back as torch widens it, on the tensor cores and on the CUDA
+    cores."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if fp8 == torch.float8_e4m3fn:
+        codes = codes[(codes & 0x7F) != 0x7F]
+    codes = torch.cat([codes, codes[: -len(codes) % 64]])  # whole rows of 64
+    seqs, head_dim = len(codes) // 64, 64
+    key_cache = torch.ones(seqs, 1, 16, head_dim).to(fp8)
+    value_cache = torch.zeros(seqs, 1, 16, head_dim).to(fp8)
+    value_cache.view(torch.uint8)[:, 0, 0] = codes.view(seqs, head_dim)
+    tables = torch.arange(seqs, dtype=torch.int32)[:, None]
+    query = torch.randn(seqs, 2, head_dim).to(dtype)
+    ones = torch.ones(1)
+    want = value_cache[:, 0, 0].to(dtype)[:, None].expand(seqs, 2, head_dim)
+    for major in (7, 9):
+        monkeypatch.setenv("BATCHGEN_EMU_CC_MAJOR", str(major))
+        got = prefill_fp8(lib, query, key_cache, value_cache, ones, ones, tables, [1] * seqs, [1] * seqs, 0.125, 2)
+        assert torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16)) or torch.allclose(
+            got.float(), want.float(), equal_nan=True, rtol=0, atol=0), major
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_fp8_gives_the_bits_of_a_cache_holding_its_values(lib, monkeypatch, dtype, fp8):
     """With scales of 1 an fp8 cache's prefill is, bit for bit, that of a cache of the activations' dtype holding
     the same values (the widening is exact and the sums run in the same order): on the tensor cores (sm_80,
