@@ -24,7 +24,7 @@
 // neither read nor counted.
 //
 // fp8 caches (C = Fp8<format>) are read 8 bytes (8 elements) a piece, so a row spreads over as many lanes
-// as a 16-bit one, and widened in registers; the key scale is folded into the queries' scale, the value
+// as a 16-bit one, and widened in registers through fp16 bits (fp8_pair_to_float2); the key scale is folded into the queries' scale, the value
 // scale into the output's normalisation.
 #include <algorithm>
 #include <cstdint>
@@ -76,9 +76,12 @@ struct DecodeShape {
 template <typename C>
 __device__ __forceinline__ void unpack(const typename CacheLoad<C>::Raw& raw, float* out) {
   if constexpr (IsFp8<C>::value) {
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
 #pragma unroll
-    for (int i = 0; i < CacheLoad<C>::kVec; ++i) out[i] = fp8_to_float(bytes[i], C::kFormat);
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = fp8_pair_to_float2<C::kFormat>(byte_pair(i < 2 ? raw.x : raw.y, i % 2));
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
   } else {
     const C* e = reinterpret_cast<const C*>(&raw);
 #pragma unroll

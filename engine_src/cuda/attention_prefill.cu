@@ -455,20 +455,6 @@ __device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const
   }
 }
 
-// Two fp8 bytes, the low bytes of `pair`'s 16-bit halves, as the floats they hold, exactly, through fp16 bits
-// (~7 PTX instructions an element and no branch, where fp8_to_float's cases took ~35): e5m2 is fp16's top
-// byte; e4m3's bits shifted 7 places (the sign 8) read as its value x 2^-8, subnormals included (fp16
-// subnormals widen to float exactly), which a multiply by 256 undoes. e4m3's NaN byte (0x7f, never written by
-// the cache write) reads 480, as on the CPU; every other byte gives fp8_to_float's value.
-template <KVFormat F>
-__device__ __forceinline__ float2 fp8_pair_to_float2(uint32_t pair) {
-  const uint32_t bits = F == KVFormat::fp8_e5m2 ? pair << 8 : ((pair & 0x007f007fu) << 7) | ((pair & 0x00800080u) << 8);
-  __half2 half_pair;
-  memcpy(&half_pair, &bits, sizeof bits);
-  const float2 f = __half22float2(half_pair);
-  return F == KVFormat::fp8_e5m2 ? f : make_float2(f.x * 256.f, f.y * 256.f);
-}
-
 // Widens a tile of fp8 bytes (load_kv_tile_async's layout for them) into the swizzled tile of T the MMAs read, 8
 // elements (one 16-byte chunk of T) a step; exact, zero bytes to zeros.
 template <typename T, typename C, int HEAD_DIM>
@@ -481,8 +467,7 @@ __device__ __forceinline__ void widen_fp8_tile(const C* bytes, T* tile) {
     uint32_t pairs[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const uint32_t word = (e < 2 ? piece.x : piece.y) >> (16 * (e % 2));  // elements 2e, 2e + 1 in its low bytes
-      const float2 f = fp8_pair_to_float2<C::kFormat>((word & 0xffu) | ((word & 0xff00u) << 8));
+      const float2 f = fp8_pair_to_float2<C::kFormat>(byte_pair(e < 2 ? piece.x : piece.y, e % 2));
       pairs[e] = pack_pair<T>(f.x, f.y);
     }
     *reinterpret_cast<uint4*>(tile + swizzle<HEAD_DIM>(n, c)) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
