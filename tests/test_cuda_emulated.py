@@ -743,11 +743,11 @@ def test_prefill_fp8(lib, dtype, head_dim, fp8):
 
 
 @pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_fp8_byte_reads_back_exactly(lib, monkeypatch, dtype, fp8):
     """Attention over one key returns its value row: every byte of the format (e4m3's NaN, never written, aside;
-    e5m2's infinities and NaNs included) comes back as torch widens it, in prefill on the tensor cores and on
-    the CUDA cores, and in decode."""
+    e5m2's infinities and NaNs included) comes back as torch widens it, in prefill on the tensor cores (fp16,
+    bf16) and on the CUDA cores, and in decode."""
     codes = torch.arange(256, dtype=torch.uint8)
     if fp8 == torch.float8_e4m3fn:
         codes = codes[(codes & 0x7F) != 0x7F]

@@ -162,8 +162,9 @@ __device__ __forceinline__ float component(const float4& v, int i) {
 template <typename T, typename C>
 __device__ __forceinline__ void copy_pair(const C* src, T* dst) {
   if constexpr (IsFp8<C>::value) {
-    dst[0] = from_float<T>(to_float(src[0]));
-    dst[1] = from_float<T>(to_float(src[1]));
+    const float2 f = fp8_pair_to_float2<C::kFormat>(src[0].bits | (uint32_t{src[1].bits} << 16));
+    dst[0] = from_float<T>(f.x);
+    dst[1] = from_float<T>(f.y);
   } else {
     using PairT = typename Pair<T>::type;
     *reinterpret_cast<PairT*>(dst) = *reinterpret_cast<const PairT*>(src);

@@ -153,11 +153,6 @@ struct IsFp8 : std::false_type {};
 template <KVFormat F>
 struct IsFp8<Fp8<F>> : std::true_type {};
 
-template <KVFormat F>
-__device__ __forceinline__ float to_float(Fp8<F> v) {
-  return fp8_to_float(v.bits, F);
-}
-
 // Bytes 2i and 2i + 1 of `word` in the low bytes of a 32-bit word's two halves, for fp8_pair_to_float2.
 __device__ __forceinline__ uint32_t byte_pair(uint32_t word, int i) {
   word >>= 16 * i;
