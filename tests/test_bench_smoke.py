@@ -489,14 +489,19 @@ def test_cpu_check_compares_a_table_with_the_one_below_it():
     assert module.table_below("amx_emulated", amx[:-1]) == "avx512_bf16"
 
 
-def test_attention_bench_compares_two_kernel_tables_in_one_process(tmp_path):
+def test_attention_bench_compares_two_kernel_tables_in_one_process(tmp_path, monkeypatch):
     """scripts/bench_attn_ab.py --isas: every case timed under both tables, calls in turn, and the process's
     table put back afterwards; a table the processor lacks is one line, before any timing."""
     module = load_script("bench_attn_ab")
     before = _C.cpu_isa()
+    switches = []
+    set_isa = _C.set_cpu_isa
+    monkeypatch.setattr(_C, "set_cpu_isa", lambda isa: (switches.append(isa), set_isa(isa)))
     report = module.main(["--isas", f"{before},scalar", "--quick", "--threads", "1", "--json",
                           str(tmp_path / "t.json")])
-    assert _C.cpu_isa() == before
+    assert _C.cpu_isa() == before and switches[-1] == before
+    # Each call under its own table, the two in turn: timed calls alternate (a warm-up call each first).
+    assert switches.count("scalar") >= 2 * len(report["ms"]) and "scalar" in switches[:4]
     assert report["isas"] == [before, "scalar"] and json.loads((tmp_path / "t.json").read_text()) == report
     assert len(report["ms"]) == 4 and "layers in turn" in list(report["ms"])[-1]
     assert all(ms[before] > 0 and ms["scalar"] > 0 for ms in report["ms"].values())

@@ -24,8 +24,8 @@
 // neither read nor counted.
 //
 // fp8 caches (C = Fp8<format>) are read 8 bytes (8 elements) a piece, so a row spreads over as many lanes
-// as a 16-bit one, and widened in registers through fp16 bits (fp8_pair_to_float2); the key scale is folded into the queries' scale, the value
-// scale into the output's normalisation.
+// as a 16-bit one, and widened in registers through fp16 bits (fp8_pair_to_float2); the key scale is folded
+// into the queries' scale, the value scale into the output's normalisation.
 #include <algorithm>
 #include <cstdint>
 
@@ -78,7 +78,7 @@ __device__ __forceinline__ void unpack(const typename CacheLoad<C>::Raw& raw, fl
   if constexpr (IsFp8<C>::value) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 f = fp8_pair_to_float2<C::kFormat>(byte_pair(i < 2 ? raw.x : raw.y, i % 2));
+      const float2 f = fp8_piece_pair<C::kFormat>(raw, i);
       out[2 * i] = f.x;
       out[2 * i + 1] = f.y;
     }

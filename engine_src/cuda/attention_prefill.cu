@@ -468,7 +468,7 @@ __device__ __forceinline__ void widen_fp8_tile(const C* bytes, T* tile) {
     uint32_t pairs[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float2 f = fp8_pair_to_float2<C::kFormat>(byte_pair(e < 2 ? piece.x : piece.y, e % 2));
+      const float2 f = fp8_piece_pair<C::kFormat>(piece, e);
       pairs[e] = pack_pair<T>(f.x, f.y);
     }
     *reinterpret_cast<uint4*>(tile + swizzle<HEAD_DIM>(n, c)) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);

@@ -153,12 +153,6 @@ struct IsFp8 : std::false_type {};
 template <KVFormat F>
 struct IsFp8<Fp8<F>> : std::true_type {};
 
-// Bytes 2i and 2i + 1 of `word` in the low bytes of a 32-bit word's two halves, for fp8_pair_to_float2.
-__device__ __forceinline__ uint32_t byte_pair(uint32_t word, int i) {
-  word >>= 16 * i;
-  return (word & 0xffu) | ((word & 0xff00u) << 8);
-}
-
 // Two fp8 bytes, the low bytes of `pair`'s 16-bit halves, as the floats they hold, exactly, through fp16 bits
 // (~7 PTX instructions an element and no branch, where fp8_to_float's cases took ~35): e5m2 is fp16's top
 // byte; e4m3's bits shifted 7 places (the sign 8) read as its value x 2^-8, subnormals included (fp16
@@ -166,13 +160,20 @@ __device__ __forceinline__ uint32_t byte_pair(uint32_t word, int i) {
 // the cache write) reads 480, as on the CPU; every other byte gives fp8_to_float's value.
 template <KVFormat F>
 __device__ __forceinline__ float2 fp8_pair_to_float2(uint32_t pair) {
-  const uint32_t bits = F == KVFormat::fp8_e5m2 ? pair << 8 : ((pair & 0x007f007fu) << 7) | ((pair & 0x00800080u) << 8);
+  const uint32_t bits =
+      F == KVFormat::fp8_e5m2 ? pair << 8 : ((pair & 0x007f007fu) << 7) | ((pair & 0x00800080u) << 8);
   __half2 half_pair;
   std::memcpy(&half_pair, &bits, sizeof bits);
   const float2 f = __half22float2(half_pair);
   return F == KVFormat::fp8_e5m2 ? f : make_float2(f.x * 256.f, f.y * 256.f);
 }
 
+// Elements 2i and 2i + 1 (i < 4) of an 8-byte piece of an fp8 cache, as floats.
+template <KVFormat F>
+__device__ __forceinline__ float2 fp8_piece_pair(const uint2& piece, int i) {
+  const uint32_t word = (i < 2 ? piece.x : piece.y) >> (16 * (i % 2));
+  return fp8_pair_to_float2<F>((word & 0xffu) | ((word & 0xff00u) << 8));
+}
 
 // Calls f(Tag<C>{}) with C the cache element type: T itself, or the fp8 format's.
 template <typename T, typename F>

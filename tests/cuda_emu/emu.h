@@ -198,6 +198,15 @@ inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
   }
 }
 
+// The emulation's one source of chance (xorshift32, seeded): thread order, when copies land, warps going on.
+inline unsigned coin_flip() {
+  static unsigned coin = 2463534242u;
+  coin ^= coin << 13;
+  coin ^= coin >> 17;
+  coin ^= coin << 5;
+  return coin;
+}
+
 // cp.async.cg.shared.global [dst], [src], 16, bytes (bytes 0: zero fill, src not read).
 inline void cp_async(void* dst, const void* src, int bytes) {
   if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || (bytes && reinterpret_cast<uintptr_t>(src) % 16 != 0)) {
@@ -207,11 +216,7 @@ inline void cp_async(void* dst, const void* src, int bytes) {
   // Half the copies land at once, half only at the wait that covers them: the earliest and the latest a
   // GPU may make them visible, so both a read before the wait and a refill before the last read of the
   // old bytes (a missing barrier) show up.
-  static unsigned coin = 2463534242u;
-  coin ^= coin << 13;
-  coin ^= coin >> 17;
-  coin ^= coin << 5;
-  if (coin & 1) {
+  if (coin_flip() & 1) {
     if (bytes) {
       std::memcpy(dst, src, 16);
     } else {
@@ -267,14 +272,6 @@ inline void fail(const char* what) {
   std::abort();
 }
 
-inline unsigned coin_flip() {
-  static unsigned coin = 88172645u;
-  coin ^= coin << 13;
-  coin ^= coin >> 17;
-  coin ^= coin << 5;
-  return coin;
-}
-
 // Releases warp w's lanes when all 32 wait at a warp barrier; a warp barrier with exited lanes is an error.
 inline bool release_warp_if_met(int w) {
   auto& s = S();
@@ -314,14 +311,9 @@ inline void run_block() {
   while (true) {
     bool progress = false;
     // Random order each pass, so that a missing barrier shows whichever thread writes first.
-    static unsigned seed = 12345;
-    std::vector<int> order(n);
-    for (int i = 0; i < n; ++i) order[i] = i;
-    for (int i = n - 1; i > 0; --i) {
-      seed = seed * 1103515245u + 12345u;
-      std::swap(order[i], order[(seed >> 8) % (i + 1)]);
-    }
-    std::deque<int> queue(order.begin(), order.end());
+    std::deque<int> queue(n);
+    for (int i = 0; i < n; ++i) queue[i] = i;
+    for (int i = n - 1; i > 0; --i) std::swap(queue[i], queue[coin_flip() % (i + 1)]);
     while (!queue.empty()) {
       const int i = queue.front();
       queue.pop_front();
