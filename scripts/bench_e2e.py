@@ -269,15 +269,20 @@ def main(argv=None) -> list[Result]:
     copy_bytes_s = copy.bytes_moved / copy_s
     del copy
     results = []
+
+    def save() -> None:  # after every shape: a run stopped at its time keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "copy_gb_s": copy_bytes_s / 1e9, "results": [asdict(r) for r in results],
+                "vllm_h100_8b_output_tok_s_published": VLLM_H100_8B_OUTPUT_TOK_S}, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes.split(","):
             for r in bench_shape(name, args, device, Path(tmp), copy_bytes_s):
                 print(json.dumps(asdict(r)), flush=True)
                 results.append(r)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"copy_gb_s": copy_bytes_s / 1e9, "results": [asdict(r) for r in results],
-                                               "vllm_h100_8b_output_tok_s_published": VLLM_H100_8B_OUTPUT_TOK_S},
-                                              indent=2))
+            save()
+    save()
     return results
 
 

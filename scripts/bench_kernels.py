@@ -2,7 +2,8 @@
 against torch's scaled_dot_product_attention on the same K/V laid out contiguously [B, H, L, D].
 
 For each config it prints the time of each implementation and, for decode, the K/V bandwidth of
-the kernel (bytes of K and V read, divided by time) next to the machine's copy bandwidth: a
+the kernel (bytes of K and V read, divided by time) over the 16-bit caches and over fp8 (e4m3) copies of them
+(half the bytes, docs/kv-cache.md), next to the machine's copy bandwidth: a
 large tensor copy_, counted as bytes read + bytes written (STREAM "copy" convention), timed in
 alternation with the kernel so that both see the same machine (on shared or virtual machines
 the memory bandwidth drifts). The ratio of the two is the kernel's share of the memory system.
@@ -24,6 +25,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -115,10 +117,15 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
     )
     scale = head_dim**-0.5
     out = torch.empty_like(query)
+    timed = []  # timed in turn with the kernel and the copy
     if kind == "decode":
         args = (query, key_cache, value_cache, tables, lens, scale)
         kernel = lambda: ops.paged_attention_decode(*args, out=out)
         ref = lambda: reference.paged_attention_decode(*args)
+        if dtype != torch.float32:
+            fp8_caches = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
+            fp8_out = torch.empty_like(query)
+            timed.append(lambda: ops.paged_attention_decode(query, *fp8_caches, tables, lens, scale, out=fp8_out))
     else:
         starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
         args = (query, key_cache, value_cache, tables, lens, starts, scale)
@@ -131,8 +138,10 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
     keys_seen = batch * (context if kind == "decode" else context * (context + 1) // 2)  # summed over queries
     row = {"kind": kind, "batch": batch, "context": context, "heads": heads_name, "dtype": dtype_name,
            "kv_mb": kv_bytes / 1e6}
-    kernel_s, copy_s = time_interleaved([kernel, copy], device)
+    kernel_s, copy_s, *fp8_s = time_interleaved([kernel, copy, *timed], device)
     row["kernel_ms"] = kernel_s * 1e3
+    row["fp8_kernel_ms"] = fp8_s[0] * 1e3 if fp8_s else None
+    row["fp8_kv_gbps"] = kv_bytes / k.element_size() / fp8_s[0] / 1e9 if fp8_s else None  # one byte an element
     row["copy_gbps"] = copy.bytes_moved / copy_s / 1e9
     row["sdpa_ms"] = time_call(sdpa, device) * 1e3
     row["reference_ms"] = time_call(ref, device, min_reps=1, min_time=0) * 1e3 if with_reference else None
@@ -193,10 +202,14 @@ def print_row(row):
         bandwidth = f"{'-':>8} {'-':>7}"
     else:
         bandwidth = f"{row['kv_gbps']:8.1f} {100 * row['kv_gbps'] / row['copy_gbps']:6.0f}%"
+    if row.get("fp8_kv_gbps") is None:
+        fp8 = f"{'-':>8} {'-':>7}"
+    else:
+        fp8 = f"{row['fp8_kv_gbps']:8.1f} {100 * row['fp8_kv_gbps'] / row['copy_gbps']:6.0f}%"
     print(
         f"{row['kind']:8} {row['heads']:13} {row['dtype']:5} {row['batch']:5} {row['context']:6} "
         f"{row['kv_mb']:9.1f} {row['kernel_ms']:10.3f} {row['sdpa_ms']:10.3f} {ref} "
-        f"{row['sdpa_ms'] / row['kernel_ms']:8.1f}x {row['gflops']:8.1f} {row['copy_gbps']:8.1f} {bandwidth}",
+        f"{row['sdpa_ms'] / row['kernel_ms']:8.1f}x {row['gflops']:8.1f} {row['copy_gbps']:8.1f} {bandwidth} {fp8}",
         flush=True,
     )
 
@@ -204,11 +217,12 @@ def print_row(row):
 def print_header():
     print(
         f"{'kind':8} {'heads':13} {'dtype':5} {'batch':>5} {'ctx':>6} {'kv MB':>9} {'_C ms':>10} "
-        f"{'sdpa ms':>10} {'ref ms':>10} {'vs sdpa':>9} {'GFLOP/s':>8} {'copy':>8} {'KV GB/s':>8} {'%copy':>7}"
+        f"{'sdpa ms':>10} {'ref ms':>10} {'vs sdpa':>9} {'GFLOP/s':>8} {'copy':>8} {'KV GB/s':>8} {'%copy':>7} "
+        f"{'fp8 GB/s':>8} {'%copy':>7}"
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small grid (--grid quick)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
@@ -224,7 +238,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--prefill-flops", choices=["auto", "on", "off"], default="auto",
                         help="prefill TFLOP/s against SDPA's flash backend (auto: on CUDA with fp16/bf16)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     if args.threads:
@@ -237,11 +251,18 @@ def main() -> None:
     where = f"{torch.get_num_threads()} threads, kernels {_C.cpu_isa()}" if device.type == "cpu" else str(device)
     print(f"device {device} ({where})")
     print("copy: GB/s of a 512 MiB tensor copy (read + written), timed in turn with the kernel; KV GB/s")
-    print("(decode): bytes of K and V read by the kernel per second; %copy: KV GB/s / copy; GFLOP/s:")
-    print("4 * heads * head_dim flops per (query, key) pair; vs sdpa: SDPA time / _C time\n")
+    print("(decode): bytes of K and V read by the kernel per second; %copy: KV GB/s / copy; fp8 GB/s: the same")
+    print("over fp8 (e4m3) copies of the caches (one byte an element); GFLOP/s: 4 * heads * head_dim flops per")
+    print("(query, key) pair; vs sdpa: SDPA time / _C time\n")
     print_header()
 
-    rows = []
+    rows, flops_rows = [], []
+    report = {"device": str(device), "where": where, "results": rows, "prefill_flops": flops_rows}
+
+    def save() -> None:  # after every row: a run stopped at its time keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+
     for kind, configs in grid.items():
         for heads in args.heads:
             _, num_kv_heads, head_dim = HEAD_CONFIGS[heads]
@@ -255,13 +276,13 @@ def main() -> None:
                 )
                 print_row(row)
                 rows.append(row)
+                save()
 
     print("\nsummary")
     print_header()
     for row in rows:
         print_row(row)
 
-    flops_rows = []
     want_flops = args.prefill_flops == "on" or (args.prefill_flops == "auto" and device.type == "cuda")
     if want_flops and (device.type != "cuda" or args.dtype == "fp32"):
         print("\nprefill TFLOP/s: needs CUDA and fp16/bf16 (SDPA's flash backend); skipped")
@@ -273,10 +294,9 @@ def main() -> None:
             row = bench_prefill_flops(heads, tokens, args.dtype, device, args.block_size)
             print_prefill_flops(row)
             flops_rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            report = {"device": str(device), "where": where, "results": rows, "prefill_flops": flops_rows}
-            json.dump(report, f, indent=2)
+            save()
+    save()
+    return report
 
 
 if __name__ == "__main__":

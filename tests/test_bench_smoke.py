@@ -527,3 +527,24 @@ def test_prefill_flops_row_times_the_kernel_over_fp8_too(monkeypatch):
     assert row["batch"] == 2 and min(row["kernel_ms"], row["sdpa_flash_ms"], row["fp8_kernel_ms"]) > 0
     assert row["fp8_kernel_tflops"] > 0 and row["max_abs_diff"] < 0.1
     module.print_prefill_flops(row)
+
+
+def test_kernel_bench_writes_each_row_as_it_goes(monkeypatch, tmp_path):
+    """bench_kernels.py's table on the CPU, a tiny grid: decode rows time the kernel over fp8 copies of the caches
+    too (their GB/s counted at one byte an element), and the JSON report holds every row."""
+    module = load_script("bench_kernels")
+    monkeypatch.setattr(module, "QUICK_GRID", {"decode": [(1, 64), (4, 64)], "prefill": [(1, 32)]})
+    saved = []
+    real_write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: (saved.append(json.loads(text)),
+                                                                        real_write(self, text, *a, **k))[1])
+    out = tmp_path / "kernels.json"
+    report = module.main(["--quick", "--heads", "smollm2-135m", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [len(s["results"]) for s in saved] == [1, 2, 3, 3]  # after each row, then once at the end
+    decode = [r for r in report["results"] if r["kind"] == "decode"]
+    assert len(decode) == 2 and all(r["fp8_kernel_ms"] > 0 for r in decode)
+    for r in decode:
+        assert r["fp8_kv_gbps"] == pytest.approx(r["kv_mb"] / 2 / r["fp8_kernel_ms"], rel=1e-6)
+    prefill = [r for r in report["results"] if r["kind"] == "prefill"]
+    assert prefill[0]["fp8_kernel_ms"] is None and prefill[0]["kv_gbps"] is None

@@ -1,0 +1,177 @@
+"""scripts/gpu_check.py, the one command a GPU node (or a lent card with minutes of device time) runs: without a
+GPU here, what must hold is its bookkeeping. A step stopped at its time is interrupted before it is killed and
+counts as failed, a step with too little of the budget left is not started, the report reaches $OUT after every
+step, and a machine without a GPU gets a report saying so and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_bench_smoke import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return load_script("gpu_check")
+
+
+def test_no_gpu_gives_a_report_and_a_failure(tmp_path):
+    """nvidia-smi failing (as on this machine, where it is absent or has no device): exit 1, and the report in $OUT
+    says which step failed and why."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    smi = fake_bin / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "OUT": str(out),
+           "BATCHGEN_GPU_LOG": str(tmp_path / "log")}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "RESULT: FAILED" in run.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["python"]["status"] == "FAILED"
+    assert "no NVIDIA GPU visible" in report["steps"]["python"]["detail"]
+    assert all(report["steps"][s]["status"] == "skipped" for s in ("build", "tests", "bench", "e2e"))
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "nvidia-smi.txt" in tar.getnames()
+
+
+INTERRUPTIBLE = """
+import signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("interrupted")
+    sys.exit(3)
+signal.signal(signal.SIGINT, stop)
+print("started", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_step_past_its_time_is_interrupted_then_counted_failed(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_check.CAPS_S, "tests", 1)
+    check = gpu_check.GpuCheck(tmp_path)
+    marker = tmp_path / "marker"
+    start = time.monotonic()
+    rc = check.run("tests", [sys.executable, "-c", INTERRUPTIBLE, str(marker)], "tests.txt")
+    assert rc is None
+    assert time.monotonic() - start < 30
+    assert marker.read_text() == "interrupted"  # SIGINT first: pytest writes its junit report then
+    assert "started" in (tmp_path / "tests.txt").read_text()
+    step = check.steps["tests"]
+    assert step.status == "timeout" and "its limit" in step.detail
+    assert check.failed
+
+
+def test_a_step_deaf_to_sigint_is_killed(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_check.CAPS_S, "bench", 1)
+    monkeypatch.setattr(gpu_check, "INTERRUPT_GRACE_S", 1)
+    check = gpu_check.GpuCheck(tmp_path)
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    start = time.monotonic()
+    assert check.run("bench", [sys.executable, "-c", deaf], "bench.txt") is None
+    assert time.monotonic() - start < 30
+    assert check.steps["bench"].status == "timeout"
+
+
+def test_the_budget_bounds_each_step_and_stops_starting_them(gpu_check, tmp_path):
+    check = gpu_check.GpuCheck(tmp_path, budget_s=100)
+    assert check.time_for("build") == pytest.approx(100 - gpu_check.REPORT_RESERVE_S, abs=2)
+    assert gpu_check.GpuCheck(tmp_path).time_for("build") == gpu_check.CAPS_S["build"]  # no budget: the cap
+    check.started -= 100 - gpu_check.REPORT_RESERVE_S - gpu_check.MIN_STEP_S + 1  # too little left now
+    assert check.time_for("e2e") is None
+    ran = tmp_path / "ran"
+    assert check.run("e2e", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], "e2e.txt") is None
+    assert not ran.exists()
+    assert check.steps["e2e"].status == "timeout" and "not started" in check.steps["e2e"].detail
+    assert check.failed
+
+
+def test_the_report_holds_the_benchmarks_as_they_stand(gpu_check, tmp_path):
+    out = tmp_path / "out"
+    log = tmp_path / "log"
+    log.mkdir()
+    check = gpu_check.GpuCheck(log, out, budget_s=500)
+    check.mark("python", "ok", "python3: a card")
+    (log / "bench.json").write_text(json.dumps({"results": [{"kind": "decode"}]}))
+    (log / "bench.txt").write_text("decode row\n")
+    check.publish()
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["python"] == {"status": "ok", "detail": "python3: a card", "seconds": 0.0}
+    assert report["kernels"] == {"results": [{"kind": "decode"}]} and report["e2e"] is None
+    assert report["budget_s"] == 500
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["bench.json", "bench.txt"]
+    assert not check.failed  # skipped steps are not failures
+    assert "decode row" in check.summary() and "RESULT: ok" in check.summary()
+
+
+def test_junit_counts_read_pytests_own_report(gpu_check, tmp_path):
+    tests = tmp_path / "test_three.py"
+    tests.write_text(textwrap.dedent("""
+        import pytest
+        def test_passes(): pass
+        def test_fails(): assert False
+        @pytest.mark.skip(reason="no card")
+        def test_skipped(): pass
+    """))
+    xml = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", str(tests)],
+                   cwd=tmp_path, capture_output=True, timeout=120)
+    assert gpu_check.junit_counts(xml) == "1 passed, 1 failed, 0 errors, 1 skipped"
+    assert gpu_check.junit_counts(tmp_path / "missing.xml") == "no result"
+
+
+def test_gpu_test_modules_are_the_ones_with_gpu_tests(gpu_check):
+    modules = gpu_check.gpu_test_modules()
+    for module in ("tests/test_gpu.py", "tests/test_ops.py", "tests/test_kv_fp8.py", "tests/test_cuda_graphs.py"):
+        assert module in modules
+    assert "tests/test_gpu_check.py" not in modules
+
+
+def make_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel, `tinypkg`, as pip installs it."""
+    import zipfile
+
+    wheel = folder / "tinypkg-0.1-py3-none-any.whl"
+    files = {"tinypkg/__init__.py": "ANSWER = 42\n",
+             "tinypkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 0.1\n",
+             "tinypkg-0.1.dist-info/WHEEL":
+                 "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "tinypkg-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in {**files, "tinypkg-0.1.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    return wheel
+
+
+def test_carried_wheels_reach_every_later_step(gpu_check, tmp_path, monkeypatch):
+    """The wheels in $BATCHGEN_GPU_WHEELS (a machine with no package index) are installed into $LOG/site, which the
+    processes of the steps after the python step import from."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels)
+    monkeypatch.setenv("BATCHGEN_GPU_WHEELS", str(wheels))
+    monkeypatch.setenv("PYTHONPATH", "")
+    log = tmp_path / "log"
+    log.mkdir()
+    check = gpu_check.GpuCheck(log)
+    assert gpu_check.install_wheels(check, sys.executable) == 1
+    assert (log / "site" / "tinypkg" / "__init__.py").is_file()
+    answer = tmp_path / "answer.txt"
+    probe = f"import tinypkg; open({str(answer)!r}, 'w').write(str(tinypkg.ANSWER))"
+    assert check.run("tests", [sys.executable, "-c", probe], "tests.txt") == 0
+    assert answer.read_text() == "42"
+    monkeypatch.setenv("BATCHGEN_GPU_WHEELS", str(tmp_path / "none"))
+    assert gpu_check.install_wheels(check, sys.executable) == 0  # nothing carried: nothing done
