@@ -60,14 +60,82 @@ def test_kernels_include_no_torch_header(path):
     assert not found, f"{path.name} includes a torch/ATen/c10 header; kernels must stay torch-free"
 
 
+_BUILDS: dict[Path, tuple[list[str], subprocess.CompletedProcess]] = {}
+
+
+def nvcc_build(path: Path, out_dir: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Compiles a .cu file for sm_80 and sm_90 once per session, ptxas reporting each kernel's registers."""
+    if path not in _BUILDS:
+        cmd = ["nvcc", *NVCC_FLAGS, "-Xptxas", "-v", f"-I{CUDA_DIR}", "-c", str(path), "-o",
+               str(out_dir / (path.stem + ".o"))]
+        _BUILDS[path] = (cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=900))
+    return _BUILDS[path]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("path", CU_FILES, ids=lambda p: p.name)
 def test_cu_file_compiles_for_sm80_and_sm90(path, tmp_path):
-    cmd = ["nvcc", *NVCC_FLAGS, f"-I{CUDA_DIR}", "-c", str(path), "-o", str(tmp_path / (path.stem + ".o"))]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    cmd, result = nvcc_build(path, tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
     warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
     assert not warnings, "nvcc warnings:\n" + "\n".join(warnings)
+
+
+def ptxas_resources(report: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(kernel, arch) -> (registers, bytes of spill stores) from ptxas -v's report, kernels demangled and shortened
+    to their template arguments: "paged_attention_decode_kernel<__nv_bfloat16, e4m3, 128>"."""
+    found, kernel = {}, None
+    for line in report.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)' for '(sm_\d+)'", line):
+            kernel = (m.group(1), m.group(2))
+            found[kernel] = [0, 0]
+        elif kernel and (m := re.search(r"(\d+) bytes spill stores", line)):
+            found[kernel][1] = int(m.group(1))
+        elif kernel and (m := re.search(r"Used (\d+) registers", line)):
+            found[kernel][0] = int(m.group(1))
+    names = subprocess.run(["c++filt"], input="\n".join(k for k, _ in found), capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    short = {"batchgen::kernels::": "", "(anonymous namespace)::": "", "Fp8<(batchgen::KVFormat)1>": "e4m3",
+             "Fp8<(batchgen::KVFormat)2>": "e5m2"}
+    result = {}
+    for (mangled, arch), name in zip(found, names, strict=True):
+        name = name[: name.rfind(">(") + 1] or name  # the template, without the parameter list
+        for long, brief in short.items():
+            name = name.replace(long, brief)
+        result[name.removeprefix("void "), arch] = tuple(found[mangled, arch])
+    return result
+
+
+needs_nvcc_and_cxxfilt = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("c++filt") is None,
+                                            reason="needs nvcc and c++filt")
+
+
+@needs_nvcc_and_cxxfilt
+def test_decode_kernels_fit_four_blocks_an_sm_and_never_spill(tmp_path):
+    """Decode is read-bound: its loads stay in flight across many warps. No decode kernel spills registers to
+    local memory, and on sm_90 those for 16-bit caches at head_dim 64 and 128 (SmolLM2's, Llama's) take at most
+    128 registers, so that 4 blocks of 128 threads (16 warps) fit an SM; 129 would leave 3."""
+    cmd, result = nvcc_build(CUDA_DIR / "attention_decode.cu", tmp_path)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+    decode = {k: v for k, v in ptxas_resources(result.stderr).items() if k[0].startswith("paged_attention_decode_k")}
+    assert len(decode) == 3 * 3 * 5 * 2  # activations x caches (T, e4m3, e5m2) x head dims x archs
+    assert {k: v for k, v in decode.items() if v[1]} == {}, "decode kernels spill"
+    wide = {(f"paged_attention_decode_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
+            for d in (64, 128)}
+    assert {k: decode[k][0] for k in wide if decode[k][0] > 128} == {}
+
+
+@needs_nvcc_and_cxxfilt
+def test_tensor_core_prefill_for_16_bit_caches_does_not_spill(tmp_path):
+    """The tensor-core prefill kernels hold their rows' accumulators and scores in registers (up to 255); over
+    16-bit caches at head_dim 64, 80, 128 and 256 none of it goes to local memory on sm_90."""
+    cmd, result = nvcc_build(CUDA_DIR / "attention_prefill.cu", tmp_path)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+    resources = ptxas_resources(result.stderr)
+    kernels = {(f"paged_attention_prefill_tc_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
+               for d in (64, 80, 128, 256)}
+    assert kernels <= resources.keys()
+    assert {k: resources[k] for k in kernels if resources[k][1]} == {}
 
 
 def _torch_cuda_headers():

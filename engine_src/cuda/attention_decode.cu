@@ -244,32 +244,47 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(
       }
     }
 
-    // Scores of the 4 tokens for each head, summed over the lane group.
+    // Scores of the 4 tokens for each head, summed over the lane group. A token's key is widened to floats
+    // once for all heads (their queries read from shared memory per token: fewer registers than holding every
+    // widened key, fewer instructions than widening a key per head).
     float score[kMaxHeads][kGroupTokens];
 #pragma unroll
-    for (int h = 0; h < kMaxHeads; ++h) {
-      if (h >= heads) continue;
-      float q[kFloats];
+    for (int t = 0; t < kGroupTokens; ++t) {
+      float key[kFloats];
 #pragma unroll
-      for (int i = 0; i < kPieces; ++i) {
-        const int piece = sub + i * kLanes;
+      for (int i = 0; i < kPieces; ++i) unpack<C>(key_raw[t][i], key + i * kVec);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) q[i * kVec + e] = piece < Shape::kPieces ? query_s[h][piece * kVec + e] : 0.f;
-      }
-#pragma unroll
-      for (int t = 0; t < kGroupTokens; ++t) {
+      for (int h = 0; h < kMaxHeads; ++h) {
+        if (h >= heads) continue;
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < kPieces; ++i) {
-          float k[kVec];
-          unpack<C>(key_raw[t][i], k);
+          const int piece = sub + i * kLanes;
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) s += q[i * kVec + e] * k[e];
+          for (int e = 0; e < kVec; ++e) {
+            s += (piece < Shape::kPieces ? query_s[h][piece * kVec + e] : 0.f) * key[i * kVec + e];
+          }
         }
 #pragma unroll
         for (int mask = kLanes / 2; mask > 0; mask >>= 1) s += __shfl_xor_sync(0xffffffffu, s, mask);
-        score[h][t] = valid[t] ? soft_capped(s, p.soft_cap_log2) : -INFINITY;
+        score[h][t] = s;
       }
+    }
+    // The soft cap behind one branch that the whole launch takes the same way: without a cap (nearly every model)
+    // none of its instructions issue (per score they were predicated off, yet issued).
+    if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+      for (int h = 0; h < kMaxHeads; ++h) {
+        if (h >= heads) continue;
+#pragma unroll
+        for (int t = 0; t < kGroupTokens; ++t) score[h][t] = soft_capped(score[h][t], p.soft_cap_log2);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kMaxHeads; ++h) {
+      if (h >= heads) continue;
+#pragma unroll
+      for (int t = 0; t < kGroupTokens; ++t) score[h][t] = valid[t] ? score[h][t] : -INFINITY;
     }
 
     // Online softmax per head: one rescale for the 4 tokens.

@@ -633,14 +633,25 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
         }
       }
 
-      // Scale to base 2, soft cap, and the causal / window mask where some row does not see some key
-      // (only then: the comparisons are skipped on tiles every row of the warp sees whole).
+      // Scale to base 2, soft cap (behind a branch the whole launch takes the same way: without a cap none of
+      // its instructions issue), and the causal / window mask where some row does not see some key (only then:
+      // the comparisons are skipped on tiles every row of the warp sees whole).
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
 #pragma unroll
         for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e] * score_scale, p.soft_cap_log2);
+          for (int e = 0; e < 4; ++e) score[m][j][e] *= score_scale;
+        }
+      }
+      if (p.soft_cap_log2 > 0.f) {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) score[m][j][e] = soft_capped(score[m][j][e], p.soft_cap_log2);
+          }
         }
       }
       if (key0 + kKeys - 1 > warp_min_key || key0 < warp_last_first_key) {
