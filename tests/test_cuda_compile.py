@@ -13,26 +13,15 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from test_bench_smoke import load_script
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "engine_src" / "cuda"
+sass_report = load_script("sass_report")  # the build's nvcc flags, ptxas's report read
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TORCH_FREE_FILES = [CUDA_DIR / "kernels.h", *sorted(CUDA_DIR.glob("*.cuh")), *CU_FILES]
 
-NVCC_FLAGS = [
-    "-std=c++17",
-    "-O3",
-    "--use_fast_math",
-    # torch's cpp_extension adds these: no implicit half/bfloat16 conversions or operators.
-    "-D__CUDA_NO_HALF_OPERATORS__",
-    "-D__CUDA_NO_HALF_CONVERSIONS__",
-    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__",
-    "--expt-relaxed-constexpr",
-    "-gencode",
-    "arch=compute_80,code=sm_80",
-    "-gencode",
-    "arch=compute_90,code=sm_90",
-]
+NVCC_FLAGS = [*sass_report.COMMON_NVCC_FLAGS, *sass_report.gencode(80), *sass_report.gencode(90)]
+
 
 def cuda_include() -> Path | None:
     """The CUDA toolkit's include dir (nvcc may be a wrapper script outside the toolkit)."""
@@ -81,31 +70,6 @@ def test_cu_file_compiles_for_sm80_and_sm90(path, tmp_path):
     assert not warnings, "nvcc warnings:\n" + "\n".join(warnings)
 
 
-def ptxas_resources(report: str) -> dict[tuple[str, str], tuple[int, int]]:
-    """(kernel, arch) -> (registers, bytes of spill stores) from ptxas -v's report, kernels demangled and shortened
-    to their template arguments: "paged_attention_decode_kernel<__nv_bfloat16, e4m3, 128>"."""
-    found, kernel = {}, None
-    for line in report.splitlines():
-        if m := re.search(r"Compiling entry function '(\w+)' for '(sm_\d+)'", line):
-            kernel = (m.group(1), m.group(2))
-            found[kernel] = [0, 0]
-        elif kernel and (m := re.search(r"(\d+) bytes spill stores", line)):
-            found[kernel][1] = int(m.group(1))
-        elif kernel and (m := re.search(r"Used (\d+) registers", line)):
-            found[kernel][0] = int(m.group(1))
-    names = subprocess.run(["c++filt"], input="\n".join(k for k, _ in found), capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    short = {"batchgen::kernels::": "", "(anonymous namespace)::": "", "Fp8<(batchgen::KVFormat)1>": "e4m3",
-             "Fp8<(batchgen::KVFormat)2>": "e5m2"}
-    result = {}
-    for (mangled, arch), name in zip(found, names, strict=True):
-        name = name[: name.rfind(">(") + 1] or name  # the template, without the parameter list
-        for long, brief in short.items():
-            name = name.replace(long, brief)
-        result[name.removeprefix("void "), arch] = tuple(found[mangled, arch])
-    return result
-
-
 needs_nvcc_and_cxxfilt = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("c++filt") is None,
                                             reason="needs nvcc and c++filt")
 
@@ -117,7 +81,8 @@ def test_decode_kernels_fit_four_blocks_an_sm_and_never_spill(tmp_path):
     128 registers, so that 4 blocks of 128 threads (16 warps) fit an SM; 129 would leave 3."""
     cmd, result = nvcc_build(CUDA_DIR / "attention_decode.cu", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
-    decode = {k: v for k, v in ptxas_resources(result.stderr).items() if k[0].startswith("paged_attention_decode_k")}
+    resources = sass_report.ptxas_resources(result.stderr)
+    decode = {k: v for k, v in resources.items() if k[0].startswith("paged_attention_decode_kernel<")}
     assert len(decode) == 3 * 3 * 5 * 2  # activations x caches (T, e4m3, e5m2) x head dims x archs
     assert {k: v for k, v in decode.items() if v[1]} == {}, "decode kernels spill"
     wide = {(f"paged_attention_decode_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
@@ -131,7 +96,7 @@ def test_tensor_core_prefill_for_16_bit_caches_does_not_spill(tmp_path):
     16-bit caches at head_dim 64, 80, 128 and 256 none of it goes to local memory on sm_90."""
     cmd, result = nvcc_build(CUDA_DIR / "attention_prefill.cu", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
-    resources = ptxas_resources(result.stderr)
+    resources = sass_report.ptxas_resources(result.stderr)
     kernels = {(f"paged_attention_prefill_tc_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
                for d in (64, 80, 128, 256)}
     assert kernels <= resources.keys()
@@ -171,3 +136,18 @@ def test_torch_glue_compiles(tmp_path):
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-20000:]}"
     own = [line for line in result.stderr.splitlines() if line.startswith(str(glue)) and "warning" in line]
     assert not own, "warnings in torch_glue.cpp:\n" + "\n".join(own)
+
+
+@pytest.mark.skipif(sass_report.find_tool("cuobjdump") is None or shutil.which("nvcc") is None,
+                    reason="needs nvcc and cuobjdump (the test extras' nvidia-cuda-cuobjdump)")
+def test_sass_report_reads_a_kernels_hot_loop(capsys):
+    """scripts/sass_report.py, the view of the kernels' machine code that work on them without a card goes by: the
+    16-bit decode kernel's loop holds its K/V loads (16 bytes a lane, 4 tokens, keys and values) and the dot products'
+    fused multiply-adds, beside ptxas's registers."""
+    (kernel,) = sass_report.main([str(CUDA_DIR / "attention_decode.cu"), "--kernel",
+                                  "decode_kernel<__nv_bfloat16, __nv_bfloat16, 128>"])["now"]
+    assert kernel.name == "paged_attention_decode_kernel<__nv_bfloat16, __nv_bfloat16, 128>"
+    assert 0 < kernel.registers <= 255 and kernel.spill_bytes == 0
+    assert kernel.loop["LDG"] >= 8 and kernel.loop["FFMA"] >= 4 * 4 * 8 * 2  # 4 heads x 4 tokens x 8 floats, K and V
+    assert 0 < kernel.loop_size < 5000
+    assert kernel.name in capsys.readouterr().out
