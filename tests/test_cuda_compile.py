@@ -93,12 +93,12 @@ def test_decode_kernels_fit_four_blocks_an_sm_and_never_spill(tmp_path):
 @needs_nvcc_and_cxxfilt
 def test_tensor_core_prefill_for_16_bit_caches_does_not_spill(tmp_path):
     """The tensor-core prefill kernels hold their rows' accumulators and scores in registers (up to 255); over
-    16-bit caches at head_dim 64, 80, 128 and 256 none of it goes to local memory on sm_90."""
+    16-bit caches none of it goes to local memory, at any head_dim, on sm_80 or sm_90."""
     cmd, result = nvcc_build(CUDA_DIR / "attention_prefill.cu", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
     resources = sass_report.ptxas_resources(result.stderr)
-    kernels = {(f"paged_attention_prefill_tc_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
-               for d in (64, 80, 128, 256)}
+    kernels = {(f"paged_attention_prefill_tc_kernel<{t}, {t}, {d}>", arch) for t in ("__half", "__nv_bfloat16")
+               for d in (64, 80, 96, 128, 256) for arch in ("sm_80", "sm_90")}
     assert kernels <= resources.keys()
     assert {k: resources[k] for k in kernels if resources[k][1]} == {}
 

@@ -440,15 +440,17 @@ __device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const
   constexpr int kCopies = HEAD_DIM / kPerCopy;  // a row's
   const C* key_cache = static_cast<const C*>(p.key_cache);
   const C* value_cache = static_cast<const C*>(p.value_cache);
+  const int block_shift = __ffs(p.block_size) - 1;
   for (int i = threadIdx.x; i < TcConfig<T, HEAD_DIM>::kKeys * kCopies; i += kTcThreads) {
     const int n = i / kCopies;
     const int c = i % kCopies;
     const int key = key0 + n;
     const bool read = key >= kv_begin && key < kv_end;
     int64_t offset = 0;
-    if (read) {
-      const int64_t block = block_table[key / p.block_size];
-      offset = ((block * p.num_kv_heads + kv_head) * p.block_size + key % p.block_size) * HEAD_DIM + c * kPerCopy;
+    if (read) {  // block sizes are powers of two (is_supported_block_size): a shift and a mask, not a division
+      const int64_t block = block_table[key >> block_shift];
+      offset = ((block * p.num_kv_heads + kv_head) * p.block_size + (key & (p.block_size - 1))) * HEAD_DIM +
+               c * kPerCopy;
     }
     const int dst = std::is_same_v<C, T> ? swizzle<HEAD_DIM>(n, c) : n * HEAD_DIM + c * kPerCopy;
     cp_async_16(key_s + dst, key_cache + offset, read);

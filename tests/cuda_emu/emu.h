@@ -397,6 +397,7 @@ Launch<KArgs...> launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t 
 #define __syncthreads() emu::syncthreads()
 #define __syncwarp(...) emu::syncwarp()
 #define __shfl_xor_sync(mask, v, m) emu::shfl_xor(v, m)
+#define __ffs(x) __builtin_ffs(x)  // 1 + the index of the lowest set bit, 0 for 0: CUDA's integer intrinsic
 #define cudaGetLastError() cudaSuccess
 #define cudaFuncSetAttribute(...) cudaSuccess
 #define cudaGetDevice(device) emu::get_device(device)
