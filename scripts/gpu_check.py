@@ -13,6 +13,8 @@ Steps, in order:
           caches), prefill TFLOP/s against SDPA's flash backend
   e2e     scripts/bench_e2e.py: the engine on random-weight 1B and 8B shapes ($BATCHGEN_GPU_E2E_SHAPES, default
           1b,8b, "none" skips it; $BATCHGEN_GPU_E2E_PROMPTS, default 1000)
+  profile Nsight Compute (ncu, where installed) over `bench_kernels.py --profile-calls`: decode and tensor-core
+          prefill over 16-bit and fp8 caches, their throughput, occupancy and warp stalls ($LOG/profile.txt, CSV)
 
 A machine with no package index (a lent device machine, an air-gapped node) may lack packages batchgen imports:
 `python scripts/gpu_check.py --fetch-wheels` (on a machine with an index, in batchgen's venv) downloads their
@@ -38,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,8 +51,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("python", "build", "tests", "bench", "e2e")
-CAPS_S = {"python": 460, "build": 480, "tests": 300, "bench": 240, "e2e": 300}  # each step's own limit
+STEPS = ("python", "build", "tests", "bench", "e2e", "profile")
+# Each step's own limit, in seconds.
+CAPS_S = {"python": 460, "build": 480, "tests": 300, "bench": 240, "e2e": 300, "profile": 180}
+# The kernels' counters under Nsight Compute: throughput against the card's peaks, occupancy, where warps stall.
+NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+NCU_KERNELS = "regex:paged_attention_(decode|prefill_tc)_kernel"
 REPORT_RESERVE_S = 15  # kept back from the budget for the last report
 MIN_STEP_S = 30  # a step with less than this left is not started
 INTERRUPT_GRACE_S = 20  # from SIGINT to SIGKILL
@@ -324,6 +331,21 @@ def step_e2e(check: GpuCheck, python: str) -> None:
         check.mark("e2e", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
 
 
+def step_profile(check: GpuCheck, python: str) -> None:
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        check.mark("profile", "skipped", "ncu (Nsight Compute) not found")
+        return
+    print(f"[gpu_check] ncu over bench_kernels.py --profile-calls (log: {check.log}/profile.txt)", flush=True)
+    sections = [arg for name in NCU_SECTIONS for arg in ("--section", name)]
+    rc = check.run("profile", [ncu, "--target-processes", "all", "-k", NCU_KERNELS, *sections, "--csv", "--page",
+                               "details", python, "scripts/bench_kernels.py", "--device", "cuda", "--profile-calls"],
+                   "profile.txt")
+    if rc is not None:
+        took = f"{check.steps['profile'].seconds:.0f}s"
+        check.mark("profile", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=float(os.environ.get("BATCHGEN_GPU_BUDGET_S", 0)),
@@ -343,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     check.publish()
     if python is not None and step_build(check, python):
         check.publish()
-        for step in (step_tests, step_bench, step_e2e):
+        for step in (step_tests, step_bench, step_e2e, step_profile):
             step(check, python)
             check.publish()
     check.publish()

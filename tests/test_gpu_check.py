@@ -13,6 +13,7 @@ import tarfile
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_bench_smoke import load_script
@@ -175,3 +176,43 @@ def test_carried_wheels_reach_every_later_step(gpu_check, tmp_path, monkeypatch)
     assert answer.read_text() == "42"
     monkeypatch.setenv("BATCHGEN_GPU_WHEELS", str(tmp_path / "none"))
     assert gpu_check.install_wheels(check, sys.executable) == 0  # nothing carried: nothing done
+
+
+def test_the_profile_step_runs_the_kernels_under_ncu(gpu_check, tmp_path, monkeypatch):
+    """Nsight Compute where there is one (a stand-in here that records its arguments), asked for the attention
+    kernels only, over bench_kernels.py's untimed calls; no ncu: the step is skipped, not failed."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    check = gpu_check.GpuCheck(tmp_path)
+    with monkeypatch.context() as no_ncu:
+        no_ncu.setattr(gpu_check, "shutil", SimpleNamespace(which=lambda name: None))
+        gpu_check.step_profile(check, sys.executable)
+    assert check.steps["profile"].status == "skipped" and not check.failed
+    ncu = fake_bin / "ncu"
+    ncu.write_text('#!/bin/sh\necho "ncu $@"\n')
+    ncu.chmod(0o755)
+    gpu_check.step_profile(check, sys.executable)
+    assert check.steps["profile"].status == "ok"
+    args = (tmp_path / "profile.txt").read_text()
+    assert "-k regex:paged_attention_(decode|prefill_tc)_kernel" in args
+    assert "--section WarpStateStats" in args and args.rstrip().endswith("--device cuda --profile-calls")
+
+
+def test_profile_calls_call_every_kernel_it_names(monkeypatch):
+    """bench_kernels.profile_calls, small, on the CPU: decode and prefill over the 16-bit caches and over fp8, each
+    twice."""
+    import torch
+
+    from batchgen import ops
+
+    bench = load_script("bench_kernels")
+    calls = []
+    for name in ("paged_attention_decode", "paged_attention_prefill"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: (calls.append((_name, a[1].dtype)),
+                                                                                  _real(*a, **k))[1])
+    bench.profile_calls(torch.device("cpu"), batch=2, context=40, prompt=24, prompts=2)
+    fp8 = torch.float8_e4m3fn
+    assert calls == [("paged_attention_decode", torch.bfloat16)] * 2 + [("paged_attention_decode", fp8)] * 2 + \
+        [("paged_attention_prefill", torch.bfloat16)] * 2 + [("paged_attention_prefill", fp8)] * 2
