@@ -216,3 +216,71 @@ def test_profile_calls_call_every_kernel_it_names(monkeypatch):
     fp8 = torch.float8_e4m3fn
     assert calls == [("paged_attention_decode", torch.bfloat16)] * 2 + [("paged_attention_decode", fp8)] * 2 + \
         [("paged_attention_prefill", torch.bfloat16)] * 2 + [("paged_attention_prefill", fp8)] * 2
+
+
+FAKE_PYTHON = r'''#!/usr/bin/env python3
+"""A Python whose torch sees a GPU, as far as gpu_check can tell: it answers the probes, records every call."""
+import json, os, sys
+args = sys.argv[1:]
+with open(CALLS, "a") as log:
+    log.write(" ".join(args) + "\n")
+if args[0] == "-c":
+    code = args[1]
+    if "get_device_properties" in code:
+        print("Fake GPU, sm_90, torch 0.0+cu, CUDA 13.0")
+    elif "get_device_capability" in code:
+        print("90")
+    sys.exit(0)
+if args[:2] == ["-m", "pytest"]:
+    xml = next(a for a in args if a.startswith("--junitxml=")).split("=", 1)[1]
+    open(xml, "w").write('<testsuites><testsuite tests="5" failures="0" errors="0" skipped="1"/></testsuites>')
+    sys.exit(0)
+if args[0].startswith("scripts/bench"):
+    out = args[args.index("--json") + 1]
+    open(out, "w").write(json.dumps({"results": [{"script": args[0], "path": os.environ.get("PYTHONPATH")}]}))
+    print("a benchmark row")
+sys.exit(0)
+'''
+
+
+def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
+    """Every step in order through a stand-in Python (probes answered, pip, pytest and the benchmarks recorded) and a
+    stand-in nvidia-smi and ncu: the report holds each step ok, the tests' counts and both benchmarks' JSON, the
+    carried wheels go first on every later step's PYTHONPATH, and the run exits 0."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "calls.txt"
+    for name, text in {"python": FAKE_PYTHON.replace("CALLS", repr(str(calls))),
+                       "nvidia-smi": "#!/bin/sh\necho 'GPU 0: Fake GPU'\n",
+                       "ncu": f"#!/bin/sh\necho \"ncu $@\" >> {calls}\n"}.items():
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels)
+    out, log = tmp_path / "out", tmp_path / "log"
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "OUT": str(out), "BATCHGEN_GPU_LOG": str(log),
+           "PYTHON": str(fake_bin / "python"), "BATCHGEN_GPU_WHEELS": str(wheels), "PYTHONPATH": "",
+           "BATCHGEN_GPU_BUDGET_S": "400"}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert {name: step["status"] for name, step in report["steps"].items()} == dict.fromkeys(
+        ("python", "build", "tests", "bench", "e2e", "profile"), "ok")
+    assert report["device"] == "Fake GPU, sm_90, torch 0.0+cu, CUDA 13.0"
+    assert "1 wheels from" in report["steps"]["python"]["detail"]
+    assert report["steps"]["build"]["detail"].startswith("sm_90")
+    assert report["steps"]["tests"]["detail"].startswith("4 passed, 0 failed, 0 errors, 1 skipped")
+    site = str(log / "site")  # the carried wheels, first on the path of every step after the python step
+    assert report["kernels"] == {"results": [{"script": "scripts/bench_kernels.py", "path": site}]}
+    assert report["e2e"] == {"results": [{"script": "scripts/bench_e2e.py", "path": site}]}
+    assert report["budget_s"] == 400
+    kinds = {"wheels": "-m pip install -q --no-index", "build": "-m pip install --no-build-isolation",
+             "tests": "-m pytest -m gpu", "bench": "scripts/bench_kernels.py --device cuda --grid issue51",
+             "e2e": "scripts/bench_e2e.py --device cuda", "profile": "ncu "}
+    order = [next((kind for kind, start in kinds.items() if line.startswith(start)), None)
+             for line in calls.read_text().splitlines()]
+    assert [kind for kind in order if kind] == list(kinds)
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"build.txt", "tests.txt", "bench.txt", "e2e.txt", "profile.txt", "wheels.txt"} <= set(tar.getnames())
