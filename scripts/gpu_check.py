@@ -57,13 +57,21 @@ CAPS_S = {"python": 460, "build": 480, "tests": 300, "bench": 240, "e2e": 300, "
 # The kernels' counters under Nsight Compute: throughput against the card's peaks, occupancy, where warps stall.
 NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 NCU_KERNELS = "regex:paged_attention_(decode|prefill_tc)_kernel"
-REPORT_RESERVE_S = 15  # kept back from the budget for the last report
-MIN_STEP_S = 30  # a step with less than this left is not started
 INTERRUPT_GRACE_S = 20  # from SIGINT to SIGKILL
+REPORT_RESERVE_S = INTERRUPT_GRACE_S + 10  # kept back from the budget: a step's interruption, the last report
+MIN_STEP_S = 30  # a step with less than this left is not started
 BUILD_TOOLS = ("setuptools", "wheel", "pybind11", "ninja", "pytest", "hypothesis")
 # batchgen's imports that a CUDA image (the lent machines' 'cuda' image, 2026-11) lacks: pydantic and its own.
 OFFLINE_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 LINUX_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Sends sig to a step's whole process group (its compilers, its workers), if it is still there."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass
@@ -108,11 +116,11 @@ class GpuCheck:
             try:
                 return proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGINT)  # pytest writes its junit report on an interrupt
+                signal_group(proc.pid, signal.SIGINT)  # pytest writes its junit report on an interrupt
                 try:
                     proc.wait(timeout=INTERRUPT_GRACE_S)
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
                 self.mark(name, "timeout", f"stopped after {time.monotonic() - start:.0f}s (its limit)")
                 return None
