@@ -189,29 +189,6 @@ def bench_prefill_flops(heads_name, tokens, dtype_name, device, block_size):
             "fp8_kernel_ms": fp8_s * 1e3, "fp8_kernel_tflops": flops / fp8_s / 1e12}
 
 
-def profile_calls(device, dtype_name="bf16", block_size=16, batch=64, context=2048, prompt=2048, prompts=8):
-    """Calls each kernel issue 51 asks about twice, untimed, for a profiler to watch (gpu_check's profile step runs
-    this under Nsight Compute): decode of `batch` sequences of `context` keys and causal prefill of `prompts`
-    prompts of `prompt` tokens, Llama's heads (32/8 x 128), over the 16-bit caches and over fp8 (e4m3) copies."""
-    heads = HEAD_CONFIGS["llama-gqa"]
-    dtype = DTYPES[dtype_name]
-    scale = heads[2] ** -0.5
-    query, key_cache, value_cache, tables, lens, _ = paged_inputs(batch, context, heads, dtype, device, block_size, 1)
-    fp8 = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
-    for caches in ((key_cache, value_cache), fp8):
-        for _ in range(2):
-            ops.paged_attention_decode(query, *caches, tables, lens, scale)
-    del query, key_cache, value_cache, fp8
-    query, key_cache, value_cache, tables, lens, _ = paged_inputs(prompts, prompt, heads, dtype, device, block_size,
-                                                                  prompt)
-    starts = torch.arange(0, prompts * prompt + 1, prompt, dtype=torch.int32, device=device)
-    fp8 = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
-    for caches in ((key_cache, value_cache), fp8):
-        for _ in range(2):
-            ops.paged_attention_prefill(query, *caches, tables, lens, starts, scale)
-    sync(device)
-
-
 def print_prefill_flops(row):
     print(f"{row['heads']:13} {row['head_dim']:4} {row['dtype']:5} {row['batch']:5} {row['tokens']:6} "
           f"{row['kernel_ms']:10.3f} {row['sdpa_flash_ms']:10.3f} {row['kernel_tflops']:9.1f} "
@@ -261,8 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--prefill-flops", choices=["auto", "on", "off"], default="auto",
                         help="prefill TFLOP/s against SDPA's flash backend (auto: on CUDA with fp16/bf16)")
-    parser.add_argument("--profile-calls", action="store_true",
-                        help="only call each kernel of profile_calls twice, untimed (for a profiler), and exit")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -270,9 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if args.isa:
         _C.set_cpu_isa(args.isa)
-    if args.profile_calls:
-        profile_calls(device, args.dtype, args.block_size)
-        return {}
     grid = QUICK_GRID if args.quick else GRIDS[args.grid]
     max_kv_gb = args.max_kv_gb or (16.0 if device.type == "cuda" else 1.5)
     copy = CopyProbe(device)

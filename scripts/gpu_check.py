@@ -13,8 +13,11 @@ Steps, in order:
           caches), prefill TFLOP/s against SDPA's flash backend
   e2e     scripts/bench_e2e.py: the engine on random-weight 1B and 8B shapes ($BATCHGEN_GPU_E2E_SHAPES, default
           1b,8b, "none" skips it; $BATCHGEN_GPU_E2E_PROMPTS, default 1000)
-  profile Nsight Compute (ncu, where installed) over `bench_kernels.py --profile-calls`: decode and tensor-core
-          prefill over 16-bit and fp8 caches, their throughput, occupancy and warp stalls ($LOG/profile.txt, CSV)
+  profile Nsight Compute (ncu, where installed) over `kernel_calls.py profile`: decode and tensor-core prefill
+          over 16-bit and fp8 caches, their throughput, occupancy and warp stalls ($LOG/profile.txt, CSV)
+  sanitize compute-sanitizer (where installed), memcheck then racecheck, over `kernel_calls.py sweep`: every
+          dtype, cache and head_dim on small shapes, writes, decode with merged splits, prefill with a prefix hit
+The steps after build can be chosen: --steps (or $BATCHGEN_GPU_STEPS), a comma-separated list in that order.
 
 A machine with no package index (a lent device machine, an air-gapped node) may lack packages batchgen imports:
 `python scripts/gpu_check.py --fetch-wheels` (on a machine with an index, in batchgen's venv) downloads their
@@ -51,9 +54,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("python", "build", "tests", "bench", "e2e", "profile")
-# Each step's own limit, in seconds.
-CAPS_S = {"python": 460, "build": 480, "tests": 300, "bench": 240, "e2e": 300, "profile": 180}
+STEPS = ("python", "build", "tests", "bench", "e2e", "profile", "sanitize")
+# Each step's own limit, in seconds (sanitize's for each of its tools).
+CAPS_S = {"python": 460, "build": 480, "tests": 300, "bench": 240, "e2e": 300, "profile": 180, "sanitize": 180}
+SANITIZER_TOOLS = ("memcheck", "racecheck")  # out-of-bounds and misaligned accesses; shared-memory hazards
 # The kernels' counters under Nsight Compute: throughput against the card's peaks, occupancy, where warps stall.
 NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 NCU_KERNELS = "regex:paged_attention_(decode|prefill_tc)_kernel"
@@ -344,14 +348,36 @@ def step_profile(check: GpuCheck, python: str) -> None:
     if ncu is None:
         check.mark("profile", "skipped", "ncu (Nsight Compute) not found")
         return
-    print(f"[gpu_check] ncu over bench_kernels.py --profile-calls (log: {check.log}/profile.txt)", flush=True)
+    print(f"[gpu_check] ncu over kernel_calls.py profile (log: {check.log}/profile.txt)", flush=True)
     sections = [arg for name in NCU_SECTIONS for arg in ("--section", name)]
     rc = check.run("profile", [ncu, "--target-processes", "all", "-k", NCU_KERNELS, *sections, "--csv", "--page",
-                               "details", python, "scripts/bench_kernels.py", "--device", "cuda", "--profile-calls"],
+                               "details", python, "scripts/kernel_calls.py", "profile", "--device", "cuda"],
                    "profile.txt")
     if rc is not None:
         took = f"{check.steps['profile'].seconds:.0f}s"
         check.mark("profile", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
+
+
+def step_sanitize(check: GpuCheck, python: str) -> None:
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        check.mark("sanitize", "skipped", "compute-sanitizer not found")
+        return
+    for tool in SANITIZER_TOOLS:
+        print(f"[gpu_check] compute-sanitizer --tool {tool} over kernel_calls.py sweep (log: {check.log}/sanitize.txt)",
+              flush=True)
+        rc = check.run("sanitize", [sanitizer, "--tool", tool, "--target-processes", "all", "--error-exitcode", "1",
+                                    python, "scripts/kernel_calls.py", "sweep", "--device", "cuda"], "sanitize.txt")
+        if rc is None:
+            return
+        if rc != 0:
+            check.mark("sanitize", "FAILED", f"{tool}: exit {rc}, see {check.log}/sanitize.txt")
+            return
+    check.mark("sanitize", "ok", f"{', '.join(SANITIZER_TOOLS)} clean, {check.steps['sanitize'].seconds:.0f}s")
+
+
+STEP_RUNS = {"tests": step_tests, "bench": step_bench, "e2e": step_e2e, "profile": step_profile,
+             "sanitize": step_sanitize}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"download the wheels an offline CUDA image lacks ({', '.join(OFFLINE_WHEELS)}) into "
                              "$BATCHGEN_GPU_WHEELS (default .whl/) and exit")
     parser.add_argument("--python-version", default="3.12", help="of the GPU machine's Python, for --fetch-wheels")
+    parser.add_argument("--steps", default=os.environ.get("BATCHGEN_GPU_STEPS", ",".join(STEP_RUNS)),
+                        help=f"the steps after build, in order (default $BATCHGEN_GPU_STEPS or {','.join(STEP_RUNS)})")
     args = parser.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    if unknown := [s for s in steps if s not in STEP_RUNS]:
+        parser.error(f"unknown steps {', '.join(unknown)}; the steps after build are {', '.join(STEP_RUNS)}")
     if args.fetch_wheels:
         return fetch_wheels(wheels_dir(), args.python_version)
     log = Path(os.environ.get("BATCHGEN_GPU_LOG", "/tmp/batchgen_gpu_check"))
@@ -373,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     check.publish()
     if python is not None and step_build(check, python):
         check.publish()
-        for step in (step_tests, step_bench, step_e2e, step_profile):
-            step(check, python)
+        for step in steps:
+            STEP_RUNS[step](check, python)
             check.publish()
     check.publish()
     print(check.summary())

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_bench_smoke import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,26 +197,53 @@ def test_the_profile_step_runs_the_kernels_under_ncu(gpu_check, tmp_path, monkey
     assert check.steps["profile"].status == "ok"
     args = (tmp_path / "profile.txt").read_text()
     assert "-k regex:paged_attention_(decode|prefill_tc)_kernel" in args
-    assert "--section WarpStateStats" in args and args.rstrip().endswith("--device cuda --profile-calls")
+    assert "--section WarpStateStats" in args and args.rstrip().endswith("kernel_calls.py profile --device cuda")
 
 
-def test_profile_calls_call_every_kernel_it_names(monkeypatch):
-    """bench_kernels.profile_calls, small, on the CPU: decode and prefill over the 16-bit caches and over fp8, each
-    twice."""
-    import torch
-
+def record_kernel_calls(monkeypatch) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """(op, activations' dtype, cache dtype) of every attention or cache-write call from here on."""
     from batchgen import ops
 
-    bench = load_script("bench_kernels")
     calls = []
-    for name in ("paged_attention_decode", "paged_attention_prefill"):
+    for name in ("paged_attention_decode", "paged_attention_prefill", "reshape_and_cache"):
         real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: (calls.append((_name, a[1].dtype)),
-                                                                                  _real(*a, **k))[1])
-    bench.profile_calls(torch.device("cpu"), batch=2, context=40, prompt=24, prompts=2)
-    fp8 = torch.float8_e4m3fn
-    assert calls == [("paged_attention_decode", torch.bfloat16)] * 2 + [("paged_attention_decode", fp8)] * 2 + \
-        [("paged_attention_prefill", torch.bfloat16)] * 2 + [("paged_attention_prefill", fp8)] * 2
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, args[0].dtype, args[2 if _name == "reshape_and_cache" else 1].dtype))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, recorded)
+    return calls
+
+
+def test_kernel_calls_profile_calls_each_kernel_twice(monkeypatch):
+    """scripts/kernel_calls.py profile, small, on the CPU: decode then prefill, over the 16-bit caches and over fp8
+    (e4m3), each twice: what the profile step's ncu sees."""
+    calls = record_kernel_calls(monkeypatch)
+    load_script("kernel_calls").profile(torch.device("cpu"), batch=2, context=40, prompt=24, prompts=2)
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert calls == [("paged_attention_decode", bf16, bf16)] * 2 + [("paged_attention_decode", bf16, fp8)] * 2 + \
+        [("paged_attention_prefill", bf16, bf16)] * 2 + [("paged_attention_prefill", bf16, fp8)] * 2
+
+
+def test_kernel_calls_sweep_covers_every_dtype_cache_and_head_dim(monkeypatch):
+    """scripts/kernel_calls.py sweep on the CPU (the sanitize step runs it on a card): each of the 45 cases writes
+    its cache, decodes and prefills, and the cases span every activation dtype, cache format and head_dim."""
+    from batchgen import ops
+
+    calls = record_kernel_calls(monkeypatch)
+    head_dims = []
+    real_allocate = ops.allocate_kv_cache
+    monkeypatch.setattr(ops, "allocate_kv_cache", lambda n, h, b, d, *a, **k: (head_dims.append(d),
+                                                                                 real_allocate(n, h, b, d, *a, **k))[1])
+    assert load_script("kernel_calls").sweep(torch.device("cpu")) == 45
+    assert [name for name, _, _ in calls] == ["reshape_and_cache", "paged_attention_decode",
+                                              "paged_attention_prefill"] * 45
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    pairs = {(act, cache) for _, act, cache in calls}
+    assert pairs == {(d, c) for d in dtypes for c in (d, *fp8)}
+    assert sorted(set(head_dims)) == list(ops.SUPPORTED_HEAD_DIMS) and len(head_dims) == 45
 
 
 FAKE_PYTHON = r'''#!/usr/bin/env python3
@@ -252,7 +280,8 @@ def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
     calls = tmp_path / "calls.txt"
     for name, text in {"python": FAKE_PYTHON.replace("CALLS", repr(str(calls))),
                        "nvidia-smi": "#!/bin/sh\necho 'GPU 0: Fake GPU'\n",
-                       "ncu": f"#!/bin/sh\necho \"ncu $@\" >> {calls}\n"}.items():
+                       "ncu": f"#!/bin/sh\necho \"ncu $@\" >> {calls}\n",
+                       "compute-sanitizer": f"#!/bin/sh\necho \"compute-sanitizer $@\" >> {calls}\n"}.items():
         (fake_bin / name).write_text(text)
         (fake_bin / name).chmod(0o755)
     wheels = tmp_path / "wheels"
@@ -267,7 +296,7 @@ def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((out / "report.json").read_text())
     assert {name: step["status"] for name, step in report["steps"].items()} == dict.fromkeys(
-        ("python", "build", "tests", "bench", "e2e", "profile"), "ok")
+        ("python", "build", "tests", "bench", "e2e", "profile", "sanitize"), "ok")
     assert report["device"] == "Fake GPU, sm_90, torch 0.0+cu, CUDA 13.0"
     assert "1 wheels from" in report["steps"]["python"]["detail"]
     assert report["steps"]["build"]["detail"].startswith("sm_90")
@@ -278,9 +307,26 @@ def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
     assert report["budget_s"] == 400
     kinds = {"wheels": "-m pip install -q --no-index", "build": "-m pip install --no-build-isolation",
              "tests": "-m pytest -m gpu", "bench": "scripts/bench_kernels.py --device cuda --grid issue51",
-             "e2e": "scripts/bench_e2e.py --device cuda", "profile": "ncu "}
+             "e2e": "scripts/bench_e2e.py --device cuda", "profile": "ncu ",
+             "memcheck": "compute-sanitizer --tool memcheck", "racecheck": "compute-sanitizer --tool racecheck"}
     order = [next((kind for kind, start in kinds.items() if line.startswith(start)), None)
              for line in calls.read_text().splitlines()]
     assert [kind for kind in order if kind] == list(kinds)
+    assert "kernel_calls.py sweep --device cuda" in calls.read_text()
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert {"build.txt", "tests.txt", "bench.txt", "e2e.txt", "profile.txt", "wheels.txt"} <= set(tar.getnames())
+        assert {"build.txt", "tests.txt", "bench.txt", "e2e.txt", "profile.txt", "sanitize.txt",
+                "wheels.txt"} <= set(tar.getnames())
+
+    # The steps after build chosen: only those run, in the order given; an unknown one is a usage error.
+    calls.unlink()
+    chosen = subprocess.run(["bash", "scripts/gpu_check.sh", "--steps", "sanitize,bench"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert chosen.returncode == 0, chosen.stdout + chosen.stderr
+    steps = json.loads((out / "report.json").read_text())["steps"]
+    assert [name for name, step in steps.items() if step["status"] == "ok"] == ["python", "build", "bench", "sanitize"]
+    lines = calls.read_text().splitlines()
+    assert lines.index(next(x for x in lines if x.startswith("compute-sanitizer"))) < \
+        lines.index(next(x for x in lines if x.startswith("scripts/bench_kernels.py")))
+    wrong = subprocess.run(["bash", "scripts/gpu_check.sh", "--steps", "tests,fly"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "unknown steps fly" in wrong.stderr
