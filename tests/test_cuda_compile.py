@@ -77,17 +77,22 @@ needs_nvcc_and_cxxfilt = pytest.mark.skipif(shutil.which("nvcc") is None or shut
 @needs_nvcc_and_cxxfilt
 def test_decode_kernels_fit_four_blocks_an_sm_and_never_spill(tmp_path):
     """Decode is read-bound: its loads stay in flight across many warps. No decode kernel spills registers to
-    local memory, and on sm_90 those for 16-bit caches at head_dim 64 and 128 (SmolLM2's, Llama's) take at most
-    128 registers, so that 4 blocks of 128 threads (16 warps) fit an SM; 129 would leave 3."""
+    local memory, and on sm_80 and sm_90 those over fp8 caches and over 16-bit caches at head_dim 64 and 128
+    (SmolLM2's, Llama's) take at most 128 registers, so that 4 blocks of 128 threads (16 warps) fit an SM; 129
+    would leave 3."""
     cmd, result = nvcc_build(CUDA_DIR / "attention_decode.cu", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
     resources = sass_report.ptxas_resources(result.stderr)
     decode = {k: v for k, v in resources.items() if k[0].startswith("paged_attention_decode_kernel<")}
     assert len(decode) == 3 * 3 * 5 * 2  # activations x caches (T, e4m3, e5m2) x head dims x archs
     assert {k: v for k, v in decode.items() if v[1]} == {}, "decode kernels spill"
-    wide = {(f"paged_attention_decode_kernel<{t}, {t}, {d}>", "sm_90") for t in ("__half", "__nv_bfloat16")
-            for d in (64, 128)}
-    assert {k: decode[k][0] for k in wide if decode[k][0] > 128} == {}
+    activations = ("float", "__half", "__nv_bfloat16")
+    four_blocks = {(f"paged_attention_decode_kernel<{t}, {t}, {d}>", arch) for t in activations[1:]
+                   for d in (64, 128) for arch in ("sm_80", "sm_90")}
+    four_blocks |= {(f"paged_attention_decode_kernel<{t}, {fp8}, {d}>", arch) for t in activations
+                    for fp8 in ("e4m3", "e5m2") for d in (64, 80, 96, 128, 256) for arch in ("sm_80", "sm_90")}
+    assert four_blocks <= decode.keys()
+    assert {k: decode[k][0] for k in four_blocks if decode[k][0] > 128} == {}
 
 
 @needs_nvcc_and_cxxfilt

@@ -68,6 +68,9 @@ struct DecodeShape {
   static constexpr int kGroupTokens = kPiecesPerLane <= 2 ? 4 : 2;  // consecutive tokens a group takes
   static constexpr int kLaneGroups = kDecodeThreads / kLanes;
   static constexpr int kStepTokens = kLaneGroups * kGroupTokens;  // tokens a block reads per step
+  // Blocks an SM should hold, asked of the register allocator: 4 (at most 128 registers) where the rows need
+  // little (fp8, 16-bit with one piece a lane), else 3.
+  static constexpr int kMinBlocks = sizeof(C) == 1 || (sizeof(C) == 2 && kPiecesPerLane == 1) ? 4 : 3;
   static_assert(HEAD_DIM % kVec == 0, "rows are whole 16-byte pieces");
   static_assert(kLanes >= 8 && kTokenAlign % kGroupTokens == 0 && kSplitTokens % kStepTokens == 0);
 };
@@ -161,7 +164,8 @@ struct DecodeParams {
 };
 
 template <typename T, typename C, int HEAD_DIM>
-__global__ void __launch_bounds__(kDecodeThreads) paged_attention_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kDecodeThreads, DecodeShape<C, HEAD_DIM>::kMinBlocks)
+    paged_attention_decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<C, HEAD_DIM>;
   using Raw = typename CacheLoad<C>::Raw;
   constexpr int kMaxHeads = Shape::kMaxHeads;
