@@ -427,13 +427,23 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * HEAD_DIM + c * 8;
 }
 
+// The cache block of the tile's b-th block of keys (keys key0 + b * block_size ..), read from the block table;
+// 0 past the tile's blocks and for a block with no key in [kv_begin, kv_end) (its table entry may be invalid).
+// Tiles start at multiples of kKeys, which block sizes (8, 16, 32: powers of two up to kKeys) divide.
+__device__ __forceinline__ int tile_block(const PrefillParams& p, const int* block_table, int key0, int keys, int b,
+                                          int kv_begin, int kv_end) {
+  const int first = key0 + b * p.block_size;
+  if (b * p.block_size >= keys || first >= kv_end || first + p.block_size <= kv_begin) return 0;
+  return block_table[first / p.block_size];
+}
+
 // Starts copying keys key0 .. key0 + kKeys - 1 of one kv head, and their values, into shared memory
-// (cp.async, 16 bytes a copy, each key's row through the block table). Keys before kv_begin or at or
-// past kv_end are zero-filled and not read: their blocks may be poisoned or their table entries invalid.
-// A cache of T lands in the swizzled tiles the MMAs read; an fp8 cache's bytes (C) as they lie in the
-// cache, [kKeys][HEAD_DIM] bytes, for widen_fp8_tile.
+// (cp.async, 16 bytes a copy), each key's row in the cache block `tile_blocks` (shared memory, tile_block's)
+// names for it. Keys before kv_begin or at or past kv_end are zero-filled and not read: their blocks may be
+// poisoned or their table entries invalid. A cache of T lands in the swizzled tiles the MMAs read; an fp8
+// cache's bytes (C) as they lie in the cache, [kKeys][HEAD_DIM] bytes, for widen_fp8_tile.
 template <typename T, typename C, int HEAD_DIM>
-__device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const int* block_table, int kv_head,
+__device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const int* tile_blocks, int kv_head,
                                                    int key0, int kv_begin, int kv_end, C* key_s, C* value_s) {
   constexpr int kPerCopy = 16 / sizeof(C);  // elements
   static_assert(HEAD_DIM % kPerCopy == 0, "rows of whole 16-byte copies");
@@ -448,7 +458,7 @@ __device__ __forceinline__ void load_kv_tile_async(const PrefillParams& p, const
     const bool read = key >= kv_begin && key < kv_end;
     int64_t offset = 0;
     if (read) {  // block sizes are powers of two (is_supported_block_size): a shift and a mask, not a division
-      const int64_t block = block_table[key >> block_shift];
+      const int64_t block = tile_blocks[n >> block_shift];
       offset = ((block * p.num_kv_heads + kv_head) * p.block_size + (key & (p.block_size - 1))) * HEAD_DIM +
                c * kPerCopy;
     }
@@ -536,7 +546,18 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   // share the block, so each row meets its keys in the same tiles and order however it is batched.
   int key0 = kv_begin / kKeys * kKeys;
   const int last_key0 = (kv_end - 1) / kKeys * kKeys;
-  load_kv_tile_async<T, C, HEAD_DIM>(p, block_table, kv_head, key0, kv_begin, kv_end, key_copies, value_copies);
+  // Each tile's cache block ids, read from the block table a tile ahead of its copies (as decode reads its next
+  // block id a step ahead): a tile's copies take their addresses from shared memory and never wait on a global
+  // load. Stage s holds the ids of the tiles whose copies land in stage s: the first two tiles' now.
+  constexpr int kTileBlocks = kKeys / 8;  // the most a tile spans (the smallest block size)
+  __shared__ int tile_blocks[2][kTileBlocks];
+  if (threadIdx.x < 2 * kTileBlocks) {
+    const int t = threadIdx.x / kTileBlocks;
+    tile_blocks[t][threadIdx.x % kTileBlocks] =
+        tile_block(p, block_table, key0 + t * kKeys, kKeys, threadIdx.x % kTileBlocks, kv_begin, kv_end);
+  }
+  __syncthreads();
+  load_kv_tile_async<T, C, HEAD_DIM>(p, tile_blocks[0], kv_head, key0, kv_begin, kv_end, key_copies, value_copies);
   cp_async_commit();
   // An fp8 cache's key scale goes into the scores' scale, its value scale into the rows' normalisation.
   const float score_scale = p.k_scale != nullptr ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
@@ -587,11 +608,15 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   for (int stage = 0; key0 <= last_key0; key0 += kKeys, stage ^= 1) {
     // Double buffering: the next tile's copies start before this one is used.
     if (key0 + kKeys <= last_key0) {
-      load_kv_tile_async<T, C, HEAD_DIM>(p, block_table, kv_head, key0 + kKeys, kv_begin, kv_end,
+      load_kv_tile_async<T, C, HEAD_DIM>(p, tile_blocks[stage ^ 1], kv_head, key0 + kKeys, kv_begin, kv_end,
                                          key_copies + (stage ^ 1) * Config::kTileElems,
                                          value_copies + (stage ^ 1) * Config::kTileElems);
     }
     cp_async_commit();
+    // The block ids of the tile after the next, read now, stored in this stage's ids after the MMAs (no
+    // instruction waits on the load meanwhile).
+    const int prefetched_block = threadIdx.x < kTileBlocks
+        ? tile_block(p, block_table, key0 + 2 * kKeys, kKeys, threadIdx.x, kv_begin, kv_end) : 0;
     cp_async_wait<1>();  // every group but the newest: this tile (and the queries) arrived
     __syncthreads();     // ... for every thread's copies
     const T* key_tile = key_s + (kFp8 ? 0 : stage) * Config::kTileElems;
@@ -738,6 +763,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
         }
       }
     }
+    if (threadIdx.x < kTileBlocks) tile_blocks[stage][threadIdx.x] = prefetched_block;  // read since the last barrier
     __syncthreads();  // this stage is read before the next iteration's copies refill it
   }
   if (!warp_has_rows) return;
