@@ -108,6 +108,11 @@ def paged_inputs(batch, context, heads, dtype, device, block_size, q_len):
     return query, key_cache, value_cache, block_tables, seq_lens, dense
 
 
+def fp8_copies(key_cache: torch.Tensor, value_cache: torch.Tensor) -> list[torch.Tensor]:
+    """The caches' e4m3 copies (scales of 1): the kernels over an fp8 cache beside the same values at 16 bits."""
+    return [cache.to(torch.float8_e4m3fn) for cache in (key_cache, value_cache)]
+
+
 def bench_config(kind, batch, context, heads_name, dtype_name, device, block_size, with_reference, copy):
     num_heads, num_kv_heads, head_dim = HEAD_CONFIGS[heads_name]
     dtype = DTYPES[dtype_name]
@@ -123,7 +128,7 @@ def bench_config(kind, batch, context, heads_name, dtype_name, device, block_siz
         kernel = lambda: ops.paged_attention_decode(*args, out=out)
         ref = lambda: reference.paged_attention_decode(*args)
         if dtype != torch.float32:
-            fp8_caches = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
+            fp8_caches = fp8_copies(key_cache, value_cache)
             fp8_out = torch.empty_like(query)
             timed.append(lambda: ops.paged_attention_decode(query, *fp8_caches, tables, lens, scale, out=fp8_out))
     else:
@@ -175,7 +180,7 @@ def bench_prefill_flops(heads_name, tokens, dtype_name, device, block_size):
     out = torch.empty_like(query)
     kernel = lambda: ops.paged_attention_prefill(query, key_cache, value_cache, tables, lens, starts, scale, out=out)
     flash = lambda: sdpa_flash(q_dense, k_full, v_full, scale)
-    fp8_caches = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
+    fp8_caches = fp8_copies(key_cache, value_cache)
     fp8_out = torch.empty_like(query)
     fp8 = lambda: ops.paged_attention_prefill(query, *fp8_caches, tables, lens, starts, scale, out=fp8_out)
     kernel_s, flash_s, fp8_s = time_interleaved([kernel, flash, fp8], device)

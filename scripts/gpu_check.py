@@ -320,13 +320,30 @@ def step_tests(check: GpuCheck, python: str) -> None:
         check.mark("tests", "FAILED", f"{counts}, pytest exit {rc} (5: no gpu tests), see {check.log}/tests.txt")
 
 
+def mark_exit(check: GpuCheck, name: str, rc: int | None) -> None:
+    """Marks a step by its command's exit code; rc None (stopped at its time, or not started) is marked already."""
+    if rc is None:
+        return
+    took = f"{check.steps[name].seconds:.0f}s"
+    if rc == 0:
+        check.mark(name, "ok", took)
+    else:
+        check.mark(name, "FAILED", f"exit {rc} after {took}, see {check.log}/{name}.txt")
+
+
+def tool_or_skip(check: GpuCheck, name: str, tool: str) -> str | None:
+    """The path of a step's tool, or None with the step marked skipped where it is not installed."""
+    path = shutil.which(tool)
+    if path is None:
+        check.mark(name, "skipped", f"{tool} not found")
+    return path
+
+
 def step_bench(check: GpuCheck, python: str) -> None:
     print(f"[gpu_check] scripts/bench_kernels.py --device cuda --grid issue51 (log: {check.log}/bench.txt)", flush=True)
     rc = check.run("bench", [python, "scripts/bench_kernels.py", "--device", "cuda", "--grid", "issue51",
                              "--json", str(check.log / "bench.json")], "bench.txt", {"PYTHONUNBUFFERED": "1"})
-    if rc is not None:
-        took = f"{check.steps['bench'].seconds:.0f}s"
-        check.mark("bench", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
+    mark_exit(check, "bench", rc)
 
 
 def step_e2e(check: GpuCheck, python: str) -> None:
@@ -338,30 +355,22 @@ def step_e2e(check: GpuCheck, python: str) -> None:
     rc = check.run("e2e", [python, "scripts/bench_e2e.py", "--device", "cuda", "--shapes", shapes, "--prompts",
                            os.environ.get("BATCHGEN_GPU_E2E_PROMPTS", "1000"), "--json", str(check.log / "e2e.json")],
                    "e2e.txt", {"PYTHONUNBUFFERED": "1"})
-    if rc is not None:
-        took = f"{check.steps['e2e'].seconds:.0f}s"
-        check.mark("e2e", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
+    mark_exit(check, "e2e", rc)
 
 
 def step_profile(check: GpuCheck, python: str) -> None:
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        check.mark("profile", "skipped", "ncu (Nsight Compute) not found")
+    if (ncu := tool_or_skip(check, "profile", "ncu")) is None:
         return
     print(f"[gpu_check] ncu over kernel_calls.py profile (log: {check.log}/profile.txt)", flush=True)
     sections = [arg for name in NCU_SECTIONS for arg in ("--section", name)]
     rc = check.run("profile", [ncu, "--target-processes", "all", "-k", NCU_KERNELS, *sections, "--csv", "--page",
                                "details", python, "scripts/kernel_calls.py", "profile", "--device", "cuda"],
                    "profile.txt")
-    if rc is not None:
-        took = f"{check.steps['profile'].seconds:.0f}s"
-        check.mark("profile", "ok" if rc == 0 else "FAILED", took if rc == 0 else f"exit {rc} after {took}")
+    mark_exit(check, "profile", rc)
 
 
 def step_sanitize(check: GpuCheck, python: str) -> None:
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        check.mark("sanitize", "skipped", "compute-sanitizer not found")
+    if (sanitizer := tool_or_skip(check, "sanitize", "compute-sanitizer")) is None:
         return
     for tool in SANITIZER_TOOLS:
         print(f"[gpu_check] compute-sanitizer --tool {tool} over kernel_calls.py sweep (log: {check.log}/sanitize.txt)",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import DTYPES, HEAD_CONFIGS, paged_inputs, sync  # noqa: E402
+from bench_kernels import DTYPES, HEAD_CONFIGS, fp8_copies, paged_inputs, sync  # noqa: E402
 
 from batchgen import ops  # noqa: E402
 
@@ -36,13 +36,13 @@ def profile(device: torch.device, dtype_name: str = "bf16", block_size: int = 16
     dtype = DTYPES[dtype_name]
     scale = heads[2] ** -0.5
     query, key_cache, value_cache, tables, lens, _ = paged_inputs(batch, context, heads, dtype, device, block_size, 1)
-    for caches in ((key_cache, value_cache), [c.to(FP8[0]) for c in (key_cache, value_cache)]):
+    for caches in ((key_cache, value_cache), fp8_copies(key_cache, value_cache)):
         for _ in range(2):
             ops.paged_attention_decode(query, *caches, tables, lens, scale)
     query, key_cache, value_cache, tables, lens, _ = paged_inputs(prompts, prompt, heads, dtype, device, block_size,
                                                                   prompt)
     starts = torch.arange(0, prompts * prompt + 1, prompt, dtype=torch.int32, device=device)
-    for caches in ((key_cache, value_cache), [c.to(FP8[0]) for c in (key_cache, value_cache)]):
+    for caches in ((key_cache, value_cache), fp8_copies(key_cache, value_cache)):
         for _ in range(2):
             ops.paged_attention_prefill(query, *caches, tables, lens, starts, scale)
     sync(device)

@@ -430,10 +430,11 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 // The cache block of the tile's b-th block of keys (keys key0 + b * block_size ..), read from the block table;
 // 0 past the tile's blocks and for a block with no key in [kv_begin, kv_end) (its table entry may be invalid).
 // Tiles start at multiples of kKeys, which block sizes (8, 16, 32: powers of two up to kKeys) divide.
-__device__ __forceinline__ int tile_block(const PrefillParams& p, const int* block_table, int key0, int keys, int b,
+template <int kKeys>
+__device__ __forceinline__ int tile_block(const PrefillParams& p, const int* block_table, int key0, int b,
                                           int kv_begin, int kv_end) {
   const int first = key0 + b * p.block_size;
-  if (b * p.block_size >= keys || first >= kv_end || first + p.block_size <= kv_begin) return 0;
+  if (b * p.block_size >= kKeys || first >= kv_end || first + p.block_size <= kv_begin) return 0;
   return block_table[first / p.block_size];
 }
 
@@ -554,7 +555,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   if (threadIdx.x < 2 * kTileBlocks) {
     const int t = threadIdx.x / kTileBlocks;
     tile_blocks[t][threadIdx.x % kTileBlocks] =
-        tile_block(p, block_table, key0 + t * kKeys, kKeys, threadIdx.x % kTileBlocks, kv_begin, kv_end);
+        tile_block<kKeys>(p, block_table, key0 + t * kKeys, threadIdx.x % kTileBlocks, kv_begin, kv_end);
   }
   __syncthreads();
   load_kv_tile_async<T, C, HEAD_DIM>(p, tile_blocks[0], kv_head, key0, kv_begin, kv_end, key_copies, value_copies);
@@ -616,7 +617,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
     // The block ids of the tile after the next, read now, stored in this stage's ids after the MMAs (no
     // instruction waits on the load meanwhile).
     const int prefetched_block = threadIdx.x < kTileBlocks
-        ? tile_block(p, block_table, key0 + 2 * kKeys, kKeys, threadIdx.x, kv_begin, kv_end) : 0;
+        ? tile_block<kKeys>(p, block_table, key0 + 2 * kKeys, threadIdx.x, kv_begin, kv_end) : 0;
     cp_async_wait<1>();  // every group but the newest: this tile (and the queries) arrived
     __syncthreads();     // ... for every thread's copies
     const T* key_tile = key_s + (kFp8 ? 0 : stage) * Config::kTileElems;
