@@ -30,7 +30,9 @@ The limit: GEMM GFLOP/s (the faster of F.linear and the packed GEMM) on the mode
 into a tokens/s ceiling, set against batchgen's total tokens/s on mixed and its decode-only steps at batch 64-256.
 Also a bound that adds what the matmul ceiling leaves out: the K/V bytes mixed's decode steps must read, at the
 machine's read bandwidth measured in the same run; and the rate at which batchgen's decode attention read them (its
-own seconds, from the layers' op calls or the decoder stack's clocks) as a share of that bandwidth. Each batchgen
+own seconds, from the layers' op calls or the decoder stack's clocks) as a share of that bandwidth. And a bound that
+counts the weights too: every step reads them at least once, so where that read takes longer than the step's
+GEMMs (at the ceiling's rates, over the tokens the engine fed it) the difference is added. Each batchgen
 run faults its (lazily mapped) KV cache in before its clock starts, as vLLM's engine zero-fills its cache at
 start-up.
 
@@ -326,6 +328,12 @@ class StepProfile:
         return bool(out.scheduled) and not moves and all(s.num_new_tokens == 1 for s in out.scheduled)
 
 
+def step_work(scheduled: list) -> tuple[int, int, int]:
+    """A step's tokens fed, rows sampled and (query, key) pairs its attention scores (causal)."""
+    pairs = sum(s.num_new_tokens * s.start + s.num_new_tokens * (s.num_new_tokens + 1) // 2 for s in scheduled)
+    return sum(s.num_new_tokens for s in scheduled), sum(s.samples for s in scheduled), pairs
+
+
 def isolated(isolate: bool, fn, *args):
     """fn(*args) in a fresh (spawned) process, so that a run's peak RSS is its own and no run inherits another's
     memory or warm caches; in this process when `isolate` is false."""
@@ -412,7 +420,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
     for key_cache, value_cache in llm.engine.runner.device_caches:
         key_cache.zero_()
         value_cache.zero_()
-    profile, utilisation, decode_steps, finished = StepProfile(llm), [], [], []
+    profile, utilisation, decode_steps, finished, schedules = StepProfile(llm), [], [], [], []
     profile.time_decode_attention()
     if wl.structured_outputs is not None:
         profile.time_grammar()
@@ -423,6 +431,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
         while llm.has_unfinished_requests():
             t = time.perf_counter()
             finished += llm.step()
+            schedules.append(profile.last.scheduled)
             if profile.is_decode_only():
                 decode_steps.append((len(profile.last.scheduled), time.perf_counter() - t))
             s = llm.engine.scheduler.stats()
@@ -439,7 +448,7 @@ def run_batchgen(model: str, wl: Workload, dtype: str, threads: int, kv_blocks: 
                  prefix_cache_hits=stats["prefix_cache_hits"], prefix_cache_queries=stats["prefix_cache_queries"],
                  stage_seconds=stage_breakdown({"step": seconds, **profile.totals}), decode_steps=decode_steps,
                  kv_cache=str(llm.engine.runner.device_caches[0][0].dtype), decode_attention_s=profile.decode_attention,
-                 stack_seconds=profile.stack_seconds)
+                 stack_seconds=profile.stack_seconds, steps=[step_work(scheduled) for scheduled in schedules])
     if wl.structured_outputs is not None:
         order = {f"{wl.name}-{i}": i for i in range(len(wl.prompts))}
         in_order = sorted(finished, key=lambda r: order[r.request_id])
@@ -604,15 +613,25 @@ def read_gb_s(threads: int, min_time: float, megabytes: int = 256) -> float:
     return x.nbytes / best / 1e9
 
 
-def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
-    """Tokens/s if every GEMM ran at its best measured rate: 2*K*N FLOPs per fed token for each layer projection,
+def matmul_seconds(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
+    """Seconds if every GEMM ran at its best measured rate: 2*K*N FLOPs per fed token for each layer projection,
     the lm_head per sampled token, and 4*heads*head_dim FLOPs per layer per (query, key) pair at the best rate."""
     best = {name: max(r.values()) * 1e9 for name, r in rates.items()}
     per_layer = sum(2 * k * n / best[name] for name, (k, n) in shapes.items() if name != "lm_head")
     k, n = shapes["lm_head"]
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim(cfg) / max(best.values())
-    seconds = fed * cfg.num_hidden_layers * per_layer + sampled * 2 * k * n / best["lm_head"] + context_sum * attention
-    return fed / seconds
+    return fed * cfg.num_hidden_layers * per_layer + sampled * 2 * k * n / best["lm_head"] + context_sum * attention
+
+
+def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
+    return fed / matmul_seconds(rates, shapes, cfg, fed, sampled, context_sum)
+
+
+def weight_bytes(shapes: dict, cfg, dtype: str) -> int:
+    """Bytes of the projections of every layer and of the lm_head: what each step reads at least once."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    layers = sum(k * n for name, (k, n) in shapes.items() if name != "lm_head") * cfg.num_hidden_layers
+    return (layers + math.prod(shapes["lm_head"])) * itemsize
 
 
 def stage_breakdown(totals: dict[str, float]) -> dict[str, float]:
@@ -738,6 +757,15 @@ def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str
         limit["batchgen_mixed_total_tok_s"] = by_name["mixed"].rates()["total_tok_s"]
         limit["mixed_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_ceiling_tok_s"]
         limit["mixed_with_kv_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_kv_tok_s"]
+        # Each step reads every weight at least once, and its GEMMs, whatever their rate, wait for them: the K/V
+        # bound plus, for each step the engine ran, the time reading its weights takes beyond its GEMMs.
+        weights_s = weight_bytes(shapes, cfg, dtype) / (read_gbs * 1e9)
+        matmul = [matmul_seconds(rates, shapes, cfg, *work) for work in by_name["mixed"].extra["steps"]]
+        waits = sum(max(0.0, weights_s - t) for t in matmul)
+        limit.update(weight_gb=weight_bytes(shapes, cfg, dtype) / 1e9, mixed_steps=len(matmul),
+                     mixed_weight_bound_steps=sum(t < weights_s for t in matmul), mixed_weight_wait_s=waits,
+                     mixed_with_weights_tok_s=fed / (fed / limit["mixed_with_kv_tok_s"] + waits))
+        limit["mixed_with_weights_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_weights_tok_s"]
         if seconds := by_name["mixed"].extra.get("decode_attention_s"):
             limit["mixed_decode_attention_gb_s"] = kv_bytes / seconds / 1e9
             limit["mixed_decode_attention_share_of_read"] = limit["mixed_decode_attention_gb_s"] / read_gbs
@@ -760,6 +788,7 @@ def bench_dtype(args, dtype: str, cfg, tokenizer, settings: dict) -> tuple[list[
     limit = the_limit(rates, read_gbs, cfg, dtype, workloads, ours, args.kv_cache_dtype)
     for run in ours + backend:
         run.extra["decode_steps"] = len(run.extra["decode_steps"])
+        run.extra["steps"] = len(run.extra["steps"])
     measures = {}
     if "int8" in args.workloads:
         measures["int8"] = int8_against(args, dtype, workloads["mixed"], ours + backend, settings["agree_prompts"])
@@ -855,6 +884,11 @@ def print_report(runs: list[Run], ceilings: dict, notes: list[str], measures: di
         if "mixed_fraction" in c:
             print(f"  batchgen mixed {c['batchgen_mixed_total_tok_s']:.0f} tok/s = {c['mixed_fraction']:.1%} of the "
                   f"matmul ceiling, {c['mixed_with_kv_fraction']:.1%} with the K/V reads")
+        if "mixed_with_weights_fraction" in c:
+            print(f"  and each step's weights ({c['weight_gb']:.2f} GB) read at that bandwidth, where it takes longer "
+                  f"than the step's GEMMs ({c['mixed_weight_bound_steps']} of {c['mixed_steps']} steps, "
+                  f"+{c['mixed_weight_wait_s']:.2f} s): mixed {c['mixed_with_weights_tok_s']:.0f} tok/s; batchgen "
+                  f"{c['mixed_with_weights_fraction']:.1%} of it")
         if "mixed_decode_attention_gb_s" in c:
             print(f"  batchgen's decode attention read those K/V at {c['mixed_decode_attention_gb_s']:.1f} GB/s = "
                   f"{c['mixed_decode_attention_share_of_read']:.0%} of the read bandwidth (a sequential read; "

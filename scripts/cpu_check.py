@@ -102,6 +102,8 @@ def bench_figures(path: Path) -> list[Figure]:
     figures = [Figure("bench", "mixed, bf16: total tok/s", runs["mixed"]["total_tok_s"]),
                at_least("bench", "mixed: of the bound counting K/V reads (share)", limit["mixed_with_kv_fraction"],
                         0.85),
+               Figure("bench", "mixed: of the bound counting K/V and weight reads (share)",
+                      limit.get("mixed_with_weights_fraction")),
                Figure("bench", "mixed: of the matmul ceiling (share)", limit["mixed_fraction"]),
                Figure("bench", "mixed: decode attention's K/V read, of a sequential read (share)",
                       limit.get("mixed_decode_attention_share_of_read")),

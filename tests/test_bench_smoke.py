@@ -124,8 +124,23 @@ def test_a_run_whose_requests_fail_is_no_measurement(bench, tmp_path, monkeypatc
                     "--skip-peers"])
 
 
-def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
+def test_step_work_and_weight_bytes(bench):
+    """The weights bound's parts: a step's tokens, sampled rows and causal (query, key) pairs, and the bytes of
+    SmolLM2's projections and lm_head in bf16 (30 layers of 3,538,944 weights, 576 x 49,152 for the head)."""
+    from types import SimpleNamespace as Row
+
+    chunk = Row(num_new_tokens=4, start=10, samples=False)  # queries 10..13 see 11..14 keys: 4 * 10 + 10 pairs
+    decode = Row(num_new_tokens=1, start=20, samples=True)  # 21 keys
+    assert bench.step_work([chunk, decode]) == (5, 1, 50 + 21)
+    cfg = Row(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, vocab_size=49152,
+              num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    assert bench.weight_bytes(bench.layer_shapes(cfg), cfg, "bfloat16") == 2 * (30 * 3_538_944 + 576 * 49_152)
+
+
+def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys, monkeypatch):
     model = build_tiny_model(tmp_path / "llama", "llama")
+    # A slow memory (10 MB/s), so that reading the tiny model's weights outlasts every step's GEMMs.
+    monkeypatch.setattr(bench, "read_gb_s", lambda threads, min_time: 0.01)
     out = tmp_path / "bench.json"
     bench.main(["--quick", "--no-isolate", "--model", str(model), "--dtype", "fp32",
                 "--workloads", "mixed,pressure,json,beam", "--model-impl", "transformers", "--json", str(out)])
@@ -148,9 +163,17 @@ def test_quick_pass_on_a_tiny_model(bench, tmp_path, capsys):
     ceiling = report["ceilings"]["float32"]
     assert ceiling["mixed_ceiling_tok_s"] > 0 and "64-127" in ceiling["batchgen_decode_tok_s"]
     assert ceiling["read_gb_s"] > 0 and 0 < ceiling["mixed_with_kv_tok_s"] < ceiling["mixed_ceiling_tok_s"]
+    # The bound with the weights: the K/V bound's seconds plus each step's wait for its weights, over every step.
+    [mixed] = [r for r in report["runs"] if r["workload"] == "mixed" and r["engine"] == "batchgen"]
+    fed = mixed["prompt_tokens"] + mixed["output_tokens"]
+    assert ceiling["mixed_steps"] == mixed["extra"]["steps"] == ceiling["mixed_weight_bound_steps"] > 0
+    assert ceiling["mixed_weight_wait_s"] > 0 and ceiling["weight_gb"] > 0
+    assert fed / ceiling["mixed_with_weights_tok_s"] == pytest.approx(
+        fed / ceiling["mixed_with_kv_tok_s"] + ceiling["mixed_weight_wait_s"])
+    assert ceiling["mixed_with_weights_fraction"] == pytest.approx(
+        ceiling["batchgen_mixed_total_tok_s"] / ceiling["mixed_with_weights_tok_s"])
     # Decode attention's own seconds (a float32 model: the layers' op calls, timed by StepProfile) against mixed's
     # decode K/V bytes.
-    [mixed] = [r for r in report["runs"] if r["workload"] == "mixed" and r["engine"] == "batchgen"]
     assert mixed["extra"]["decode_attention_s"] > 0
     assert ceiling["mixed_decode_attention_gb_s"] == pytest.approx(
         ceiling["mixed_decode_kv_gb"] / mixed["extra"]["decode_attention_s"])
@@ -398,6 +421,7 @@ def test_cpu_check_runs_every_step_and_reads_each_report(tmp_path, capsys):
     assert figures["tests", "the tile unit's bits = the emulation's"]["value"] is None  # not run by --quick
     bound = figures["bench", "mixed: of the bound counting K/V reads (share)"]
     assert 0 < bound["value"] < 2 and bound["target"] == ">= 85%" and bound["met"] == (bound["value"] >= 0.85)
+    assert 0 < figures["bench", "mixed: of the bound counting K/V and weight reads (share)"]["value"] < 2
     int8 = figures["bench", "int8 / bf16 total tok/s on mixed"]
     assert int8["value"] > 0 and int8["met"] == (int8["value"] >= 1.5)
     assert figures["bench", "int8: perplexity above bf16's (share)"]["target"] == "<= 2%"
