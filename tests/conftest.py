@@ -123,6 +123,18 @@ def _kernel_table_restored():
 
 
 @pytest.fixture
+def kernels(request):
+    """The kernel table a test runs under (parametrize it indirectly): "own", the processor's, or one named, such
+    as "avx512", whose bf16 GEMM widens the pairs to float32 FMAs (Intel's AVX-512 Xeons without AVX512-BF16).
+    `_kernel_table_restored` puts the processor's back after."""
+    from batchgen import _C
+
+    if request.param != "own":
+        _C.set_cpu_isa(request.param)
+    return _C.cpu_isa()
+
+
+@pytest.fixture
 def cpu_isas():
     """Every instruction set the CPU kernels were built for; the one active before the test is
     active again after it, whichever the test switched to."""

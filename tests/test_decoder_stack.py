@@ -11,7 +11,7 @@ from test_llm import make_prompts
 from batchgen import LLM, SamplingParams, ops
 from batchgen.layers.attention import KVScales
 
-pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
+pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (AVX-512)")
 
 
 class CountingStack:
@@ -45,12 +45,15 @@ def assert_same_outputs(ours: list, theirs: list) -> None:
             assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # a bias on the qkv projection; q/k norms
-def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch):
+# a bias on the qkv projection; q/k norms; the widened GEMM
+@pytest.mark.parametrize(("arch", "kernels"), [("llama", "own"), ("qwen2", "own"), ("qwen3", "own"),
+                                               ("llama", "avx512")], indirect=["kernels"])
+def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch, kernels):
     llm = LLM(tiny_model_dirs[arch], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
               max_num_seqs=16, enable_prefix_caching=False)
     stack = llm.engine.runner.model.decoder_stack
     assert stack is not None and stack.num_layers == 2
+    assert all(layer.mlp.packed_gate_up.uses_panels for layer in llm.engine.runner.model.layers)
     counting = CountingStack(stack)
     ours, theirs = run(llm, counting), run(llm, None)
     assert counting.calls > 0

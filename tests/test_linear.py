@@ -20,7 +20,7 @@ from batchgen.layers.linear import (
 ONEDNN_AMX = "amx_bf16" in _C.supported_cpu_isas()
 ONEDNN_AMX_REASON = "oneDNN's AMX kernels round rows by batch size; the engine does not use this path there"
 
-# (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX512-BF16,
+# (dtype, layout): bf16 packs into batchgen's GEMM panels where the processor has AVX-512,
 # into oneDNN's bf16 layout where it has AVX-512, and as a float32 copy elsewhere (float16 always); each is
 # tested here, the latter two by refusing the panels (and oneDNN's bf16).
 LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "float32"), (torch.float16, "float32"),
@@ -28,7 +28,7 @@ LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "float32"), (torch.float1
                pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON),
                pytest.mark.skipif(not onednn_bf16(), reason="oneDNN's bf16 needs AVX-512 (an AVX2-only CPU here)")]),
            pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
-               not ops.has_gemm_bf16(), reason="no AVX512-BF16 here"))]
+               not ops.has_gemm_bf16(), reason="no AVX-512 here"))]
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_loaded_model_buffers_equal_a_fresh_build(tiny_model_dirs):
         assert loaded[name].device.type == "cpu" and torch.equal(loaded[name], buffer), name
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
 def test_gathered_panels_give_the_same_outputs():
     gen = torch.Generator().manual_seed(4)
     weight = (torch.randn(2 * 96, 64, generator=gen) * 0.1).bfloat16()
@@ -172,7 +172,7 @@ def test_gathered_panels_give_the_same_outputs():
     assert torch.equal(parent["linear"](x), expected[0]) and torch.equal(parent["fused"](x), expected[1])
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
 def test_gemm_panels_take_any_leading_shape_and_strided_rows():
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(2 * 100, 64, generator=gen) * 0.1).bfloat16()
@@ -186,17 +186,23 @@ def test_gemm_panels_take_any_leading_shape_and_strided_rows():
     assert torch.equal(fused(x.transpose(0, 1)), fused(swapped).view(5, 3, 100))
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX512-BF16 here")
-def test_deep_weights_stay_with_onednn_unless_on_tiles():
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
+def test_deep_weights_stay_with_onednn_unless_on_tiles_or_widened():
+    """On the bf16 dot product, deep weights stay with oneDNN; on tiles, and without AVX512-BF16 (where oneDNN
+    emulates bf16), every depth takes the panels."""
     deep = torch.zeros(48, linear_module.MAX_PANEL_DEPTH + 2, dtype=torch.bfloat16)
-    assert PackedLinear(deep).uses_panels == ops.gemm_on_tiles()
-    assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels
-    if ops.gemm_on_tiles():
-        _C.set_cpu_isa("avx512_bf16")
-        try:
-            assert not PackedLinear(deep).uses_panels
-        finally:
-            _C.set_cpu_isa("amx_bf16")
+    expected = {"avx512": True, "avx512_bf16": False, "amx_bf16": True, "amx_emulated": True}
+    active = _C.cpu_isa()
+    tables = [isa for isa in _C.supported_cpu_isas() if isa in expected]
+    assert "avx512" in tables  # has_gemm_bf16: this processor has AVX-512
+    try:
+        for isa in tables:
+            _C.set_cpu_isa(isa)
+            assert ops.gemm_widens_bf16() == (isa == "avx512")
+            assert PackedLinear(deep).uses_panels == expected[isa], isa
+            assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels, isa
+    finally:
+        _C.set_cpu_isa(active)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")

@@ -445,8 +445,9 @@ def test_smollm2_greedy_matches_peft(smollm2_dir, tmp_path):
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) != refs  # the adapter changes the output
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
-def test_bf16_stack_scores_like_the_float32_reference(tiny_model_dirs, llama_adapters):
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX-512)")
+@pytest.mark.parametrize("kernels", ["own", "avx512"], indirect=True)
+def test_bf16_stack_scores_like_the_float32_reference(tiny_model_dirs, llama_adapters, kernels):
     """In bf16 the C++ decoder stack adds the adapters' terms inside its GEMMs. The reference is float32 on the
     Python layers' `LoRALinear` (token-identical to PEFT above); the bf16 Python path (forced by packing under
     kernels without the bf16 GEMM) sets the bf16 noise level. The stack's scores must be within twice that
@@ -456,12 +457,11 @@ def test_bf16_stack_scores_like_the_float32_reference(tiny_model_dirs, llama_ada
     options = dict(kv_cache_memory="8MiB", enable_lora=True, max_loras=3, max_lora_rank=64)
     stacked = LLM(base_dir, dtype="bfloat16", **options)
     assert stacked.engine.runner.model.decoder_stack is not None
-    active = _C.cpu_isa()
-    _C.set_cpu_isa("avx512")
+    _C.set_cpu_isa("avx2")
     try:
         python_layers = LLM(base_dir, dtype="bfloat16", **options)
     finally:
-        _C.set_cpu_isa(active)
+        _C.set_cpu_isa(kernels)
     assert python_layers.engine.runner.model.decoder_stack is None
     reference = LLM(base_dir, dtype="float32", **options)
     prompts = prompts_of(400, lens=[6, 30, 45, 20, 12, 60], seed=4)

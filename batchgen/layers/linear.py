@@ -1,11 +1,13 @@
 """Linear layers: fast on CPU, and with every output row independent of how many rows the batch has.
 
-On CPU the weights are packed once, after loading. bf16 weights on processors with AVX512-BF16 go
+On CPU the weights are packed once, after loading. bf16 weights on processors with AVX-512 go
 into the panels of batchgen's own GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h,
 on AMX tiles where the processor has them, gemm_amx.h): measured on 2 cores without AMX with
 SmolLM2's 30 layers, each weight from memory, it runs the layers' projections 1.4x faster than
 oneDNN's packed GEMMs at 16-64 rows and 1.1x at 256-2048; with AMX, 1.3-1.7x faster at 8-40 rows
-and within ~10% of oneDNN's AMX GEMMs at 128-256. Other
+and within ~10% of oneDNN's AMX GEMMs at 128-256. Without AVX512-BF16 (Intel's Skylake-SP, Cascade Lake
+and Ice Lake Xeons) the GEMM widens the pairs to float32 FMAs, at about oneDNN's float32 rate, where oneDNN's
+emulated bf16 ran at a third of it (Zen 4 with both capped to that instruction set). Other
 weights go into oneDNN's blocked layout (the `torch.ops.mkldnn` linear ops that torch.compile's
 freezing also uses): `F.linear` re-blocks the weight on every call, which costs most at the small
 batches of decoding (packed: 25-60% faster at 8-64 rows in bf16, ~2.4x in float32).
@@ -79,9 +81,11 @@ def uses_gemm_panels(weight: torch.Tensor) -> bool:
     weights stay with oneDNN on the vector loop: it does not block the depth, and once a panel no longer
     fits in L2 twice it ran 13% slower than oneDNN at 16 rows (8,192 deep; faster up to 4,096 deep). On
     AMX tiles every depth packs: oneDNN's bf16 rows would depend on the batch, and the tiles ran within
-    -20% / +20% of it at 8,192-14,336 deep."""
+    -20% / +20% of it at 8,192-14,336 deep. Where the GEMM widens bf16 (AVX-512 without AVX512-BF16) every
+    depth packs too: oneDNN emulates bf16 there at about a third of its float32 rate."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
-            and (weight.shape[1] <= MAX_PANEL_DEPTH or ops.gemm_on_tiles()) and ops.has_gemm_bf16())
+            and (weight.shape[1] <= MAX_PANEL_DEPTH or ops.gemm_on_tiles() or ops.gemm_widens_bf16())
+            and ops.has_gemm_bf16())
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ Batch invariance: each segment's shrink and expand are `PackedLinear`s (oneDNN's
 bf16 GEMM), whose rows do not depend on how many rows they run with (tests/test_linear.py), and every output
 row gets exactly one add; so a row's result is the same whatever other adapters, or how many rows of its own,
 share the step. This is the reference path, and the one models without batchgen's C++ decoder stack take;
-where the stack runs (bf16 on AVX512-BF16), `StackedLoRA` hands it every slot's weights instead and it adds
+where the stack runs (bf16 on AVX-512), `StackedLoRA` hands it every slot's weights instead and it adds
 the terms inside its GEMMs (`ops.lora_shrink_expand`, engine_src/csrc/cpu/lora_ops.cpp).
 """
 
@@ -179,8 +179,8 @@ class StackedLoRA:
     """One projection's adapters as batchgen's C++ decoder stack reads them: for each piece of its output rows
     (`LoRATarget.pieces`: q, k, v apart, so that no expand runs over another piece's zeros) every slot's pair,
     padded with zeros to `capacity` ranks, as `ops.lora_shrink_expand` takes them, and each slot's own rank in
-    `ranks` (int32; 0 where its adapter does not reach the piece). In a bf16 model the pairs are bf16 (exact:
-    adapters load in the model's dtype) in `ops.pack_lora_bf16`'s form, for the bf16 dot product; otherwise
+    `ranks` (int32; 0 where its adapter does not reach the piece). In a bf16 model on the bf16 dot product the
+    pairs are bf16 (exact: adapters load in the model's dtype) in `ops.pack_lora_bf16`'s form; otherwise
     float32 a [slots, capacity, in] and b_t [slots, capacity, rows] (B transposed). The stack holds these
     tensors; `load` rewrites a slot in place."""
 
@@ -188,7 +188,9 @@ class StackedLoRA:
                  device: torch.device | str = "cpu"):
         self.target = target
         self.pieces = target.pieces()
-        self.pairs = dtype == torch.bfloat16
+        # bf16 pairs for the bf16 dot product; where the GEMM widens bf16 (no AVX512-BF16), float32 for the vector
+        # loops (the pairs' loop there is scalar).
+        self.pairs = dtype == torch.bfloat16 and not ops.gemm_widens_bf16()
         whole = len(self.pieces) > 1 and (0, target.out_features) in target.parts.values()
         self.capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection
         self.weights = [tuple(w.to(device) for w in (

@@ -46,6 +46,7 @@ __all__ = [
     "fused_add_rms_norm",
     "gemm_bf16",
     "gemm_on_tiles",
+    "gemm_widens_bf16",
     "gemm_silu_mul_bf16",
     "has_gemm_bf16",
     "Int8Weight",
@@ -191,8 +192,14 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 
 def has_gemm_bf16() -> bool:
-    """Whether the active CPU kernels have the bf16 GEMM (processors with AVX512-BF16)."""
+    """Whether the active CPU kernels have the bf16 GEMM (processors with AVX-512)."""
     return _C.has_gemm_bf16()
+
+
+def gemm_widens_bf16() -> bool:
+    """Whether the active CPU kernels' bf16 GEMM widens to float32 FMAs (AVX-512 without AVX512-BF16: the avx512
+    kernels), where oneDNN's bf16 is emulated too."""
+    return _C.cpu_isa() == "avx512"
 
 
 def gemm_on_tiles() -> bool:

@@ -1,4 +1,4 @@
-// The bf16 GEMM of the linear layers (kernels.h: GemmArgs), for the AVX512-BF16 kernel table only.
+// The bf16 GEMM of the linear layers (kernels.h: GemmArgs), for the AVX-512 kernel tables.
 //
 // A tile of up to 8 rows x one 48-column panel keeps its 24 accumulators in registers while the
 // panel streams through once, front to back; the tiles of a panel prefetch the next one meanwhile.
@@ -6,6 +6,11 @@
 // ms (830 GFLOP/s) where oneDNN's packed GEMMs take 15.3 (550), 16 rows 6.3 vs 9.9, 1024 rows 223
 // vs 228. Decoding's small batches were where oneDNN lost most: 58% of its large-batch rate at 40
 // rows, this loop 85%.
+//
+// With AVX512-BF16 each pair of the depth is one bf16 dot product. Without it (the avx512 table: Intel's
+// Skylake-SP, Cascade Lake and Ice Lake Xeons) the panel's pairs are widened in registers, each bf16 a float's
+// high half, and x's rows are widened to float32 once per call: two float32 FMAs a pair, the even element's
+// product first. oneDNN, which took these weights before, emulates bf16 there at a third of its float32 rate.
 //
 // Every output element is the sum over the depth in one order, pair after pair, into one float32
 // accumulator: a row's result never depends on how many rows the call has, on the tile it lands in
@@ -18,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/kernels.h"
 
@@ -41,32 +47,63 @@ struct PanelPrefetch {
   int64_t pairs;
 };
 
+// One pair of the depth of a panel, its kPanelVecs vectors as the tile's products take them, and x's rows as
+// those products read them (XRow): bf16 for the dot product, float32 where the pairs are widened.
+#ifdef BATCHGEN_DOT_BF16
+using XRow = BF16;
+struct PanelPair {
+  BF16Pairs w[kPanelVecs];
+
+  explicit PanelPair(const BF16* pair) {
+    for (int v = 0; v < kPanelVecs; ++v) w[v] = BF16Pairs::load(pair + v * 2 * Vec::N, 2 * Vec::N);
+  }
+  // acc[v] += the pair x[0], x[1] of one row times the panel's pair, column by column.
+  void accumulate(const BF16* x, Vec (&acc)[kPanelVecs]) const {
+    const BF16Pairs a = BF16Pairs::broadcast_pair(x);
+    for (int v = 0; v < kPanelVecs; ++v) acc[v] = dot_pairs(a, w[v], acc[v]);
+  }
+};
+#else
+using XRow = float;
+struct PanelPair {
+  Vec even[kPanelVecs], odd[kPanelVecs];
+
+  explicit PanelPair(const BF16* pair) {
+    const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(pair + v * 2 * Vec::N);
+      even[v] = {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
+      odd[v] = {_mm512_castsi512_ps(_mm512_and_si512(pairs, high_halves))};
+    }
+  }
+  void accumulate(const float* x, Vec (&acc)[kPanelVecs]) const {
+    const Vec first = Vec::set1(x[0]), second = Vec::set1(x[1]);
+    for (int v = 0; v < kPanelVecs; ++v) acc[v] = fma(second, odd[v], fma(first, even[v], acc[v]));
+  }
+};
+#endif
+
 // t = x[0 .. MR) x panel^T over `pairs` pairs of the depth. The prefetch's count of lines per pair is
 // a template parameter: loop variables of its own cost registers, and the compiler then spilled the
 // panel's operands (1.5x slower).
 template <int MR, int PF>
-inline void multiply_tile(const BF16* x, int64_t x_stride, const BF16* panel, int64_t pairs, PanelPrefetch prefetch,
+inline void multiply_tile(const XRow* x, int64_t x_stride, const BF16* panel, int64_t pairs, PanelPrefetch prefetch,
                           GemmTile<MR>& t) {
   for (int r = 0; r < MR; ++r) {
     for (int v = 0; v < kPanelVecs; ++v) t.acc[r][v] = Vec::zero();
   }
   constexpr int64_t kPairStride = 2 * kGemmPanelCols;
   for (int64_t i = 0; i < pairs; ++i) {
-    const BF16* w = panel + i * kPairStride;
-    BF16Pairs b[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) b[v] = BF16Pairs::load(w + v * 2 * Vec::N, 2 * Vec::N);
+    const PanelPair w(panel + i * kPairStride);
     if (i < prefetch.pairs) {
       for (int j = 0; j < PF; ++j) _mm_prefetch(prefetch.lines + 64 * (PF * i + j), _MM_HINT_T0);
     }
-    for (int r = 0; r < MR; ++r) {
-      const BF16Pairs a = BF16Pairs::broadcast_pair(x + r * x_stride + 2 * i);
-      for (int v = 0; v < kPanelVecs; ++v) t.acc[r][v] = dot_pairs(a, b[v], t.acc[r][v]);
-    }
+    for (int r = 0; r < MR; ++r) w.accumulate(x + r * x_stride + 2 * i, t.acc[r]);
   }
 }
 
 template <int MR>
-inline void multiply_tile(const BF16* x, int64_t x_stride, const BF16* panel, int64_t pairs, int lines_per_pair,
+inline void multiply_tile(const XRow* x, int64_t x_stride, const BF16* panel, int64_t pairs, int lines_per_pair,
                           PanelPrefetch prefetch, GemmTile<MR>& t) {
   if (lines_per_pair == 1) {
     multiply_tile<MR, 1>(x, x_stride, panel, pairs, prefetch, t);
@@ -110,36 +147,61 @@ __attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t
 // Rows [row, row + MR) of a panel. The tile requests the next panel's lines [first_line, first_line +
 // line_count), lines_per_pair at a time.
 template <int MR>
-void gemm_tile(const GemmArgs& a, int64_t row, int64_t panel, int64_t first_line, int64_t line_count,
-               int lines_per_pair) {
+void gemm_tile(const GemmArgs& a, const XRow* x_rows, int64_t x_stride, int64_t row, int64_t panel,
+               int64_t first_line, int64_t line_count, int lines_per_pair) {
   const int64_t pairs = a.depth / 2;
   const int64_t panel_size = pairs * 2 * kGemmPanelCols;
   const int64_t col = panel * kGemmPanelCols;
   const int width = static_cast<int>(std::min<int64_t>(kGemmPanelCols, a.cols - col));
-  const BF16* x = a.x + row * a.x_stride;
+  const XRow* x = x_rows + row * x_stride;
   const BF16* weight = a.weight + panel * panel_size;
   auto next_of = [&](const BF16* current) {
     return PanelPrefetch{reinterpret_cast<const char*>(current + panel_size) + 64 * first_line,
                          (line_count + lines_per_pair - 1) / lines_per_pair};
   };
   GemmTile<MR> t;
-  multiply_tile<MR>(x, a.x_stride, weight, pairs, lines_per_pair, next_of(weight), t);
+  multiply_tile<MR>(x, x_stride, weight, pairs, lines_per_pair, next_of(weight), t);
   if (a.up != nullptr) {
     GemmTile<MR> u;
     const BF16* up = a.up + panel * panel_size;
-    multiply_tile<MR>(x, a.x_stride, up, pairs, lines_per_pair, next_of(up), u);
+    multiply_tile<MR>(x, x_stride, up, pairs, lines_per_pair, next_of(up), u);
     for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], u.acc[r]);
   } else {
     for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], nullptr);
   }
 }
 
-using GemmTileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, int);
+using GemmTileFn = void (*)(const GemmArgs&, const XRow*, int64_t, int64_t, int64_t, int64_t, int64_t, int);
 constexpr GemmTileFn kGemmTiles[kGemmTileRows + 1] = {nullptr,        &gemm_tile<1>, &gemm_tile<2>,
                                                       &gemm_tile<3>,  &gemm_tile<4>, &gemm_tile<5>,
                                                       &gemm_tile<6>,  &gemm_tile<7>, &gemm_tile<8>};
 
+#ifdef BATCHGEN_DOT_BF16
+// The rows as the tiles read them: x itself.
+inline const BF16* x_rows(const GemmArgs& a, int64_t& stride) {
+  stride = a.x_stride;
+  return a.x;
+}
+#else
+// The rows as the tiles read them: x widened to float32, in a buffer of the calling thread's, rows `depth` apart.
+inline const float* x_rows(const GemmArgs& a, int64_t& stride) {
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>(a.rows * a.depth));
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const BF16* src = a.x + r * a.x_stride;
+    float* dst = widened.data() + r * a.depth;
+    int64_t k = 0;
+    for (; k + Vec::N <= a.depth; k += Vec::N) Vec::load(src + k).store(dst + k);
+    for (; k < a.depth; ++k) dst[k] = to_float(src[k]);
+  }
+  stride = a.depth;
+  return widened.data();
+}
+#endif
+
 inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
+  int64_t x_stride = 0;
+  const XRow* x = x_rows(a, x_stride);
   constexpr int64_t kLinesPerPair = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16)) / 64;
   const int64_t tiles = (a.rows + kGemmTileRows - 1) / kGemmTileRows;
   const int64_t pairs = a.depth / 2;
@@ -152,7 +214,7 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
       const int64_t row = tile * kGemmTileRows, rows = std::min<int64_t>(kGemmTileRows, a.rows - row);
       const int64_t first = tile * share;
       const int64_t count = prefetch_next ? std::clamp<int64_t>(panel_lines - first, 0, share) : 0;
-      kGemmTiles[rows](a, row, panel, first, count, lines_per_pair);
+      kGemmTiles[rows](a, x, x_stride, row, panel, first, count, lines_per_pair);
     }
   }
 }
@@ -160,8 +222,13 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
 // Rows in blocks of about BlockBytes of x, each through every panel of the range (`Panels`, the
 // dot-product loop above or the AMX one) before the next: x then stays in cache while the panels
 // pass. Without the blocks, an x larger than the cache (2,048 rows x 8,192) came from memory again for
-// every panel: 858 instead of 966 GFLOP/s.
+// every panel: 858 instead of 966 GFLOP/s. Where x is widened (gemm_panels' x_rows), half as many rows a block,
+// so that the float32 copy takes the same room.
+#ifdef BATCHGEN_DOT_BF16
 constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
+#else
+constexpr int64_t kRowBlockBytes = int64_t{2} << 20;
+#endif
 
 template <GemmFn Panels, int64_t BlockBytes>
 void gemm_row_blocks(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {

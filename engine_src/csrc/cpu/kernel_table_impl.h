@@ -9,7 +9,7 @@
 #include "cpu/attention_impl.h"
 #ifdef BATCHGEN_AMX
 #include "cpu/gemm_amx.h"
-#elif defined(BATCHGEN_DOT_BF16)
+#elif defined(BATCHGEN_GEMM_BF16)
 #include "cpu/gemm_impl.h"
 #endif
 #include "cpu/kernels.h"
@@ -34,7 +34,7 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              {&top_k_block<float>, &top_k_block<BF16>, nullptr},
 #ifdef BATCHGEN_AMX
                              &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>,
-#elif defined(BATCHGEN_DOT_BF16)
+#elif defined(BATCHGEN_GEMM_BF16)
                              &gemm_row_blocks<&gemm_panels, kRowBlockBytes>,
 #else
                              nullptr,

@@ -297,6 +297,22 @@ class BytesToBF16 {
 
   __m512i low_[2], high_[2], in_order_, lo_pairs_, hi_pairs_, sign_;
 };
+#else
+// x's bf16 bits, rounded as from_float rounds (nearest even, subnormals kept, a NaN quieted), without the bf16
+// instructions: the GEMM's stores (gemm_impl.h) on the avx512 table.
+inline __m256i bf16_bits(Vec x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), quiet));
+}
+
+inline void store_bf16(Vec x, BF16* dst) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_bits(x)); }
+
+inline void store_bf16(Vec x, BF16* dst, int count) {
+  _mm256_mask_storeu_epi16(dst, first_lanes(count), bf16_bits(x));
+}
 #endif
 
 }  // namespace batchgen::cpu::BATCHGEN_ISA_NS
