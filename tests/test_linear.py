@@ -201,6 +201,9 @@ def test_deep_weights_stay_with_onednn_unless_on_tiles_or_widened():
             assert ops.gemm_widens_bf16() == (isa == "avx512")
             assert PackedLinear(deep).uses_panels == expected[isa], isa
             assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels, isa
+            # An odd depth, which no panel takes: oneDNN's bf16, or float32 where oneDNN emulates bf16.
+            odd = PackedLinear(deep[:, :63])
+            assert not odd.uses_panels and odd.compute == (torch.float32 if isa == "avx512" else torch.bfloat16), isa
     finally:
         _C.set_cpu_isa(active)
 

@@ -59,11 +59,13 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
     where nothing packs (a GPU). On AVX2, torch's own bf16 linear ran at ~1 GFLOP/s: 64 x 576 x 1536 took 76 ms
     where a packed float32 copy takes 2.4 ms (31x; 4.4x at 16 rows, 7.6x at 512; even at 1 row). The float32
     copy holds twice the weight's bytes; the inputs are widened and the outputs rounded to the model's dtype, so a
-    row's result is its float32 sum rounded once, as in torch's bf16 linear."""
+    row's result is its float32 sum rounded once, as in torch's bf16 linear. Where batchgen's GEMM widens bf16
+    (AVX-512 without AVX512-BF16) oneDNN's bf16 is emulated, at a third of its float32 rate: a bf16 weight the
+    panels cannot take (an odd depth) goes float32 there too."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
-            uses_gemm_panels(weight) or onednn_bf16())):
+            uses_gemm_panels(weight) or (onednn_bf16() and not ops.gemm_widens_bf16()))):
         return weight.dtype
     return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else None
 
