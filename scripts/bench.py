@@ -624,14 +624,19 @@ def matmul_seconds(rates: dict, shapes: dict, cfg, fed: float, sampled: float, c
 
 
 def ceiling_tok_s(rates: dict, shapes: dict, cfg, fed: float, sampled: float, context_sum: float) -> float:
+    """Tokens/s at matmul_seconds."""
     return fed / matmul_seconds(rates, shapes, cfg, fed, sampled, context_sum)
+
+
+def element_size(dtype: str) -> int:
+    """Bytes of one element of a torch dtype named as in DTYPES' values ("bfloat16", "float32")."""
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def weight_bytes(shapes: dict, cfg, dtype: str) -> int:
     """Bytes of the projections of every layer and of the lm_head: what each step reads at least once."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     layers = sum(k * n for name, (k, n) in shapes.items() if name != "lm_head") * cfg.num_hidden_layers
-    return (layers + math.prod(shapes["lm_head"])) * itemsize
+    return (layers + math.prod(shapes["lm_head"])) * element_size(dtype)
 
 
 def stage_breakdown(totals: dict[str, float]) -> dict[str, float]:
@@ -665,7 +670,7 @@ def head_dim(cfg) -> int:
 
 def kv_bytes_per_token(cfg, dtype: str, kv_cache_dtype: str = "auto") -> int:
     """K and V of one token in every layer, in the activations' dtype or, with an fp8 kv_cache_dtype, one byte."""
-    itemsize = 1 if kv_cache_dtype != "auto" else torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    itemsize = 1 if kv_cache_dtype != "auto" else element_size(dtype)
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize
 
 
@@ -759,10 +764,11 @@ def the_limit(rates: dict, read_gbs: float, cfg, dtype: str, workloads: dict[str
         limit["mixed_with_kv_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_kv_tok_s"]
         # Each step reads every weight at least once, and its GEMMs, whatever their rate, wait for them: the K/V
         # bound plus, for each step the engine ran, the time reading its weights takes beyond its GEMMs.
-        weights_s = weight_bytes(shapes, cfg, dtype) / (read_gbs * 1e9)
+        weights = weight_bytes(shapes, cfg, dtype)
+        weights_s = weights / (read_gbs * 1e9)
         matmul = [matmul_seconds(rates, shapes, cfg, *work) for work in by_name["mixed"].extra["steps"]]
         waits = sum(max(0.0, weights_s - t) for t in matmul)
-        limit.update(weight_gb=weight_bytes(shapes, cfg, dtype) / 1e9, mixed_steps=len(matmul),
+        limit.update(weight_gb=weights / 1e9, mixed_steps=len(matmul),
                      mixed_weight_bound_steps=sum(t < weights_s for t in matmul), mixed_weight_wait_s=waits,
                      mixed_with_weights_tok_s=fed / (fed / limit["mixed_with_kv_tok_s"] + waits))
         limit["mixed_with_weights_fraction"] = limit["batchgen_mixed_total_tok_s"] / limit["mixed_with_weights_tok_s"]

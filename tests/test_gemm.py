@@ -121,6 +121,21 @@ def test_float32_out_is_the_unrounded_sum():
     assert not torch.equal(actual, rounded.float())
 
 
+@pytest.mark.skipif("avx512" not in GEMM_ISAS, reason="no AVX-512 here")
+@pytest.mark.parametrize("kernels", ["avx512"], indirect=True)
+def test_the_widened_gemm_rounds_subnormal_outputs_as_from_float(kernels):
+    """Without AVX512-BF16 the bf16 stores round in integer steps, as `from_float` does: a subnormal result keeps
+    its bits (the bf16 tables' conversion instruction flushes it to zero), the same as torch's rounding."""
+    x, w = _operands(9, 64, 2 * PANEL + 7, 21)
+    w = (w.float() * 2.0**-126).bfloat16()  # sums of 64 products below float32's smallest normal, 2^-126
+    panels = ops.pack_gemm_weight(w)
+    sums = ops.gemm_bf16(x, panels, w.shape[0], out_dtype=torch.float32)
+    rounded = ops.gemm_bf16(x, panels, w.shape[0])
+    assert torch.equal(sums.bfloat16(), rounded)
+    subnormal = (rounded != 0) & (rounded.float().abs() < 2.0**-126)
+    assert subnormal.float().mean() > 0.5
+
+
 @needs_kernel
 def test_rows_past_a_cache_block_of_x():
     """x of over 4 MiB (300 rows x 8,192) goes through the panels in blocks of rows."""

@@ -26,7 +26,8 @@ ONEDNN_AMX_REASON = "oneDNN's AMX kernels round rows by batch size; the engine d
 LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "float32"), (torch.float16, "float32"),
            pytest.param(torch.bfloat16, "onednn", marks=[
                pytest.mark.skipif(ONEDNN_AMX, reason=ONEDNN_AMX_REASON),
-               pytest.mark.skipif(not onednn_bf16(), reason="oneDNN's bf16 needs AVX-512 (an AVX2-only CPU here)")]),
+               pytest.mark.skipif(not onednn_bf16(),
+                                  reason="oneDNN takes no bf16 here (AVX2 only, or AVX-512 without AVX512-BF16)")]),
            pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
                not ops.has_gemm_bf16(), reason="no AVX-512 here"))]
 

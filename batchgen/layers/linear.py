@@ -49,8 +49,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def onednn_bf16() -> bool:
-    """Whether oneDNN runs bf16 here: it needs AVX-512 (or AVX-NE-CONVERT), and raises on an AVX2-only CPU."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether bf16 weights may go to oneDNN here: it needs AVX-512 (or AVX-NE-CONVERT), and raises on an AVX2-only
+    CPU; and where batchgen's GEMM widens bf16 (AVX-512 without AVX512-BF16) oneDNN only emulates bf16, at a third
+    of its float32 rate, so a bf16 weight the panels do not take goes float32 there."""
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and not ops.gemm_widens_bf16())
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
@@ -59,13 +62,11 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
     where nothing packs (a GPU). On AVX2, torch's own bf16 linear ran at ~1 GFLOP/s: 64 x 576 x 1536 took 76 ms
     where a packed float32 copy takes 2.4 ms (31x; 4.4x at 16 rows, 7.6x at 512; even at 1 row). The float32
     copy holds twice the weight's bytes; the inputs are widened and the outputs rounded to the model's dtype, so a
-    row's result is its float32 sum rounded once, as in torch's bf16 linear. Where batchgen's GEMM widens bf16
-    (AVX-512 without AVX512-BF16) oneDNN's bf16 is emulated, at a third of its float32 rate: a bf16 weight the
-    panels cannot take (an odd depth) goes float32 there too."""
+    row's result is its float32 sum rounded once, as in torch's bf16 linear."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (
-            uses_gemm_panels(weight) or (onednn_bf16() and not ops.gemm_widens_bf16()))):
+            uses_gemm_panels(weight) or onednn_bf16())):
         return weight.dtype
     return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else None
 
@@ -83,10 +84,10 @@ def uses_gemm_panels(weight: torch.Tensor) -> bool:
     weights stay with oneDNN on the vector loop: it does not block the depth, and once a panel no longer
     fits in L2 twice it ran 13% slower than oneDNN at 16 rows (8,192 deep; faster up to 4,096 deep). On
     AMX tiles every depth packs: oneDNN's bf16 rows would depend on the batch, and the tiles ran within
-    -20% / +20% of it at 8,192-14,336 deep. Where the GEMM widens bf16 (AVX-512 without AVX512-BF16) every
-    depth packs too: oneDNN emulates bf16 there at about a third of its float32 rate."""
+    -20% / +20% of it at 8,192-14,336 deep. Where oneDNN does not take bf16 (`onednn_bf16`: it emulates it
+    without AVX512-BF16) every depth packs too."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
-            and (weight.shape[1] <= MAX_PANEL_DEPTH or ops.gemm_on_tiles() or ops.gemm_widens_bf16())
+            and (weight.shape[1] <= MAX_PANEL_DEPTH or ops.gemm_on_tiles() or not onednn_bf16())
             and ops.has_gemm_bf16())
 
 

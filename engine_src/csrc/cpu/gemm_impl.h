@@ -144,47 +144,18 @@ __attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t
   }
 }
 
-// Rows [row, row + MR) of a panel. The tile requests the next panel's lines [first_line, first_line +
-// line_count), lines_per_pair at a time.
-template <int MR>
-void gemm_tile(const GemmArgs& a, const XRow* x_rows, int64_t x_stride, int64_t row, int64_t panel,
-               int64_t first_line, int64_t line_count, int lines_per_pair) {
-  const int64_t pairs = a.depth / 2;
-  const int64_t panel_size = pairs * 2 * kGemmPanelCols;
-  const int64_t col = panel * kGemmPanelCols;
-  const int width = static_cast<int>(std::min<int64_t>(kGemmPanelCols, a.cols - col));
-  const XRow* x = x_rows + row * x_stride;
-  const BF16* weight = a.weight + panel * panel_size;
-  auto next_of = [&](const BF16* current) {
-    return PanelPrefetch{reinterpret_cast<const char*>(current + panel_size) + 64 * first_line,
-                         (line_count + lines_per_pair - 1) / lines_per_pair};
-  };
-  GemmTile<MR> t;
-  multiply_tile<MR>(x, x_stride, weight, pairs, lines_per_pair, next_of(weight), t);
-  if (a.up != nullptr) {
-    GemmTile<MR> u;
-    const BF16* up = a.up + panel * panel_size;
-    multiply_tile<MR>(x, x_stride, up, pairs, lines_per_pair, next_of(up), u);
-    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], u.acc[r]);
-  } else {
-    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], nullptr);
-  }
-}
-
-using GemmTileFn = void (*)(const GemmArgs&, const XRow*, int64_t, int64_t, int64_t, int64_t, int64_t, int);
-constexpr GemmTileFn kGemmTiles[kGemmTileRows + 1] = {nullptr,        &gemm_tile<1>, &gemm_tile<2>,
-                                                      &gemm_tile<3>,  &gemm_tile<4>, &gemm_tile<5>,
-                                                      &gemm_tile<6>,  &gemm_tile<7>, &gemm_tile<8>};
+// x's rows as the tiles read them: XRow elements, rows `stride` elements apart.
+struct TileRows {
+  const XRow* x;
+  int64_t stride;
+};
 
 #ifdef BATCHGEN_DOT_BF16
 // The rows as the tiles read them: x itself.
-inline const BF16* x_rows(const GemmArgs& a, int64_t& stride) {
-  stride = a.x_stride;
-  return a.x;
-}
+inline TileRows tile_rows(const GemmArgs& a) { return {a.x, a.x_stride}; }
 #else
 // The rows as the tiles read them: x widened to float32, in a buffer of the calling thread's, rows `depth` apart.
-inline const float* x_rows(const GemmArgs& a, int64_t& stride) {
+inline TileRows tile_rows(const GemmArgs& a) {
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>(a.rows * a.depth));
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -194,14 +165,44 @@ inline const float* x_rows(const GemmArgs& a, int64_t& stride) {
     for (; k + Vec::N <= a.depth; k += Vec::N) Vec::load(src + k).store(dst + k);
     for (; k < a.depth; ++k) dst[k] = to_float(src[k]);
   }
-  stride = a.depth;
-  return widened.data();
+  return {widened.data(), a.depth};
 }
 #endif
 
+// Rows [row, row + MR) of a panel. The tile requests the next panel's lines [first_line, first_line +
+// line_count), lines_per_pair at a time.
+template <int MR>
+void gemm_tile(const GemmArgs& a, TileRows x_rows, int64_t row, int64_t panel, int64_t first_line,
+               int64_t line_count, int lines_per_pair) {
+  const int64_t pairs = a.depth / 2;
+  const int64_t panel_size = pairs * 2 * kGemmPanelCols;
+  const int64_t col = panel * kGemmPanelCols;
+  const int width = static_cast<int>(std::min<int64_t>(kGemmPanelCols, a.cols - col));
+  const XRow* x = x_rows.x + row * x_rows.stride;
+  const BF16* weight = a.weight + panel * panel_size;
+  auto next_of = [&](const BF16* current) {
+    return PanelPrefetch{reinterpret_cast<const char*>(current + panel_size) + 64 * first_line,
+                         (line_count + lines_per_pair - 1) / lines_per_pair};
+  };
+  GemmTile<MR> t;
+  multiply_tile<MR>(x, x_rows.stride, weight, pairs, lines_per_pair, next_of(weight), t);
+  if (a.up != nullptr) {
+    GemmTile<MR> u;
+    const BF16* up = a.up + panel * panel_size;
+    multiply_tile<MR>(x, x_rows.stride, up, pairs, lines_per_pair, next_of(up), u);
+    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], u.acc[r]);
+  } else {
+    for (int r = 0; r < MR; ++r) finish_row(a, row + r, col, width, t.acc[r], nullptr);
+  }
+}
+
+using GemmTileFn = void (*)(const GemmArgs&, TileRows, int64_t, int64_t, int64_t, int64_t, int);
+constexpr GemmTileFn kGemmTiles[kGemmTileRows + 1] = {nullptr,        &gemm_tile<1>, &gemm_tile<2>,
+                                                      &gemm_tile<3>,  &gemm_tile<4>, &gemm_tile<5>,
+                                                      &gemm_tile<6>,  &gemm_tile<7>, &gemm_tile<8>};
+
 inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
-  int64_t x_stride = 0;
-  const XRow* x = x_rows(a, x_stride);
+  const TileRows x_rows = tile_rows(a);
   constexpr int64_t kLinesPerPair = 2 * kGemmPanelCols * static_cast<int64_t>(sizeof(BF16)) / 64;
   const int64_t tiles = (a.rows + kGemmTileRows - 1) / kGemmTileRows;
   const int64_t pairs = a.depth / 2;
@@ -214,7 +215,7 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
       const int64_t row = tile * kGemmTileRows, rows = std::min<int64_t>(kGemmTileRows, a.rows - row);
       const int64_t first = tile * share;
       const int64_t count = prefetch_next ? std::clamp<int64_t>(panel_lines - first, 0, share) : 0;
-      kGemmTiles[rows](a, x, x_stride, row, panel, first, count, lines_per_pair);
+      kGemmTiles[rows](a, x_rows, row, panel, first, count, lines_per_pair);
     }
   }
 }
@@ -222,7 +223,7 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
 // Rows in blocks of about BlockBytes of x, each through every panel of the range (`Panels`, the
 // dot-product loop above or the AMX one) before the next: x then stays in cache while the panels
 // pass. Without the blocks, an x larger than the cache (2,048 rows x 8,192) came from memory again for
-// every panel: 858 instead of 966 GFLOP/s. Where x is widened (gemm_panels' x_rows), half as many rows a block,
+// every panel: 858 instead of 966 GFLOP/s. Where x is widened (gemm_panels' tile_rows), half as many rows a block,
 // so that the float32 copy takes the same room.
 #ifdef BATCHGEN_DOT_BF16
 constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
