@@ -566,7 +566,38 @@ def evaluate(ctx: typer.Context) -> None:
 
 
 def main() -> None:
-    app(args=spread_lora_modules(sys.argv[1:]))
+    """The ``batchgen`` command. Once the command is over (its rows saved, its exit code known) the process
+    leaves with ``os._exit``, after Python's exit handlers: finalizing the interpreter tears down native thread
+    pools (Arrow's, the tokenizer's) and stops daemon threads, and a thread caught inside C++ then ends it in
+    std::terminate (SIGABRT, exit -6, "terminate called without an active exception"). A run that saved its rows
+    and exits 75 for a requeue must not turn into a crash on its way out."""
+    try:
+        app(args=spread_lora_modules(sys.argv[1:]))
+        code = 0
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    _leave(code)
+
+
+def _exit_status(code: object) -> int:
+    """What ``sys.exit(code)`` ends the process with: None 0, an int itself, anything else printed and 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _leave(code: int) -> None:
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from jobkit import FAKE, REPO, cli, run, setup_job
 
 from batchgen import __version__, guides
 from batchgen.cli import GUIDES, app
+from batchgen.job.errors import EXIT_ERROR
 
 COMMANDS = ["run", "ray", "run-batch", "merge", "validate", "status", "slurm", "eval", "docs"]
 
@@ -158,3 +159,30 @@ def test_status_merge_and_help_start_without_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "all.jsonl").read_text().count("\n") == 4 * 2  # sampling.n
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout + done.stderr
+
+
+def test_the_command_leaves_without_finalizing_native_threads(tmp_path):
+    """A daemon thread inside C++ when the interpreter finalizes (Arrow's and the tokenizer's pools, here a
+    torch matmul) aborts the process: "terminate called without an active exception", exit -6, where a run
+    interrupted after saving its rows owes the scheduler exit 75. The command leaves with os._exit once it is
+    over; the same process exiting the usual way aborts (the control: the hazard is real here)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, threading, torch\n"
+             "a = torch.randn(1024, 1024)\n"
+             "busy = threading.Event()\n"
+             "def work():\n    busy.set()\n    while True:\n        torch.mm(a, a)\n"
+             "threading.Thread(target=work, daemon=True).start()\n"
+             "busy.wait()\n"
+             "if sys.argv[1] == 'command':\n"
+             "    from batchgen.cli import main\n"
+             "    sys.argv = ['batchgen', 'validate', sys.argv[2]]\n"
+             "    main()\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {path: /nowhere}\n")  # invalid: the command's own exit code must come through
+    plain = subprocess.run([sys.executable, "-c", probe, "plain"], capture_output=True, text=True, cwd=REPO)
+    assert plain.returncode == -6 and "terminate called" in plain.stderr, (plain.returncode, plain.stderr)
+    done = subprocess.run([sys.executable, "-c", probe, "command", str(job)], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == EXIT_ERROR and "terminate" not in done.stderr, (done.returncode, done.stderr)
+    assert "job.yaml" in done.stderr

@@ -78,6 +78,24 @@ def test_close_ends_a_thread_blocked_on_a_full_queue():
     assert not feeder._thread.is_alive()
 
 
+def test_close_waits_for_the_chunk_being_prepared():
+    """A daemon thread left inside native code (the tokenizer) when the interpreter exits can abort the process:
+    close() returns once the thread has finished the chunk it was preparing."""
+    preparing, finished = threading.Event(), threading.Event()
+
+    def slow(rows):
+        preparing.set()
+        threading.Event().wait(0.3)
+        finished.set()
+        return _prepared(rows)
+
+    feeder = RowFeeder(iter(range(10**6)), slow, chunk=4, background=True)
+    assert preparing.wait(10)
+    feeder.close()
+    assert finished.is_set()
+    assert not feeder._thread.is_alive()
+
+
 # ------------------------------------------------------------------------------ encode_batch
 
 

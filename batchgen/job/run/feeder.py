@@ -22,6 +22,7 @@ from ..requests import EngineRequest
 CHUNK_ROWS = 128  # rows prepared together (one tokenizer call for their prompts)
 IMAGE_CHUNK_ROWS = 8  # the same for rows with images: their decoding is what takes the time
 CHUNKS_AHEAD = 4  # background: chunks prepared before the loop asks for them
+STOP_WAIT_SECONDS = 10.0  # close(): how long the background thread may take to finish its chunk
 
 
 @dataclass
@@ -109,14 +110,18 @@ class RowFeeder:
         return self._ended and not self._ready and self._error is None
 
     def close(self) -> None:
-        """Stops the background thread. It may be inside a read; it is a daemon, and nothing waits for it."""
+        """Stops the background thread, waiting up to STOP_WAIT_SECONDS for the chunk it is reading or preparing:
+        a daemon thread still inside the tokenizer's native code when the interpreter exits can end the process
+        in std::terminate. One stuck longer in a read (a stalled bucket) is left behind: it is a daemon."""
         self._closing.set()
-        if self._queue is not None:
-            try:
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
+        if self._queue is None:
+            return
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(STOP_WAIT_SECONDS)
 
     def _next_chunk(self, block: bool) -> _Chunk | None:
         """The next chunk; None when none is ready without blocking."""
