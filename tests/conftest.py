@@ -125,11 +125,14 @@ def _kernel_table_restored():
 @pytest.fixture
 def kernels(request):
     """The kernel table a test runs under (parametrize it indirectly): "own", the processor's, or one named, such
-    as "avx512", whose bf16 GEMM widens the pairs to float32 FMAs (Intel's AVX-512 Xeons without AVX512-BF16).
-    `_kernel_table_restored` puts the processor's back after."""
+    as "avx512" or "avx2", whose bf16 GEMM widens the pairs to float32 FMAs (Intel's AVX-512 Xeons without
+    AVX512-BF16; AMD Zen 2 and 3). A table this processor cannot run skips the test. `_kernel_table_restored` puts
+    the processor's back after."""
     from batchgen import _C
 
     if request.param != "own":
+        if request.param not in _C.supported_cpu_isas():
+            pytest.skip(f"no {request.param} kernels on this processor")
         _C.set_cpu_isa(request.param)
     return _C.cpu_isa()
 

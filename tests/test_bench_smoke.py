@@ -76,7 +76,7 @@ def test_quick_pass_with_an_fp8_kv_cache(bench, tmp_path):
         wl.decode_context_sum() * bench.kv_bytes_per_token(cfg, "float32", "fp8") / 1e9)
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (AVX512-BF16)")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the decoder stack runs on batchgen's bf16 GEMM (x86-64)")
 def test_decode_attention_seconds_from_the_decoder_stack(bench, tmp_path, monkeypatch):
     """A bf16 model runs its layers in the C++ decoder stack, which never calls the Python op: decode attention's
     seconds then come from the stack's own op clocks, as do the per-op seconds the breakdown shows."""

@@ -11,7 +11,7 @@ from test_llm import make_prompts
 from batchgen import LLM, SamplingParams, ops
 from batchgen.layers.attention import KVScales
 
-pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (AVX-512)")
+pytestmark = pytest.mark.skipif(not ops.has_gemm_bf16(), reason="the stack runs on batchgen's bf16 GEMM (x86-64)")
 
 
 class CountingStack:
@@ -45,9 +45,10 @@ def assert_same_outputs(ours: list, theirs: list) -> None:
             assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
 
 
-# a bias on the qkv projection; q/k norms; the widened GEMM
+# a bias on the qkv projection; q/k norms; the widened GEMMs
 @pytest.mark.parametrize(("arch", "kernels"), [("llama", "own"), ("qwen2", "own"), ("qwen3", "own"),
-                                               ("llama", "avx512")], indirect=["kernels"])
+                                               ("llama", "avx512"), ("llama", "avx2"), ("qwen2", "avx2")],
+                         indirect=["kernels"])
 def test_the_stack_gives_the_python_layers_results_bit_for_bit(tiny_model_dirs, arch, kernels):
     llm = LLM(tiny_model_dirs[arch], dtype="bfloat16", kv_cache_memory="32MiB", max_num_batched_tokens=64,
               max_num_seqs=16, enable_prefix_caching=False)

@@ -3,9 +3,9 @@
 Every output must be the exact product rounded to bf16, give or take one bf16 step (the kernel sums
 in float32), and a row's result must not depend on the other rows, the thread count or where the
 row sits in a tile. Each test runs under every kernel table with the GEMM this processor has: the
-vector loop widening the pairs to float32 FMAs (avx512), the same loop on the bf16 dot product (avx512_bf16) and
-the AMX tiles (amx_bf16, or amx_emulated on an emulated tile unit where the processor has no AMX). Processors
-without AVX-512 run the reference instead (tested too).
+AVX2 loop widening the pairs to float32 FMAs in 16 registers (avx2), the AVX-512 one (avx512), the same loop on
+the bf16 dot product (avx512_bf16) and the AMX tiles (amx_bf16, or amx_emulated on an emulated tile unit where
+the processor has no AMX). The scalar kernels run the reference instead (tested too).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _tables_with_the_gemm() -> list[str]:
 
 
 GEMM_ISAS = _tables_with_the_gemm()
-needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX-512 here")
+needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="not an x86-64 processor with AVX2")
 PANEL = _C.GEMM_PANEL_COLS
 
 
@@ -121,11 +121,11 @@ def test_float32_out_is_the_unrounded_sum():
     assert not torch.equal(actual, rounded.float())
 
 
-@pytest.mark.skipif("avx512" not in GEMM_ISAS, reason="no AVX-512 here")
-@pytest.mark.parametrize("kernels", ["avx512"], indirect=True)
+@pytest.mark.parametrize("kernels", [pytest.param(isa, marks=pytest.mark.skipif(
+    isa not in GEMM_ISAS, reason=f"no {isa} kernels here")) for isa in ("avx2", "avx512")], indirect=True)
 def test_the_widened_gemm_rounds_subnormal_outputs_as_from_float(kernels):
-    """Without AVX512-BF16 the bf16 stores round in integer steps, as `from_float` does: a subnormal result keeps
-    its bits (the bf16 tables' conversion instruction flushes it to zero), the same as torch's rounding."""
+    """Without AVX512-BF16 (avx2, avx512) the bf16 stores round in integer steps, as `from_float` does: a subnormal
+    result keeps its bits (the bf16 tables' conversion instruction flushes it to zero), the same as torch's rounding."""
     x, w = _operands(9, 64, 2 * PANEL + 7, 21)
     w = (w.float() * 2.0**-126).bfloat16()  # sums of 64 products below float32's smallest normal, 2^-126
     panels = ops.pack_gemm_weight(w)
@@ -136,9 +136,37 @@ def test_the_widened_gemm_rounds_subnormal_outputs_as_from_float(kernels):
     assert subnormal.float().mean() > 0.5
 
 
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(GEMM_ISAS), reason="needs both widening kernel tables")
+def test_the_avx2_and_avx512_loops_give_the_same_bits():
+    """Both widen the pairs and sum each output in one order, the even element's product first, in tiles of their
+    own (4 rows x 16 columns, 8 rows x 48): the same bits, with a bias, an addend, the SiLU product, float32 out."""
+    outputs = {}
+    active = _C.cpu_isa()
+    try:
+        for isa in ("avx2", "avx512"):
+            _C.set_cpu_isa(isa)
+            got = []
+            # 4,100 deep: the AVX2 loop's depth blocks of 1,024 pairs, the last one short
+            for rows, depth, cols, seed in [(1, 64, 50, 31), (7, 576, 2 * PANEL + 37, 32), (13, 130, 17, 33),
+                                            (6, 4100, PANEL + 20, 34)]:
+                x, w = _operands(rows, depth, cols, seed)
+                panels, up = ops.pack_gemm_weight(w), ops.pack_gemm_weight(w.flip(0))
+                gen = torch.Generator().manual_seed(seed)
+                bias, addend = torch.randn(cols, generator=gen), torch.randn(rows, 2 * cols, generator=gen)
+                got += [ops.gemm_bf16(x, panels, cols, bias), ops.gemm_silu_mul_bf16(x, panels, up, cols, addend),
+                        ops.gemm_bf16(x, panels, cols, None, torch.float32, addend[:, :cols].contiguous())]
+            outputs[isa] = got
+    finally:
+        _C.set_cpu_isa(active)
+    assert len(outputs["avx2"]) == 12
+    for a, b in zip(outputs["avx2"], outputs["avx512"], strict=True):
+        assert torch.equal(a, b)
+
+
 @needs_kernel
 def test_rows_past_a_cache_block_of_x():
-    """x of over 4 MiB (300 rows x 8,192) goes through the panels in blocks of rows."""
+    """x of over 4 MiB (300 rows x 8,192) goes through the panels in blocks of rows (and on AVX2, the depth in
+    blocks of 2,048)."""
     x, w = _operands(300, 8192, 50, 17)
     exact, scale = _exact(x, w)
     _assert_rounded_exact(ops.gemm_bf16(x, ops.pack_gemm_weight(w), 50), exact, scale)
@@ -146,8 +174,9 @@ def test_rows_past_a_cache_block_of_x():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 8, 41])
-def test_gemm_silu_mul_is_the_rounded_product(rows):
-    depth, cols = 576, 2 * PANEL + 20
+@pytest.mark.parametrize("depth", [576, 4100])  # 4,100: the AVX2 loop's depth blocks carry both sums
+def test_gemm_silu_mul_is_the_rounded_product(rows, depth):
+    cols = 2 * PANEL + 20
     x, w = _operands(rows, depth, 2 * cols, rows)
     gate, up = w[:cols], w[cols:]
     exact_gate, scale_gate = _exact(x, gate)
@@ -251,10 +280,10 @@ def test_other_instruction_sets_run_the_reference():
     panels = ops.pack_gemm_weight(w)
     active = _C.cpu_isa()
     try:
-        _C.set_cpu_isa("avx2")
+        _C.set_cpu_isa("scalar")
         assert not ops.has_gemm_bf16()
         assert torch.equal(ops.gemm_bf16(x, panels, 50), reference.gemm_bf16(x, panels, 50))
-        with pytest.raises(ValueError, match="needs AVX-512 kernels"):
+        with pytest.raises(ValueError, match="needs AVX2 or AVX-512 kernels"):
             _C.gemm_bf16(torch.empty(9, 50, dtype=torch.bfloat16), x, panels, None)
     finally:
         _C.set_cpu_isa(active)

@@ -29,7 +29,7 @@ LAYOUTS = [(torch.float32, "onednn"), (torch.bfloat16, "float32"), (torch.float1
                pytest.mark.skipif(not onednn_bf16(),
                                   reason="oneDNN takes no bf16 here (AVX2 only, or AVX-512 without AVX512-BF16)")]),
            pytest.param(torch.bfloat16, "panels", marks=pytest.mark.skipif(
-               not ops.has_gemm_bf16(), reason="no AVX-512 here"))]
+               not ops.has_gemm_bf16(), reason="no bf16 GEMM in these kernels (scalar)"))]
 
 
 @pytest.fixture
@@ -133,7 +133,7 @@ def test_loaded_cpu_model_runs_packed_gemms(tiny_model_dirs, arch):
     assert not [name for name, m in model.named_modules() if isinstance(m, Linear)]
     assert all(isinstance(layer.mlp.packed_gate_up, PackedSiluAndMul) for layer in model.layers)
     assert all(layer.mlp.packed_gate_up.uses_panels == ops.has_gemm_bf16() for layer in model.layers)
-    # bf16 weights pack in bf16 (batchgen's panels, oneDNN's bf16) or, on an AVX2-only CPU, as float32 copies.
+    # bf16 weights pack in bf16 (batchgen's panels, oneDNN's bf16) or, under the scalar kernels, as float32 copies.
     native = ops.has_gemm_bf16() or onednn_bf16()
     assert model.layers[0].mlp.packed_gate_up.compute == (torch.bfloat16 if native else torch.float32)
     x = torch.randn(5, model.cfg.hidden_size).bfloat16()
@@ -160,7 +160,7 @@ def test_loaded_model_buffers_equal_a_fresh_build(tiny_model_dirs):
         assert loaded[name].device.type == "cpu" and torch.equal(loaded[name], buffer), name
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no bf16 GEMM in these kernels (scalar)")
 def test_gathered_panels_give_the_same_outputs():
     gen = torch.Generator().manual_seed(4)
     weight = (torch.randn(2 * 96, 64, generator=gen) * 0.1).bfloat16()
@@ -173,7 +173,7 @@ def test_gathered_panels_give_the_same_outputs():
     assert torch.equal(parent["linear"](x), expected[0]) and torch.equal(parent["fused"](x), expected[1])
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no bf16 GEMM in these kernels (scalar)")
 def test_gemm_panels_take_any_leading_shape_and_strided_rows():
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(2 * 100, 64, generator=gen) * 0.1).bfloat16()
@@ -187,24 +187,25 @@ def test_gemm_panels_take_any_leading_shape_and_strided_rows():
     assert torch.equal(fused(x.transpose(0, 1)), fused(swapped).view(5, 3, 100))
 
 
-@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no AVX-512 here")
+@pytest.mark.skipif(not ops.has_gemm_bf16(), reason="no bf16 GEMM in these kernels (scalar)")
 def test_deep_weights_stay_with_onednn_unless_on_tiles_or_widened():
     """On the bf16 dot product, deep weights stay with oneDNN; on tiles, and without AVX512-BF16 (where oneDNN
-    emulates bf16), every depth takes the panels."""
+    emulates bf16, or on AVX2 has none), every depth takes the panels."""
     deep = torch.zeros(48, linear_module.MAX_PANEL_DEPTH + 2, dtype=torch.bfloat16)
-    expected = {"avx512": True, "avx512_bf16": False, "amx_bf16": True, "amx_emulated": True}
+    expected = {"avx2": True, "avx512": True, "avx512_bf16": False, "amx_bf16": True, "amx_emulated": True}
     active = _C.cpu_isa()
     tables = [isa for isa in _C.supported_cpu_isas() if isa in expected]
-    assert "avx512" in tables  # has_gemm_bf16: this processor has AVX-512
+    assert "avx2" in tables  # has_gemm_bf16: an x86-64 processor
     try:
         for isa in tables:
             _C.set_cpu_isa(isa)
-            assert ops.gemm_widens_bf16() == (isa == "avx512")
+            assert ops.gemm_widens_bf16() == (isa in ("avx2", "avx512"))
             assert PackedLinear(deep).uses_panels == expected[isa], isa
             assert PackedLinear(deep[:, : linear_module.MAX_PANEL_DEPTH]).uses_panels, isa
-            # An odd depth, which no panel takes: oneDNN's bf16, or float32 where oneDNN emulates bf16.
+            # An odd depth, which no panel takes: oneDNN's bf16, or float32 where oneDNN emulates bf16 or has none.
             odd = PackedLinear(deep[:, :63])
-            assert not odd.uses_panels and odd.compute == (torch.float32 if isa == "avx512" else torch.bfloat16), isa
+            widened = isa in ("avx2", "avx512")
+            assert not odd.uses_panels and odd.compute == (torch.float32 if widened else torch.bfloat16), isa
     finally:
         _C.set_cpu_isa(active)
 

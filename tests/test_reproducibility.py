@@ -107,7 +107,7 @@ def test_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(tiny_model_dir
 
 
 def test_bf16_seeded_outputs_are_invariant_on_every_kernel_table(tiny_model_dirs, cpu_isas):
-    """The lower tables too: there the linear layers run on oneDNN, the layer ops on other vectors."""
+    """The lower tables too: the widened GEMMs (avx2, avx512), oneDNN on float32 copies (scalar), other vectors."""
     from batchgen import _C
 
     default = _C.cpu_isa()

@@ -1,13 +1,15 @@
 """Linear layers: fast on CPU, and with every output row independent of how many rows the batch has.
 
-On CPU the weights are packed once, after loading. bf16 weights on processors with AVX-512 go
-into the panels of batchgen's own GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h,
-on AMX tiles where the processor has them, gemm_amx.h): measured on 2 cores without AMX with
-SmolLM2's 30 layers, each weight from memory, it runs the layers' projections 1.4x faster than
+On CPU the weights are packed once, after loading. bf16 weights go into the panels of batchgen's own
+GEMM (`batchgen.ops.gemm_bf16`, engine_src/csrc/cpu/gemm_impl.h, on AMX tiles where the processor has
+them, gemm_amx.h, and gemm_avx2.h on processors without AVX-512): measured on 2 cores without AMX
+with SmolLM2's 30 layers, each weight from memory, it runs the layers' projections 1.4x faster than
 oneDNN's packed GEMMs at 16-64 rows and 1.1x at 256-2048; with AMX, 1.3-1.7x faster at 8-40 rows
 and within ~10% of oneDNN's AMX GEMMs at 128-256. Without AVX512-BF16 (Intel's Skylake-SP, Cascade Lake
 and Ice Lake Xeons) the GEMM widens the pairs to float32 FMAs, at about oneDNN's float32 rate, where oneDNN's
-emulated bf16 ran at a third of it (Zen 4 with both capped to that instruction set). Other
+emulated bf16 ran at a third of it (Zen 4 with both capped to that instruction set). On AVX2 alone (AMD
+Zen 2 and 3) it widens the same way, in a tile sized for 16 registers: 1.1-3.5x oneDNN's float32 GEMM on
+float32 copies at 1-64 rows and 0.95-1.0x at 256-1024 (Zen 4 capped to AVX2), in half their memory. Other
 weights go into oneDNN's blocked layout (the `torch.ops.mkldnn` linear ops that torch.compile's
 freezing also uses): `F.linear` re-blocks the weight on every call, which costs most at the small
 batches of decoding (packed: 25-60% faster at 8-64 rows in bf16, ~2.4x in float32).
@@ -58,11 +60,11 @@ def onednn_bf16() -> bool:
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
     """The dtype a CPU weight packs and multiplies in: its own (float32; bf16 in batchgen's GEMM panels or
-    oneDNN's bf16), float32 for a 16-bit weight that neither takes (bf16 on an AVX2-only processor, float16), None
-    where nothing packs (a GPU). On AVX2, torch's own bf16 linear ran at ~1 GFLOP/s: 64 x 576 x 1536 took 76 ms
-    where a packed float32 copy takes 2.4 ms (31x; 4.4x at 16 rows, 7.6x at 512; even at 1 row). The float32
-    copy holds twice the weight's bytes; the inputs are widened and the outputs rounded to the model's dtype, so a
-    row's result is its float32 sum rounded once, as in torch's bf16 linear."""
+    oneDNN's bf16), float32 for a 16-bit weight that neither takes (float16; bf16 of an odd depth where oneDNN has
+    no native bf16), None where nothing packs (a GPU). On AVX2, torch's own bf16 linear ran at ~1 GFLOP/s: 64 x 576
+    x 1536 took 76 ms where a packed float32 copy takes 2.4 ms (31x; 4.4x at 16 rows, 7.6x at 512; even at 1 row).
+    The float32 copy holds twice the weight's bytes; the inputs are widened and the outputs rounded to the model's
+    dtype, so a row's result is its float32 sum rounded once, as in torch's bf16 linear."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and (

@@ -10,7 +10,7 @@ Batch invariance: each segment's shrink and expand are `PackedLinear`s (oneDNN's
 bf16 GEMM), whose rows do not depend on how many rows they run with (tests/test_linear.py), and every output
 row gets exactly one add; so a row's result is the same whatever other adapters, or how many rows of its own,
 share the step. This is the reference path, and the one models without batchgen's C++ decoder stack take;
-where the stack runs (bf16 on AVX-512), `StackedLoRA` hands it every slot's weights instead and it adds
+where the stack runs (bf16 weights on x86-64), `StackedLoRA` hands it every slot's weights instead and it adds
 the terms inside its GEMMs (`ops.lora_shrink_expand`, engine_src/csrc/cpu/lora_ops.cpp).
 """
 
@@ -188,8 +188,8 @@ class StackedLoRA:
                  device: torch.device | str = "cpu"):
         self.target = target
         self.pieces = target.pieces()
-        # bf16 pairs for the bf16 dot product; where the GEMM widens bf16 (no AVX512-BF16), float32 for the vector
-        # loops (the pairs' loop there is scalar).
+        # bf16 pairs for the bf16 dot product; where the GEMM widens bf16 (AVX2, AVX-512 without AVX512-BF16),
+        # float32 for the vector loops (the pairs' loop there is scalar).
         self.pairs = dtype == torch.bfloat16 and not ops.gemm_widens_bf16()
         whole = len(self.pieces) > 1 and (0, target.out_features) in target.parts.values()
         self.capacity = max_rank * (2 if whole else 1)  # a piece's own pair, and one on the whole projection

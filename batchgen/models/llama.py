@@ -270,8 +270,8 @@ class LlamaForCausalLM(nn.Module):
         self.lora_batch = batch
 
     def _build_decoder_stack(self) -> None:
-        """Where every layer's projections went into batchgen's GEMM panels (bf16 on processors with
-        AVX-512) or all run on int8 compute, `forward` runs the layers (Qwen3's q/k norms included) as one
+        """Where every layer's projections went into batchgen's GEMM panels (bf16 weights, the scalar
+        kernels aside) or all run on int8 compute, `forward` runs the layers (Qwen3's q/k norms included) as one
         `ops.DecoderStack` call: the same checked ops in the same order as `DecoderLayer.forward`, so the same
         results bit for bit, without the Python around them (~60 us a layer: ~1.6 ms of a 7.6 ms SmolLM2 decode
         step of 8 sequences). The stack holds the packed weights: packing again means building it again."""

@@ -192,14 +192,14 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 
 def has_gemm_bf16() -> bool:
-    """Whether the active CPU kernels have the bf16 GEMM (processors with AVX-512)."""
+    """Whether the active CPU kernels have the bf16 GEMM (every x86-64 table but the scalar one)."""
     return _C.has_gemm_bf16()
 
 
 def gemm_widens_bf16() -> bool:
-    """Whether the active CPU kernels' bf16 GEMM widens to float32 FMAs (AVX-512 without AVX512-BF16: the avx512
-    kernels), where oneDNN's bf16 is emulated too."""
-    return _C.cpu_isa() == "avx512"
+    """Whether the active CPU kernels' bf16 GEMM widens to float32 FMAs (the avx512 kernels, AVX-512 without
+    AVX512-BF16, and the avx2 ones), where oneDNN's bf16 is emulated, or absent."""
+    return _C.cpu_isa() in ("avx2", "avx512")
 
 
 def gemm_on_tiles() -> bool:

@@ -23,8 +23,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
+#include "cpu/gemm_rows.h"
 #include "cpu/kernels.h"
 
 namespace batchgen::cpu::BATCHGEN_ISA_NS {
@@ -144,29 +144,14 @@ __attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t
   }
 }
 
-// x's rows as the tiles read them: XRow elements, rows `stride` elements apart.
-struct TileRows {
-  const XRow* x;
-  int64_t stride;
-};
+using TileRows = RowsOf<XRow>;
 
 #ifdef BATCHGEN_DOT_BF16
 // The rows as the tiles read them: x itself.
 inline TileRows tile_rows(const GemmArgs& a) { return {a.x, a.x_stride}; }
 #else
-// The rows as the tiles read them: x widened to float32, in a buffer of the calling thread's, rows `depth` apart.
-inline TileRows tile_rows(const GemmArgs& a) {
-  thread_local std::vector<float> widened;
-  widened.resize(static_cast<size_t>(a.rows * a.depth));
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const BF16* src = a.x + r * a.x_stride;
-    float* dst = widened.data() + r * a.depth;
-    int64_t k = 0;
-    for (; k + Vec::N <= a.depth; k += Vec::N) Vec::load(src + k).store(dst + k);
-    for (; k < a.depth; ++k) dst[k] = to_float(src[k]);
-  }
-  return {widened.data(), a.depth};
-}
+// The rows as the tiles read them: x widened to float32 (gemm_rows.h).
+inline TileRows tile_rows(const GemmArgs& a) { return widened_rows(a); }
 #endif
 
 // Rows [row, row + MR) of a panel. The tile requests the next panel's lines [first_line, first_line +
@@ -220,25 +205,12 @@ inline void gemm_panels(const GemmArgs& a, int64_t panel_begin, int64_t panel_en
   }
 }
 
-// Rows in blocks of about BlockBytes of x, each through every panel of the range (`Panels`, the
-// dot-product loop above or the AMX one) before the next: x then stays in cache while the panels
-// pass. Without the blocks, an x larger than the cache (2,048 rows x 8,192) came from memory again for
-// every panel: 858 instead of 966 GFLOP/s. Where x is widened (gemm_panels' tile_rows), half as many rows a block,
-// so that the float32 copy takes the same room.
+// x's bytes a block of rows takes through the panels (gemm_rows.h's gemm_row_blocks).
 #ifdef BATCHGEN_DOT_BF16
-constexpr int64_t kRowBlockBytes = int64_t{4} << 20;
+constexpr int64_t kPanelRowBlockBytes = kRowBlockBytes;
 #else
-constexpr int64_t kRowBlockBytes = int64_t{2} << 20;
+constexpr int64_t kPanelRowBlockBytes = kWidenedRowBlockBytes;
 #endif
-
-template <GemmFn Panels, int64_t BlockBytes>
-void gemm_row_blocks(const GemmArgs& a, int64_t panel_begin, int64_t panel_end) {
-  const int64_t row_bytes = a.depth * static_cast<int64_t>(sizeof(BF16));
-  const int64_t block = std::max<int64_t>(1, BlockBytes / row_bytes / kGemmTileRows) * kGemmTileRows;
-  for (int64_t first = 0; first < a.rows; first += block) {
-    Panels(gemm_rows(a, first, std::min(block, a.rows - first)), panel_begin, panel_end);
-  }
-}
 
 }  // namespace
 }  // namespace batchgen::cpu::BATCHGEN_ISA_NS

@@ -1,5 +1,5 @@
 // bf16 GEMMs of the linear layers on weights packed in panels (kernels.h: GemmArgs; the loop is
-// cpu/gemm_impl.h, or gemm_amx.h on tiles, in the AVX-512 kernel tables): the work cut into tasks for torch's threads.
+// cpu/gemm_impl.h, or gemm_amx.h on tiles, in the AVX-512 kernel tables; gemm_avx2.h on AVX2): the work cut into tasks for torch's threads.
 #include <torch/extension.h>
 
 #include "cpu/gemm_parallel.h"
@@ -12,7 +12,7 @@ namespace {
 
 void run_gemm(const GemmArgs& args, int64_t panels) {
   const GemmFn gemm = active_kernels().gemm_bf16;
-  TORCH_CHECK_VALUE(gemm != nullptr, "the bf16 GEMM needs AVX-512 kernels; active: ", active_kernels().name);
+  TORCH_CHECK_VALUE(gemm != nullptr, "the bf16 GEMM needs AVX2 or AVX-512 kernels; active: ", active_kernels().name);
   parallel_panels(args.rows, panels, kGemmTileRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
     gemm(gemm_rows(args, first_row, rows), begin, end);
   });

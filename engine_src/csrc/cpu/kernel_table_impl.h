@@ -11,6 +11,8 @@
 #include "cpu/gemm_amx.h"
 #elif defined(BATCHGEN_GEMM_BF16)
 #include "cpu/gemm_impl.h"
+#elif defined(BATCHGEN_GEMM_BF16_AVX2)
+#include "cpu/gemm_avx2.h"
 #endif
 #include "cpu/kernels.h"
 #include "cpu/layer_impl.h"
@@ -35,7 +37,9 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
 #ifdef BATCHGEN_AMX
                              &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>,
 #elif defined(BATCHGEN_GEMM_BF16)
-                             &gemm_row_blocks<&gemm_panels, kRowBlockBytes>,
+                             &gemm_row_blocks<&gemm_panels, kPanelRowBlockBytes>,
+#elif defined(BATCHGEN_GEMM_BF16_AVX2)
+                             &gemm_row_blocks<&gemm_strips, kWidenedRowBlockBytes>,
 #else
                              nullptr,
 #endif

@@ -267,7 +267,7 @@ struct KernelTable {
   WeightsRowFn weights_row[kNumDTypes];
   CollectRowFn collect_row;
   TopKBlockFn top_k_block[kNumDTypes];
-  GemmFn gemm_bf16;  // nullptr below AVX-512
+  GemmFn gemm_bf16;  // nullptr on the scalar table
   LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
   LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
   QuantizeFp8RowFn quantize_fp8_row[kNumDTypes];

@@ -6,5 +6,6 @@
 #include "cpu/vec_avx2.h"
 
 #define BATCHGEN_ISA_NS avx2
+#define BATCHGEN_GEMM_BF16_AVX2 1  // the bf16 GEMM with widened pairs (gemm_avx2.h)
 #include "cpu/kernel_table_impl.h"
 #endif

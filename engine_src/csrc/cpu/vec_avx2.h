@@ -150,4 +150,32 @@ inline int64_t quantize_int8_vectors(const T* x, int64_t n, float scale, int zer
   return k;
 }
 
+// The first `count` lanes (0 to 8) of p, zeros after: the mask keeps the load from touching memory past them.
+inline __m256i first_lanes(int count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec load_first(const float* p, int count) { return {_mm256_maskload_ps(p, first_lanes(count))}; }
+inline void store_first(Vec x, float* p, int count) { _mm256_maskstore_ps(p, first_lanes(count), x.v); }
+
+// x's bf16 bits, rounded as from_float rounds (nearest even, subnormals kept, a NaN quieted): the bf16 GEMM's
+// stores (gemm_avx2.h). The 32-bit results fit 16 bits, so the unsigned pack keeps them; it packs within 128-bit
+// halves, and the permute brings the two halves' four together.
+inline __m128i bf16_bits(Vec x) {
+  const __m256i u = _mm256_castps_si256(x.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+  const __m256i bits = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
+}
+
+inline void store_bf16(Vec x, BF16* dst) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bf16_bits(x)); }
+
+inline void store_bf16(Vec x, BF16* dst, int count) {
+  alignas(16) BF16 bits[Vec::N];
+  _mm_store_si128(reinterpret_cast<__m128i*>(bits), bf16_bits(x));
+  for (int i = 0; i < count; ++i) dst[i] = bits[i];
+}
+
 }  // namespace batchgen::cpu::avx2
