@@ -162,10 +162,11 @@ def test_lora_rows_do_not_depend_on_their_segment(dtype, kernel):
         torch.testing.assert_close(together[rows].float(), base(x[rows]).float() + delta, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernels", ["own", "avx2"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stacked_lora_slots_hold_each_pieces_pair(dtype):
-    """StackedLoRA's slots, float32 or (in a bf16 model) bf16 pairs for the bf16 dot product, hold each q/k/v
-    piece's part of the adapter's pair, zero-padded; loading None empties a slot."""
+def test_stacked_lora_slots_hold_each_pieces_pair(dtype, kernels):
+    """StackedLoRA's slots, float32 or (in a bf16 model, where the GEMM has the bf16 dot product) bf16 pairs for
+    it, hold each q/k/v piece's part of the adapter's pair, zero-padded; loading None empties a slot."""
     from batchgen.layers.lora import LoRATarget, LoRAWeights, StackedLoRA, adapter_pair
     from batchgen.lora.checkpoint import Adapter
     from batchgen.ops.reference import unpack_lora_bf16
@@ -173,6 +174,7 @@ def test_stacked_lora_slots_hold_each_pieces_pair(dtype):
     gen = torch.Generator().manual_seed(0)
     target = LoRATarget(0, 97, {"q_proj": (0, 64), "k_proj": (64, 16), "v_proj": (80, 16), "qkv_proj": (0, 96)})
     stacked = StackedLoRA(target, num_slots=2, max_rank=24, dtype=dtype)
+    assert stacked.pairs == (dtype == torch.bfloat16 and not ops.gemm_widens_bf16())
     weights = {(0, "q_proj"): LoRAWeights(torch.randn(5, 97, generator=gen).to(dtype),
                                           torch.randn(64, 5, generator=gen).to(dtype)),
                (0, "qkv_proj"): LoRAWeights(torch.randn(7, 97, generator=gen).to(dtype),
@@ -182,9 +184,11 @@ def test_stacked_lora_slots_hold_each_pieces_pair(dtype):
     checked = 0
     for (first, a, b_t, ranks), piece in zip(stacked.parts(), target.pieces(), strict=True):
         want_a, want_b = adapter_pair(adapter, target, piece)
-        if dtype == torch.bfloat16:
+        if stacked.pairs:
             assert a.dtype == b_t.dtype == torch.bfloat16 and a.shape[2] % _C.LORA_RANK_GROUP == 0
             a, b_t = unpack_lora_bf16(a, b_t, 97)
+        else:
+            assert a.dtype == b_t.dtype == torch.float32
         rank = int(ranks[1])
         assert first == piece[0] and rank == want_a.shape[0] and int(ranks[0]) == 0
         assert torch.equal(a[1, :rank], want_a.float()) and torch.equal(b_t[1, :rank], want_b.T.float())
