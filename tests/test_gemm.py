@@ -164,6 +164,20 @@ def test_the_avx2_and_avx512_loops_give_the_same_bits():
 
 
 @needs_kernel
+def test_a_nan_sum_stays_nan_through_the_rounded_store():
+    """A NaN sum rounds to a NaN, never to an infinity or a zero: the widening tables round in integer steps, and a
+    NaN of bits 0x7fffffff (here from the addend) would carry into the sign there, giving -0, without its quieting."""
+    cols = PANEL + 9
+    x, w = _operands(5, 64, cols, 41)
+    addend = torch.zeros(5, cols)
+    addend.view(torch.int32)[2] = 0x7FFFFFFF
+    addend.view(torch.int32)[3, ::2] = 0x7F800001  # a signalling NaN
+    out = ops.gemm_bf16(x, ops.pack_gemm_weight(w), cols, addend=addend)
+    assert out[2].isnan().all() and out[3, ::2].isnan().all()
+    assert not out[[0, 1, 4]].isnan().any() and not out[3, 1::2].isnan().any()
+
+
+@needs_kernel
 def test_rows_past_a_cache_block_of_x():
     """x of over 4 MiB (300 rows x 8,192) goes through the panels in blocks of rows (and on AVX2, the depth in
     blocks of 2,048)."""
