@@ -199,7 +199,7 @@ def has_gemm_bf16() -> bool:
 def gemm_widens_bf16() -> bool:
     """Whether the active CPU kernels' bf16 GEMM widens to float32 FMAs (the avx512 kernels, AVX-512 without
     AVX512-BF16, and the avx2 ones), where oneDNN's bf16 is emulated, or absent."""
-    return _C.cpu_isa() in ("avx2", "avx512")
+    return _C.gemm_widens_bf16()
 
 
 def gemm_on_tiles() -> bool:

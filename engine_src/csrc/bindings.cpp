@@ -665,6 +665,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("allowed"), py::arg("out"), py::arg("rows") = py::none(), no_gil);
   m.attr("GEMM_PANEL_COLS") = batchgen::cpu::kGemmPanelCols;
   m.def("has_gemm_bf16", &batchgen::cpu::has_gemm_bf16, "Whether the active CPU kernels have the bf16 GEMM");
+  m.def("gemm_widens_bf16", &batchgen::cpu::gemm_widens_bf16,
+        "Whether the active CPU kernels' bf16 GEMM widens the pairs to float32 FMAs (no bf16 dot product)");
   m.def("gemm_bf16", &gemm_bf16, "out = x weight^T (+ addend) (+ bias) on bf16 weights packed in panels",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("addend") = py::none(),
         no_gil);

@@ -85,8 +85,10 @@ void mask_logits(const torch::Tensor& logits, const torch::Tensor& allowed, torc
 // (cpu/gemm_ops.cpp): out[rows, cols] = x w^T (+ bias, float32), or silu(x gate^T) * (x up^T); out is
 // bf16 or float32 (unrounded sums). `addend` (float32 [rows, cols], or [rows, 2 * cols] for gate then up) is
 // added to the sums first.
-// Only where the active kernel table is one of AVX-512 (has_gemm_bf16).
+// Only where the active kernel table has it (has_gemm_bf16: every one but the scalar table); gemm_widens_bf16: its
+// pairs widen to float32 FMAs (no bf16 dot product).
 bool has_gemm_bf16();
+bool gemm_widens_bf16();
 void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend = c10::nullopt);
 void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,

@@ -3,7 +3,7 @@
 // for oneDNN took twice their memory.
 //
 // The panels' pairs are widened in registers, each bf16 a float's high half (a shift and a mask), and x's rows are
-// widened to float32 once per call (gemm_rows.h): two float32 FMAs a pair, the even element's product first, as
+// widened to float32 once per call (gemm_ops.cpp): two float32 FMAs a pair, the even element's product first, as
 // the avx512 table's loop does (gemm_impl.h), so every output has the same bits under both. Sixteen ymm registers
 // hold a tile of 4 rows x 16 columns (8 accumulators), the pair's 4 widened vectors and one broadcast x: a
 // 48-column panel is three such column strips, each streaming its 64 bytes a pair.
@@ -29,6 +29,7 @@ namespace {
 constexpr int kStripCols = 2 * Vec::N;  // a tile's columns
 constexpr int kPanelStrips = kGemmPanelCols / kStripCols;
 constexpr int kStripTileRows = 4;
+constexpr bool kGemmWidensBF16 = true;
 static_assert(kPanelStrips * kStripCols == kGemmPanelCols);
 static_assert(kGemmTileRows % kStripTileRows == 0);
 
@@ -78,33 +79,6 @@ inline void multiply_strip(const float* x, int64_t x_stride, const BF16* strip, 
     }
   }
   for (int r = 0; r < MR; ++r) t.acc[r][0] = acc[r][0], t.acc[r][1] = acc[r][1];
-}
-
-// Finishes one row of a strip's `width` (<= kStripCols) real columns from its float32 sums, as gemm_impl.h's
-// finish_row does: the SiLU product with the up projection's sums (`up`, or nullptr), or the bias, then the store.
-inline void finish_strip_row(const GemmArgs& a, int64_t row, int64_t col, int width, const Vec (&acc)[2],
-                             const Vec* up) {
-  for (int v = 0; v < 2; ++v) {
-    const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
-    if (count == 0) return;
-    Vec y = acc[v];
-    if (a.addend != nullptr) {  // -0.0 where nothing is to be added: y then stays y, bit for bit
-      const float* addend = a.addend + row * a.addend_stride + col + v * Vec::N;
-      y = y + load_first(addend, count);
-      if (up != nullptr) y = silu(y) * (up[v] + load_first(addend + a.cols, count));
-    } else if (up != nullptr) {
-      y = silu(y) * up[v];
-    }
-    if (up == nullptr && a.bias != nullptr) y = y + load_first(a.bias + col + v * Vec::N, count);
-    const int64_t offset = row * a.out_stride + col + v * Vec::N;
-    if (a.float_out) {
-      store_first(y, static_cast<float*>(a.out) + offset, count);
-    } else if (count == Vec::N) {
-      store_bf16(y, static_cast<BF16*>(a.out) + offset);
-    } else {
-      store_bf16(y, static_cast<BF16*>(a.out) + offset, count);
-    }
-  }
 }
 
 // The pairs of the depth a pass over a panel takes at a time: 192 KB of a panel, which stays in L2 (512 KB a core
@@ -175,7 +149,7 @@ void panel_tile(const GemmArgs& a, RowsOf<float> x_rows, int64_t row, int64_t pa
       continue;
     }
     for (int r = 0; r < MR; ++r) {
-      finish_strip_row(a, row + r, col, width, t.acc[r], a.up != nullptr ? u.acc[r] : nullptr);
+      finish_row(a, row + r, col, width, t.acc[r], a.up != nullptr ? u.acc[r] : nullptr);
     }
   }
 }

@@ -114,43 +114,15 @@ inline void multiply_tile(const XRow* x, int64_t x_stride, const BF16* panel, in
   }
 }
 
-// Finishes one row of a panel's `width` (<= kGemmPanelCols) real columns from its float32 sums: the
-// SiLU product with the up projection's sums (`up`, or nullptr), or the bias, then the store.
-__attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t row, int64_t col, int width,
-                                                      Vec (&acc)[kPanelVecs], const Vec* up) {
-  for (int v = 0; v < kPanelVecs; ++v) {
-    const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
-    Vec y = acc[v];
-    if (a.addend != nullptr) {  // -0.0 where nothing is to be added: y then stays y, bit for bit
-      const float* addend = a.addend + row * a.addend_stride + col + v * Vec::N;
-      y = y + Vec{_mm512_maskz_loadu_ps(first_lanes(count), addend)};
-      if (up != nullptr) {
-        y = silu(y) * (up[v] + Vec{_mm512_maskz_loadu_ps(first_lanes(count), addend + a.cols)});
-      }
-    } else if (up != nullptr) {
-      y = silu(y) * up[v];
-    }
-    if (up == nullptr && a.bias != nullptr) {
-      y = y + Vec{_mm512_maskz_loadu_ps(first_lanes(count), a.bias + col + v * Vec::N)};
-    }
-    const int64_t offset = row * a.out_stride + col + v * Vec::N;
-    if (a.float_out) {
-      _mm512_mask_storeu_ps(static_cast<float*>(a.out) + offset, first_lanes(count), y.v);
-    } else if (count == Vec::N) {
-      store_bf16(y, static_cast<BF16*>(a.out) + offset);
-    } else if (count > 0) {
-      store_bf16(y, static_cast<BF16*>(a.out) + offset, count);
-    }
-  }
-}
-
 using TileRows = RowsOf<XRow>;
 
 #ifdef BATCHGEN_DOT_BF16
+constexpr bool kGemmWidensBF16 = false;
 // The rows as the tiles read them: x itself.
 inline TileRows tile_rows(const GemmArgs& a) { return {a.x, a.x_stride}; }
 #else
-// The rows as the tiles read them: x widened to float32 (gemm_rows.h).
+constexpr bool kGemmWidensBF16 = true;
+// The rows as the tiles read them: x widened to float32 once per call (gemm_ops.cpp).
 inline TileRows tile_rows(const GemmArgs& a) { return widened_rows(a); }
 #endif
 

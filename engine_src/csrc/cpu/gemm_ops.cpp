@@ -1,7 +1,12 @@
-// bf16 GEMMs of the linear layers on weights packed in panels (kernels.h: GemmArgs; the loop is
-// cpu/gemm_impl.h, or gemm_amx.h on tiles, in the AVX-512 kernel tables; gemm_avx2.h on AVX2): the work cut into tasks for torch's threads.
+// bf16 GEMMs of the linear layers on weights packed in panels (kernels.h: GemmArgs; the loop is cpu/gemm_impl.h,
+// or gemm_amx.h on tiles, in the AVX-512 kernel tables, gemm_avx2.h on AVX2): the work cut into tasks for torch's
+// threads.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <vector>
+
+#include "cpu/dtype.h"
 #include "cpu/gemm_parallel.h"
 #include "cpu/isa.h"
 #include "cpu/kernels.h"
@@ -10,11 +15,31 @@
 namespace batchgen::cpu {
 namespace {
 
-void run_gemm(const GemmArgs& args, int64_t panels) {
-  const GemmFn gemm = active_kernels().gemm_bf16;
-  TORCH_CHECK_VALUE(gemm != nullptr, "the bf16 GEMM needs AVX2 or AVX-512 kernels; active: ", active_kernels().name);
+// x widened to float32 (exact), rows `depth` apart, in a buffer of the calling thread's, for the tables whose GEMM
+// widens bf16: once per call, the rows split over torch's threads, where each task widening its own rows had every
+// thread widen all of them whenever the panels alone were cut between threads.
+const float* widened_x(const GemmArgs& args) {
+  thread_local std::vector<float> wide;
+  wide.resize(static_cast<size_t>(args.rows * args.depth));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, args.depth));
+  float* const out = wide.data();  // the lambda runs on other threads, whose `wide` is another vector
+  at::parallel_for(0, args.rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const BF16* src = args.x + r * args.x_stride;
+      float* dst = out + r * args.depth;
+      for (int64_t k = 0; k < args.depth; ++k) dst[k] = to_float(src[k]);
+    }
+  });
+  return out;
+}
+
+void run_gemm(GemmArgs args, int64_t panels) {
+  const KernelTable& kernels = active_kernels();
+  TORCH_CHECK_VALUE(kernels.gemm_bf16 != nullptr, "the bf16 GEMM needs AVX2 or AVX-512 kernels; active: ",
+                    kernels.name);
+  if (kernels.gemm_widens_bf16) args.x_wide = widened_x(args);
   parallel_panels(args.rows, panels, kGemmTileRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
-    gemm(gemm_rows(args, first_row, rows), begin, end);
+    kernels.gemm_bf16(gemm_rows(args, first_row, rows), begin, end);
   });
 }
 
@@ -42,6 +67,8 @@ GemmArgs args_of(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
 }  // namespace
 
 bool has_gemm_bf16() { return active_kernels().gemm_bf16 != nullptr; }
+
+bool gemm_widens_bf16() { return active_kernels().gemm_widens_bf16; }
 
 void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend) {

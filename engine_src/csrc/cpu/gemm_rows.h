@@ -1,13 +1,12 @@
 // What the bf16 GEMM loops of every kernel table share (gemm_impl.h on AVX-512, gemm_avx2.h, gemm_amx.h): x's
-// rows as a tile reads them, widened to float32 where the loop widens the panels' pairs, and the rows taken a
-// block at a time.
+// rows as a tile reads them, widened to float32 where the loop widens the panels' pairs, the rows' epilogue, and
+// the rows taken a block at a time.
 #ifndef BATCHGEN_ISA_NS
 #error "define BATCHGEN_ISA_NS before including gemm_rows.h"
 #endif
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "cpu/kernels.h"
 
@@ -22,18 +21,36 @@ struct RowsOf {
   int64_t stride;
 };
 
-// x widened to float32, in a buffer of the calling thread's, rows `depth` apart: once per call, not once per panel.
-inline RowsOf<float> widened_rows(const GemmArgs& a) {
-  thread_local std::vector<float> widened;
-  widened.resize(static_cast<size_t>(a.rows * a.depth));
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const BF16* src = a.x + r * a.x_stride;
-    float* dst = widened.data() + r * a.depth;
-    int64_t k = 0;
-    for (; k + Vec::N <= a.depth; k += Vec::N) Vec::load(src + k).store(dst + k);
-    for (; k < a.depth; ++k) dst[k] = to_float(src[k]);
+// x widened to float32 (GemmArgs::x_wide, made once per call by gemm_ops.cpp), rows `depth` apart.
+inline RowsOf<float> widened_rows(const GemmArgs& a) { return {a.x_wide, a.depth}; }
+
+// Finishes one row of NV vectors of columns from col on, `width` of them real, from their float32 sums: the SiLU
+// product with the up projection's sums (`up`, or nullptr), or the bias, then the store. Every loop ends its rows
+// here, so the epilogue's order of operations, and with it the bits, is one.
+template <int NV>
+__attribute__((always_inline)) inline void finish_row(const GemmArgs& a, int64_t row, int64_t col, int width,
+                                                      const Vec (&acc)[NV], const Vec* up) {
+  for (int v = 0; v < NV; ++v) {
+    const int count = std::clamp(width - v * Vec::N, 0, Vec::N);
+    if (count == 0) break;
+    Vec y = acc[v];
+    if (a.addend != nullptr) {  // -0.0 where nothing is to be added: y then stays y, bit for bit
+      const float* addend = a.addend + row * a.addend_stride + col + v * Vec::N;
+      y = y + load_first(addend, count);
+      if (up != nullptr) y = silu(y) * (up[v] + load_first(addend + a.cols, count));
+    } else if (up != nullptr) {
+      y = silu(y) * up[v];
+    }
+    if (up == nullptr && a.bias != nullptr) y = y + load_first(a.bias + col + v * Vec::N, count);
+    const int64_t offset = row * a.out_stride + col + v * Vec::N;
+    if (a.float_out) {
+      store_first(y, static_cast<float*>(a.out) + offset, count);
+    } else if (count == Vec::N) {
+      store_bf16(y, static_cast<BF16*>(a.out) + offset);
+    } else {
+      store_bf16(y, static_cast<BF16*>(a.out) + offset, count);
+    }
   }
-  return {widened.data(), a.depth};
 }
 
 // Rows in blocks of about BlockBytes of x, each through every panel of the range (`Panels`) before the next: x

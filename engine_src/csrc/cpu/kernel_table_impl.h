@@ -35,13 +35,13 @@ constexpr KernelTable kTable{BATCHGEN_STRINGIFY(BATCHGEN_ISA_NS),
                              &collect_row,
                              {&top_k_block<float>, &top_k_block<BF16>, nullptr},
 #ifdef BATCHGEN_AMX
-                             &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>,
+                             &gemm_row_blocks<&gemm_panels_amx, kAmxRowBlockBytes>, kGemmWidensBF16,
 #elif defined(BATCHGEN_GEMM_BF16)
-                             &gemm_row_blocks<&gemm_panels, kPanelRowBlockBytes>,
+                             &gemm_row_blocks<&gemm_panels, kPanelRowBlockBytes>, kGemmWidensBF16,
 #elif defined(BATCHGEN_GEMM_BF16_AVX2)
-                             &gemm_row_blocks<&gemm_strips, kWidenedRowBlockBytes>,
+                             &gemm_row_blocks<&gemm_strips, kWidenedRowBlockBytes>, kGemmWidensBF16,
 #else
-                             nullptr,
+                             nullptr, false,
 #endif
                              {&lora_rows<float>, &lora_rows<BF16>, nullptr},
                              &lora_rows_bf16,

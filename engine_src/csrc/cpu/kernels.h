@@ -197,6 +197,9 @@ constexpr int kGemmTileRows = 8;  // rows that share a panel's pass in registers
 struct GemmArgs {
   const BF16* x;  // [rows, depth], rows `x_stride` elements apart
   int64_t x_stride;
+  // x widened to float32, rows `depth` apart, where the table's GEMM widens bf16 (gemm_widens_bf16): made once per
+  // call (gemm_ops.cpp), before the call is cut into tasks, so that no two threads widen the same rows.
+  const float* x_wide;
   const BF16* weight;  // panels, as above
   const BF16* up;      // panels of the up projection, or nullptr
   const float* bias;   // [cols] or nullptr
@@ -214,6 +217,7 @@ struct GemmArgs {
 inline GemmArgs gemm_rows(const GemmArgs& args, int64_t first, int64_t count) {
   GemmArgs part = args;
   part.x = args.x + first * args.x_stride;
+  if (args.x_wide != nullptr) part.x_wide = args.x_wide + first * args.depth;
   part.out = static_cast<char*>(args.out) + first * args.out_stride * (args.float_out ? 4 : 2);
   if (args.addend != nullptr) part.addend = args.addend + first * args.addend_stride;
   part.rows = count;
@@ -268,6 +272,7 @@ struct KernelTable {
   CollectRowFn collect_row;
   TopKBlockFn top_k_block[kNumDTypes];
   GemmFn gemm_bf16;  // nullptr on the scalar table
+  bool gemm_widens_bf16;  // gemm_bf16 reads GemmArgs::x_wide (no bf16 dot product: the pairs widen to float32)
   LoRARowsFn lora_rows[kNumDTypes];  // float32 A and B
   LoRARowsFn lora_rows_bf16;  // bf16 x, A and B in pairs
   QuantizeFp8RowFn quantize_fp8_row[kNumDTypes];

@@ -150,7 +150,8 @@ inline int64_t quantize_int8_vectors(const T* x, int64_t n, float scale, int zer
   return k;
 }
 
-// The first `count` lanes (0 to 8) of p, zeros after: the mask keeps the load from touching memory past them.
+// The mask of lanes [0, count), count 0 to 8; the first `count` floats of p (zeros after), and a store of x's first
+// `count` lanes: nothing past them is touched.
 inline __m256i first_lanes(int count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }

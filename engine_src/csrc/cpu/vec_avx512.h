@@ -66,6 +66,9 @@ inline Vec scale_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  //
 
 // The mask of lanes [0, count), count 0 to 16.
 inline __mmask16 first_lanes(int count) { return static_cast<__mmask16>((1u << count) - 1u); }
+// The first `count` floats of p (zeros after), and a store of x's first `count` lanes: nothing past them is touched.
+inline Vec load_first(const float* p, int count) { return {_mm512_maskz_loadu_ps(first_lanes(count), p)}; }
+inline void store_first(Vec x, float* p, int count) { _mm512_mask_storeu_ps(p, first_lanes(count), x.v); }
 
 // Bit i set where lane i of x is >= limit.
 inline uint32_t lanes_at_least(Vec x, float limit) {
