@@ -15,6 +15,9 @@ from fake_runner import FakeEngine, assert_pools_whole, check_invariants
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.engine import SchedulerConfig
+from batchgen.engine.beam_search import BeamSearch
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.stopping import StopChecker
 
 GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "beam-search.md").read_text(encoding="utf-8")
 
@@ -304,6 +307,25 @@ def test_bad_beam_search_params_are_one_line_errors():
     with pytest.raises(ValueError, match=r"BeamSearchParams.min_tokens: must be <= max_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=2, min_tokens=3)
 
+
+
+def test_equal_scores_rank_by_the_beam_then_the_token():
+    """Continuations whose cumulative logprobs are equal rank by the parent's rank, then by token id, so the
+    survivors never depend on how a sort breaks ties. Each beam's row puts its best logprob at a different
+    token; beam 0's and beam 2's best tie with beam 1's second best."""
+    vocab, width = 12, 3
+    search = BeamSearch(BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=True),
+                        StopChecker(None, {0}, max_model_len=100))
+    beams = [Sequence(seq_id=i, token_ids=[1, 2, 3], num_prompt_tokens=2, sample_index=i) for i in range(width)]
+    for beam, cumulative in zip(beams, (-1.0, -0.5, -1.0), strict=True):
+        beam.cumulative_logprob = cumulative
+    logprobs = torch.full((width, vocab), -30.0)
+    logprobs[0, 9] = logprobs[2, 4] = -1.0  # totals -2.0
+    logprobs[1, 7], logprobs[1, 5] = -0.5, -1.5  # totals -1.0 and -2.0
+    logprobs[1, 8] = -1.5  # another -2.0 in beam 1, at a higher token id than 5
+    survivors = search.step(beams, logprobs)
+    assert [(beams.index(c.parent), c.token_id) for c in survivors] == [(1, 7), (0, 9), (1, 5)]
+    assert [c.cumulative_logprob for c in survivors] == [-1.0, -2.0, -2.0]
 
 @pytest.mark.slow
 def test_smollm2_beams_match_transformers(smollm2_dir):

@@ -1,7 +1,8 @@
 """Beam search's decisions for one request, by transformers' rules (`generate(num_beams=k)`).
 
 Each step takes the logits of the live beams (rank order) and ranks every continuation by its
-cumulative logprob, in float32 as transformers does. Of the best `num_candidates` continuations
+cumulative logprob, in float32 as transformers does; equal ones by the beam's rank, then the token id
+(ops.top_k's order: the same choice however the requests are batched). Of the best `num_candidates` continuations
 (2k with one stop token; k more per further stop token), one that stops (EOS, a stop token or
 string, max_tokens, max_model_len) becomes a finished hypothesis when it ranks among the first
 k, scored `cumulative_logprob / num_output_tokens ** length_penalty` (EOS counted); the first k
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen import ops
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker, StopDecision
 from batchgen.sampling_params import BeamSearchParams
@@ -65,16 +67,18 @@ class BeamSearch:
 
     def step(self, beams: list[Sequence], logprobs: torch.Tensor) -> list[Continuation]:
         """The next beams from the live `beams` (rank order, all with the same number of outputs)
-        and their float32 log-softmaxed logits `[len(beams), vocab]` (banned tokens are set to -inf
-        in place); an empty list once the search is done."""
+        and their float32 log-softmaxed logits `[len(beams), vocab]`, contiguous (used up: banned tokens
+        are set to -inf and the beams' cumulative logprobs added in place); an empty list once the search
+        is done."""
         width, sampling = self.params.beam_width, self.params.sampling_params
         num_outputs = beams[0].num_output_tokens
         banned = self.stopper.banned_tokens(sampling, num_outputs)
         if banned:  # after the softmax, as transformers' min-length processor
             logprobs[:, banned] = float("-inf")
         cumulative = torch.tensor([b.cumulative_logprob for b in beams], dtype=torch.float32)
-        totals = (logprobs + cumulative[:, None]).flatten()
-        scores, index = torch.topk(totals, min(self.num_candidates, totals.numel()))
+        totals = logprobs.add_(cumulative[:, None]).view(1, -1)  # the step's rows are this request's alone
+        scores, index = ops.top_k(totals, min(self.num_candidates, totals.shape[1]))
+        scores, index = scores[0], index[0]
         normalised = (scores / self._length_norm(num_outputs + 1)).tolist()
         vocab = logprobs.shape[1]
         parents, tokens, scores = (index // vocab).tolist(), (index % vocab).tolist(), scores.tolist()
