@@ -564,8 +564,10 @@ __attribute__((always_inline)) inline void softmax_rows(float* s, const int* lim
         x[g][i] = zero_if_below(x[g][i], ahead, 0.0f) + Vec::load(infinities + i * Vec::N);
       }
     }
-    Vec vmax = x[g][0];
-    for (int i = 1; i < vecs; ++i) vmax = max(vmax, x[g][i]);
+    // From -inf, which max(-inf, x) turns into x exactly (a NaN too): starting from x[g][0], GCC warned that
+    // it might be read unset.
+    Vec vmax = Vec::set1(kNegInf);
+    for (int i = 0; i < vecs; ++i) vmax = max(vmax, x[g][i]);
     const float tile_max = reduce_max(vmax);
     if (tile_max > m[g]) {
       m_new[g] = tile_max;
