@@ -50,7 +50,7 @@ def test_argmax_logsumexp_matches_torch(vocab, dtype, cpu_isas):
         torch.testing.assert_close(log_total, expected_total, rtol=1e-6, atol=1e-5, equal_nan=True, msg=isa)
 
 
-@pytest.mark.parametrize("k", [1, 5, 20, 64])
+@pytest.mark.parametrize("k", [1, 5, 20, 32, 33, 64, 704])  # a sorted list up to 32, a heap past it
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_top_k_is_a_stable_descending_sorts_first_k(vocab, dtype, k, cpu_isas):

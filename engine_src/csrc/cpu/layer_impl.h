@@ -200,7 +200,7 @@ void summarise_block(const void* row_, int64_t begin, int64_t end, BlockSummary*
   out->sum = reduce_add(sum);
 }
 
-// The top k of row[begin, end) into `list`: a vector compare against the list's last value skips every
+// The top k of row[begin, end) into `list`: a vector compare against the list's worst value skips every
 // vector with nothing to offer, which once the list is full is almost all of them (random order: about
 // k ln(n / k) offers in all).
 template <typename T>
@@ -210,7 +210,7 @@ void top_k_block(const void* row_, int64_t begin, int64_t end, TopKList* list) {
   const int64_t whole = begin + (end - begin) / Vec::N * Vec::N;
   for (int64_t i = begin; i < whole; i += Vec::N) {
     const Vec x = Vec::load(row + i);
-    uint32_t hits = list->full() ? lanes_at_least(x, list->values[list->k - 1]) | lanes_nan(x) : kAllLanes;
+    uint32_t hits = list->full() ? lanes_at_least(x, list->worst_value()) | lanes_nan(x) : kAllLanes;
     for (; hits != 0; hits &= hits - 1) {
       const int lane = __builtin_ctz(hits);
       list->offer(to_float(row[i + lane]), i + lane);

@@ -245,6 +245,7 @@ void top_k(const torch::Tensor& logits, int64_t k, torch::Tensor& values, torch:
     for (int64_t unit = r * blocks; unit < (r + 1) * blocks; ++unit) {
       for (int64_t j = 0; j < block_counts[unit]; ++j) list.offer(block_values[unit * k + j], block_ids[unit * k + j]);
     }
+    list.sort();
   }
 }
 
