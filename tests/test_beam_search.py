@@ -308,7 +308,6 @@ def test_bad_beam_search_params_are_one_line_errors():
         BeamSearchParams(beam_width=2, max_tokens=2, min_tokens=3)
 
 
-
 def test_equal_scores_rank_by_the_beam_then_the_token():
     """Continuations whose cumulative logprobs are equal rank by the parent's rank, then by token id, so the
     survivors never depend on how a sort breaks ties. Each beam's row puts its best logprob at a different
@@ -326,6 +325,7 @@ def test_equal_scores_rank_by_the_beam_then_the_token():
     survivors = search.step(beams, logprobs)
     assert [(beams.index(c.parent), c.token_id) for c in survivors] == [(1, 7), (0, 9), (1, 5)]
     assert [c.cumulative_logprob for c in survivors] == [-1.0, -2.0, -2.0]
+
 
 @pytest.mark.slow
 def test_smollm2_beams_match_transformers(smollm2_dir):

@@ -175,21 +175,22 @@ struct TopKList {
   }
   bool full() const { return count == k; }
   bool heap() const { return k > kSortedTopK; }
-  float worst_value() const { return values[heap() ? 0 : k - 1]; }  // full lists only
+  int64_t worst() const { return heap() ? 0 : k - 1; }  // where a full list's worst token is
+  float worst_value() const { return values[worst()]; }  // full lists only
   void offer(float v, int64_t i) {
-    if (!heap()) {
-      if (full() && !before(v, i, values[k - 1], ids[k - 1])) return;
+    if (full() && !before(v, i, values[worst()], ids[worst()])) return;
+    if (!heap()) {  // into its place from the end (the last one drops out of a full list)
       int64_t at = full() ? k - 1 : count++;
       for (; at > 0 && before(v, i, values[at - 1], ids[at - 1]); --at) move(at - 1, at);
       put(at, v, i);
-    } else if (!full()) {
+    } else if (full()) {  // in place of the worst, then down past any child it is better than
+      sift_down(0, count, v, i);
+    } else {  // at the end, then up past any parent it is worse than
       int64_t at = count++;
       for (int64_t up = (at - 1) / 2; at > 0 && before(values[up], ids[up], v, i); at = up, up = (at - 1) / 2) {
         move(up, at);
       }
       put(at, v, i);
-    } else if (before(v, i, values[0], ids[0])) {
-      sift_down(0, count, v, i);
     }
   }
   // Best first: a heap's worst goes to the last place, the heap shrinks by one, and so on.
@@ -212,7 +213,7 @@ struct TopKList {
     values[at] = v;
     ids[at] = i;
   }
-  // (v, i) placed from `at` down the heap of [0, size): below any child it is worse than.
+  // (v, i) placed from `at` down the heap of [0, size): below any child it is better than.
   void sift_down(int64_t at, int64_t size, float v, int64_t i) {
     for (int64_t child = 2 * at + 1; child < size; at = child, child = 2 * at + 1) {
       if (child + 1 < size && before(values[child], ids[child], values[child + 1], ids[child + 1])) ++child;
