@@ -71,6 +71,7 @@ class EngineConfig:
     quantization: str | None = None  # "int8": the layers' projections on int8 compute (docs/int8.md)
     enforce_eager: bool = False  # CUDA: decode steps launched op by op instead of replayed as CUDA graphs
     kv_cache_dtype: str = "auto"  # fp8 | fp8_e4m3 | fp8_e5m2: half the bytes per cached token (docs/kv-cache.md)
+    num_gpu_blocks_override: int | None = None  # the KV cache's blocks on any device, whatever the memory options say
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -113,6 +114,8 @@ class EngineConfig:
              f"must be >= max_loras ({self.max_loras}): the resident adapters stay in host memory"),
             (self.quantization in (None, *QUANTIZATIONS), "quantization", "must be int8 or unset"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "must be auto, fp8, fp8_e4m3 or fp8_e5m2"),
+            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
+             "must be >= 2"),
             (limits is None, "max_num_batched_tokens", limits),
         ]
         problems += [ConfigProblem(name, f"{why} (got {getattr(self, name)!r})") for ok, name, why in checks if not ok]

@@ -46,7 +46,8 @@ class LLM:
     quantization ("int8": the layers' projections on int8 compute, CPU and native models only; docs/int8.md),
     enforce_eager (CUDA: decode steps run op by op instead of as CUDA graphs captured per batch size; docs/gpu.md),
     kv_cache_dtype ("auto", or "fp8" / "fp8_e4m3" / "fp8_e5m2": the KV cache in 8 bits, half the bytes per cached
-    token; docs/kv-cache.md).
+    token; docs/kv-cache.md), num_gpu_blocks_override (the KV cache's blocks on any device, in place of what
+    kv_cache_memory or gpu_memory_utilization would give: a small cache that makes preemption happen in tests).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, revision: str | None = None,

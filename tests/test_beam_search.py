@@ -148,8 +148,8 @@ def hf_beams(hf, tokenizer, prompt_ids: list[int], width: int, max_new: int, len
              early_stopping: bool, stop_ids: list[int], min_new: int = 0,
              **inputs) -> list[tuple[list[int], float]]:
     """transformers' returned hypotheses: (output tokens, score), best first; `inputs`: more arguments of
-    `generate` (a vision-language model's images)."""
-    ids = torch.tensor([prompt_ids])
+    `generate` (a vision-language model's images); on the model's device."""
+    ids = torch.tensor([prompt_ids], device=hf.device)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
                       do_sample=False, max_new_tokens=max_new, min_new_tokens=min_new, length_penalty=length_penalty,
                       early_stopping=early_stopping, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,

@@ -43,6 +43,7 @@ def test_vllm_engine_arguments_are_accepted_and_change_nothing(tiny_model_dirs, 
 @pytest.mark.parametrize("options, field, message", [
     ({"max_num_seq": 4}, "max_num_seq", "did you mean 'max_num_seqs'"),
     ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype", "must be auto, fp8, fp8_e4m3 or fp8_e5m2"),
+    ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override", "must be >= 2"),
     ({"load_format": "dummy"}, "load_format", "supports only 'auto' or 'safetensors'"),
     ({"tokenizer": "some/other-tokenizer"}, "tokenizer", "own tokenizer"),
 ])

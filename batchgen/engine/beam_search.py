@@ -75,7 +75,7 @@ class BeamSearch:
         banned = self.stopper.banned_tokens(sampling, num_outputs)
         if banned:  # after the softmax, as transformers' min-length processor
             logprobs[:, banned] = float("-inf")
-        cumulative = torch.tensor([b.cumulative_logprob for b in beams], dtype=torch.float32)
+        cumulative = torch.tensor([b.cumulative_logprob for b in beams], dtype=torch.float32, device=logprobs.device)
         totals = logprobs.add_(cumulative[:, None]).view(1, -1)  # the step's rows are this request's alone
         scores, index = ops.top_k(totals, min(self.num_candidates, totals.shape[1]))
         scores, index = scores[0], index[0]

@@ -167,6 +167,8 @@ class LLMEngine:
 
     # --- set-up helpers -------------------------------------------------------------------
     def _num_device_blocks(self, shape: CacheShape) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # What torch's caching allocator holds unused (an engine before this one, freed) is free to us too.

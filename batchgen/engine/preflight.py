@@ -62,7 +62,8 @@ def plan_model(config: EngineConfig) -> ModelPlan:
     problems += _image_chunk_problems(config, hf_config)
     shape = CacheShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.block_size,
                        kv_cache_dtype(config.kv_cache_dtype, dtype))
-    if device.type == "cpu" and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape)):
+    if (device.type == "cpu" and config.num_gpu_blocks_override is None
+            and (few := too_few_blocks(config.kv_cache_bytes // shape.bytes_per_block, shape))):
         problems.append(few)
     if problems:
         raise ConfigError(problems)
