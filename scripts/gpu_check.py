@@ -66,8 +66,9 @@ REPORT_RESERVE_S = INTERRUPT_GRACE_S + 10  # kept back from the budget: a step's
 MIN_STEP_S = 30  # a step with less than this left is not started
 BUILD_TOOLS = ("setuptools", "wheel", "pybind11", "ninja", "pytest", "hypothesis")
 # batchgen's imports that a CUDA image (the lent machines' 'cuda' image, 2026-11) lacks: pydantic and its own;
-# xgrammar and its own for the structured outputs of tests/test_engine_devices.py.
-OFFLINE_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "xgrammar", "apache-tvm-ffi")
+# xgrammar and its own, and pillow, for the structured outputs and images of tests/test_engine_devices.py.
+OFFLINE_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "xgrammar", "apache-tvm-ffi",
+                  "pillow")
 LINUX_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 
 

@@ -1,9 +1,9 @@
 """The engine's features on each device (kernel_cases.DEVICES), each against transformers run on the same device
 in float32: sampling's filters and logprobs, seeded samples, samples sharing a prompt's blocks, beam search,
-prompt logprobs, scoring, embeddings, structured outputs, swap and recompute preemption, prefix caching and an
-fp8 KV cache. On a CPU they run in every CI run, which keeps the tests themselves honest; on a GPU
-`scripts/gpu_check.sh` runs them (`gpu` mark) through the CUDA kernels, the decode graphs and every copy
-between host and device that the CPU never makes."""
+prompt logprobs, scoring, embeddings, structured outputs, swap and recompute preemption, prefix caching, an
+fp8 KV cache and images in (LLaVA, Qwen2-VL). On a CPU they run in every CI run, which keeps the tests themselves
+honest; on a GPU `scripts/gpu_check.sh` runs them (`gpu` mark) through the CUDA kernels, the decode graphs and
+every copy between host and device that the CPU never makes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from kernel_cases import DEVICES
 from test_beam_search import assert_same_beams, hf_beams
 from test_kv_fp8 import agreement
 from test_llm import make_prompts, tokens
+from test_vision_models import prompts as image_prompts
+from vision_kit import build_llava, build_qwen2_vl
+from vision_kit import hf_greedy as hf_image_greedy
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen import StructuredOutputsParams as Constraint
@@ -195,3 +198,18 @@ def test_fp8_kv_cache_mostly_agrees_and_survives_swaps(case, kv_cache_dtype):
                      swap_space="4MiB", enable_prefix_caching=False)
     assert tokens(tight.generate(case.prompts * 3, GREEDY, use_tqdm=False)) == roomy
     assert tight.stats()["swap_preemptions"] > 0
+
+
+@pytest.mark.parametrize("build", [build_llava, build_qwen2_vl], ids=["llava", "qwen2_vl"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_vision_language_models_match_transformers(tmp_path, device, build):
+    """Images and text inline and in chat parts, the vision tower's embeddings placed on the device (Qwen2-VL's
+    M-RoPE positions too), chunked prefills cutting through image tokens."""
+    path = build(tmp_path)
+    llm = LLM(path, dtype="float32", device=device, gpu_memory_utilization=0.3, block_size=8,
+              max_num_batched_tokens=10, max_num_seqs=4)
+    encoded = llm.encode_batch(image_prompts(llm.engine.prompts.images.placeholder))
+    hf = tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    want = [hf_image_greedy(hf, e, 10) for e in encoded]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert tokens(llm.generate(encoded, greedy, use_tqdm=False)) == want

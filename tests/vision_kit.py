@@ -223,11 +223,14 @@ def image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
 
 
 def hf_greedy(model, encoded, max_new_tokens: int) -> list[int]:
-    """transformers' greedy output for an `EncodedPrompt` (its expanded token ids and images)."""
+    """transformers' greedy output for an `EncodedPrompt` (its expanded token ids and images), on the model's
+    device."""
     ids = torch.tensor([encoded.token_ids])
     kwargs = {}
     if encoded.multi_modal is not None:
-        kwargs = reference_images(model, ids, encoded.multi_modal.images)
+        kwargs = {key: value.to(model.device) for key, value in
+                  reference_images(model, ids, encoded.multi_modal.images).items()}
+    ids = ids.to(model.device)
     config = copy.deepcopy(model.generation_config)
     # as ignore_eos: an end-of-sequence token is generated and read on (min_new_tokens would suppress it instead)
     never = model.config.get_text_config().vocab_size  # an id no step can give: no end of sequence
