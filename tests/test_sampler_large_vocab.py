@@ -68,6 +68,29 @@ def test_top_k_is_a_stable_descending_sorts_first_k(vocab, dtype, k, cpu_isas):
         assert torch.equal(bits(values), bits(expected_values)), isa
 
 
+@pytest.mark.parametrize("k", [1, 33, 704])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_top_k_without_a_kernel_is_the_stable_sorts_first_k(dtype, k):
+    """Where no kernel runs (CUDA, float16): torch.topk over keys that cannot tie gives the stable sort's order
+    and bits; -0.0 and +0.0 tie, as the sort holds them."""
+    logits = edge_case_logits(VOCABS[0], dtype, seed=k)
+    logits[10, BLOCK - 3 : BLOCK + 80] = float(logits[10].float().max()) + 2  # more ties than k
+    all_ones = torch.tensor([-1], dtype=torch.int32 if dtype == torch.float32 else torch.int16)
+    logits[6, 200] = all_ones.view(dtype)[0]  # a NaN with its sign bit set (x86's invalid operations give one)
+    if dtype != torch.float16:  # torch widens every float16 NaN to a positive one
+        assert logits[6, 200:201].float().view(torch.int32) < 0
+    logits[11, :] = -1.0
+    logits[11, [7, 900, 40000]] = -0.0
+    logits[11, [30, 5000]] = 0.0
+    expected_values, expected_ids = reference.top_k(logits, k)
+    assert reference.top_k(logits[11:], 5)[1][0].tolist() == [7, 30, 900, 5000, 40000]  # signed zeros tie
+    values, ids = ops._top_k_by_keys(logits, k)
+    assert torch.equal(ids, expected_ids)
+    assert torch.equal(bits(values), bits(expected_values))
+    if dtype == torch.float16:  # the public op takes this path for float16
+        assert torch.equal(ops.top_k(logits, k)[1], expected_ids)
+
+
 def test_top_k_is_batch_and_thread_invariant(cpu_isas):
     logits = edge_case_logits(151936, torch.bfloat16, seed=4)
     threads = torch.get_num_threads()

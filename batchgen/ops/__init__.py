@@ -416,12 +416,28 @@ def top_k(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tup
     largest values (float32) and their indices (int64), largest first, NaN above everything and ties by the
     lower index (a stable descending sort's first k), read once from the model's own dtype. 1 <= k <= vocab."""
     if not _has_kernel(logits):
-        return reference.top_k(logits if rows is None else logits[rows], k)
+        return _top_k_by_keys(logits if rows is None else logits[rows], k)
     count = logits.shape[0] if rows is None else len(rows)
     values = torch.empty(count, k, dtype=torch.float32)
     ids = torch.empty(count, k, dtype=torch.int64)
     _C.top_k(logits, k, values, ids, rows)
     return values, ids
+
+
+def _top_k_by_keys(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k where no kernel runs it (CUDA, float16): one torch.topk over int64 keys, each the value's bits made
+    to order as the floats do (-0 as +0, NaN above +inf) over the id reversed, so that no two keys tie and their
+    order is the stable sort's. A full sort of the vocabulary costs a step far more on a GPU."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top_k: needs 1 <= k <= vocab, got k={k} for a vocabulary of {logits.shape[-1]}")
+    values = logits.float()
+    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, which a sort holds equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ints in float order
+    ordered = ordered.masked_fill_(values.isnan(), torch.iinfo(torch.int32).max)
+    vocab = values.shape[-1]
+    reversed_ids = torch.arange(vocab - 1, -1, -1, dtype=torch.int64, device=values.device)
+    _, ids = ((ordered.to(torch.int64) << 32) | reversed_ids).topk(k, dim=-1)
+    return values.gather(-1, ids), ids
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
