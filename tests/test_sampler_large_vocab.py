@@ -70,7 +70,7 @@ def test_top_k_is_a_stable_descending_sorts_first_k(vocab, dtype, k, cpu_isas):
 
 @pytest.mark.parametrize("k", [1, 33, 704])
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_top_k_without_a_kernel_is_the_stable_sorts_first_k(dtype, k):
+def test_top_k_without_a_kernel_is_the_stable_sorts_first_k(dtype, k, monkeypatch):
     """Where no kernel runs (CUDA, float16): torch.topk over keys that cannot tie gives the stable sort's order
     and bits; -0.0 and +0.0 tie, as the sort holds them."""
     logits = edge_case_logits(VOCABS[0], dtype, seed=k)
@@ -84,9 +84,11 @@ def test_top_k_without_a_kernel_is_the_stable_sorts_first_k(dtype, k):
     logits[11, [30, 5000]] = 0.0
     expected_values, expected_ids = reference.top_k(logits, k)
     assert reference.top_k(logits[11:], 5)[1][0].tolist() == [7, 30, 900, 5000, 40000]  # signed zeros tie
-    values, ids = ops._top_k_by_keys(logits, k)
-    assert torch.equal(ids, expected_ids)
-    assert torch.equal(bits(values), bits(expected_values))
+    for chunk_rows in (len(logits), 5):  # all rows at once, and in chunks of 5, 5 and 2 rows
+        monkeypatch.setattr(ops, "_TOP_K_CHUNK", chunk_rows * logits.shape[1])
+        values, ids = ops._top_k_by_keys(logits, k)
+        assert torch.equal(ids, expected_ids), chunk_rows
+        assert torch.equal(bits(values), bits(expected_values)), chunk_rows
     if dtype == torch.float16:  # the public op takes this path for float16
         assert torch.equal(ops.top_k(logits, k)[1], expected_ids)
 

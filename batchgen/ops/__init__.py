@@ -424,19 +424,28 @@ def top_k(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tup
     return values, ids
 
 
+_TOP_K_CHUNK = 2**24
+
+
 def _top_k_by_keys(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k where no kernel runs it (CUDA, float16): one torch.topk over int64 keys, each the value's bits made
-    to order as the floats do (-0 as +0, NaN above +inf) over the id reversed, so that no two keys tie and their
-    order is the stable sort's. A full sort of the vocabulary costs a step far more on a GPU."""
-    if not 1 <= k <= logits.shape[-1]:
-        raise ValueError(f"top_k: needs 1 <= k <= vocab, got k={k} for a vocabulary of {logits.shape[-1]}")
+    to order as the floats do (-0 as +0, every NaN above +inf) over the id reversed, so that no two keys tie and
+    their order is the stable sort's. A full sort of the vocabulary costs a step far more on a GPU. Rows go in
+    chunks of at most _TOP_K_CHUNK keys, so that a large batch over a large vocabulary never holds more than
+    ~300 MB of them at once."""
+    vocab = logits.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top_k: needs 1 <= k <= vocab, got k={k} for a vocabulary of {vocab}")
     values = logits.float()
-    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, which a sort holds equal
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ints in float order
-    ordered = ordered.masked_fill_(values.isnan(), torch.iinfo(torch.int32).max)
-    vocab = values.shape[-1]
     reversed_ids = torch.arange(vocab - 1, -1, -1, dtype=torch.int64, device=values.device)
-    _, ids = ((ordered.to(torch.int64) << 32) | reversed_ids).topk(k, dim=-1)
+    ids = []
+    for chunk in values.split(max(1, _TOP_K_CHUNK // vocab)):
+        bits = (chunk + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, which a sort holds equal
+        bits ^= (bits >> 31).bitwise_and_(0x7FFFFFFF)  # negative floats' magnitude flipped: ints in float order
+        bits.masked_fill_(chunk.isnan(), torch.iinfo(torch.int32).max)
+        keys = bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)
+        ids.append(keys.topk(k, dim=-1).indices)
+    ids = torch.cat(ids)
     return values.gather(-1, ids), ids
 
 
