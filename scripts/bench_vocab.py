@@ -98,6 +98,7 @@ def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
     cases = {
         "argmax_logsumexp": lambda: ops.argmax_logsumexp(logits),
         "top_k 20": lambda: ops.top_k(logits, 20),
+        "top_k 20 by keys (CUDA's)": lambda: ops.top_k_by_keys(logits, 20),
         "torch.topk 20 (peer)": lambda: logits.topk(20, dim=-1),
         "sample_tokens plain": lambda: ops.sample_tokens(logits, *plain),
         "sample_tokens top-k/p/min-p": lambda: ops.sample_tokens(logits, *filtered),

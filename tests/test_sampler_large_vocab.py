@@ -85,8 +85,8 @@ def test_top_k_without_a_kernel_is_the_stable_sorts_first_k(dtype, k, monkeypatc
     expected_values, expected_ids = reference.top_k(logits, k)
     assert reference.top_k(logits[11:], 5)[1][0].tolist() == [7, 30, 900, 5000, 40000]  # signed zeros tie
     for chunk_rows in (len(logits), 5):  # all rows at once, and in chunks of 5, 5 and 2 rows
-        monkeypatch.setattr(ops, "_TOP_K_CHUNK", chunk_rows * logits.shape[1])
-        values, ids = ops._top_k_by_keys(logits, k)
+        monkeypatch.setattr(ops, "TOP_K_CHUNK", chunk_rows * logits.shape[1])
+        values, ids = ops.top_k_by_keys(logits, k)
         assert torch.equal(ids, expected_ids), chunk_rows
         assert torch.equal(bits(values), bits(expected_values)), chunk_rows
     if dtype == torch.float16:  # the public op takes this path for float16

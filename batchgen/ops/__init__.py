@@ -416,7 +416,7 @@ def top_k(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tup
     largest values (float32) and their indices (int64), largest first, NaN above everything and ties by the
     lower index (a stable descending sort's first k), read once from the model's own dtype. 1 <= k <= vocab."""
     if not _has_kernel(logits):
-        return _top_k_by_keys(logits if rows is None else logits[rows], k)
+        return top_k_by_keys(logits if rows is None else logits[rows], k)
     count = logits.shape[0] if rows is None else len(rows)
     values = torch.empty(count, k, dtype=torch.float32)
     ids = torch.empty(count, k, dtype=torch.int64)
@@ -424,14 +424,14 @@ def top_k(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tup
     return values, ids
 
 
-_TOP_K_CHUNK = 2**24
+TOP_K_CHUNK = 2**24
 
 
-def _top_k_by_keys(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_by_keys(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k where no kernel runs it (CUDA, float16): one torch.topk over int64 keys, each the value's bits made
     to order as the floats do (-0 as +0, every NaN above +inf) over the id reversed, so that no two keys tie and
     their order is the stable sort's. A full sort of the vocabulary costs a step far more on a GPU. Rows go in
-    chunks of at most _TOP_K_CHUNK keys, so that a large batch over a large vocabulary never holds more than
+    chunks of at most TOP_K_CHUNK keys, so that a large batch over a large vocabulary never holds more than
     ~300 MB of them at once."""
     vocab = logits.shape[-1]
     if not 1 <= k <= vocab:
@@ -439,7 +439,7 @@ def _top_k_by_keys(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     values = logits.float()
     reversed_ids = torch.arange(vocab - 1, -1, -1, dtype=torch.int64, device=values.device)
     ids = []
-    for chunk in values.split(max(1, _TOP_K_CHUNK // vocab)):
+    for chunk in values.split(max(1, TOP_K_CHUNK // vocab)):
         bits = (chunk + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, which a sort holds equal
         bits ^= (bits >> 31).bitwise_and_(0x7FFFFFFF)  # negative floats' magnitude flipped: ints in float order
         bits.masked_fill_(chunk.isnan(), torch.iinfo(torch.int32).max)
