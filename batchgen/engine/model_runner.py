@@ -16,6 +16,7 @@ from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.decode_batch import DecodeBatch, DecodeStep
 from batchgen.engine.flat_batch import flat_batch
+from batchgen.engine.step_inputs import StepInputs
 from batchgen.layers.attention import AttentionMetadata, fp8_kv_scales
 from batchgen.layers.lora import Segment
 from batchgen.lora.manager import LoRAManager
@@ -63,6 +64,7 @@ class ModelRunner:
         self.block_size = shape.block_size
         self._tables = BlockTables()  # the block tables of the steps' rows, kept from step to step
         self._kept_groups: tuple[DecodeBatch | None, torch.Tensor | None] = (None, None)  # _group_ids of kept rows
+        self._inputs = StepInputs(device)  # a step's input arrays onto the device in one copy
         pin = device.type == "cuda"
         # On CPU the KV cache, and the swap space on any device (pinned excepted), take memory only as
         # their blocks are first written: start-up does not wait for gigabytes of zeros, and RSS
@@ -107,11 +109,6 @@ class ModelRunner:
         numbered = [ids.setdefault(g, len(ids)) for g in groups]
         return torch.tensor(numbered, dtype=torch.int32, device=self.device)
 
-    def _tensor(self, array: np.ndarray | None) -> torch.Tensor | None:
-        if array is None:
-            return None
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)  # to() is a dispatch even when a no-op
 
     def prepare(self, scheduled, lora_slots: dict[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -137,17 +134,21 @@ class ModelRunner:
         else:
             first_row = np.empty(len(scheduled), dtype=np.int64)
             first_row[order] = batch.first_row
+        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.decode_tables, batch.decode_lens,
+                  batch.prefill_tables, batch.prefill_lens, batch.query_starts]
+        ids, positions, slots, decode_tables, decode_lens, prefill_tables, prefill_lens, starts = \
+            self._inputs.to_device(arrays)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(batch.slot_mapping),
+            slot_mapping=slots,
             num_decode_tokens=batch.num_decodes,
-            decode_block_tables=self._tensor(batch.decode_tables),
-            decode_seq_lens=self._tensor(batch.decode_lens),
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
             decode_seq_groups=self._group_ids([s.group for s in rows[:batch.num_decodes]]),
-            prefill_block_tables=self._tensor(batch.prefill_tables),
-            prefill_seq_lens=self._tensor(batch.prefill_lens),
-            prefill_query_start_loc=self._tensor(batch.query_starts),
+            prefill_block_tables=prefill_tables,
+            prefill_seq_lens=prefill_lens,
+            prefill_query_start_loc=starts,
         )
-        return self._tensor(batch.input_ids), self._tensor(batch.positions), meta, first_row.tolist()
+        return ids, positions, meta, first_row.tolist()
 
     def _prepare_decode(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """prepare() of a steady decode step: each row's last token at its position, its table from the batch's
@@ -159,17 +160,19 @@ class ModelRunner:
         slot_mapping = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
         if self._kept_groups[0] is not batch:
             self._kept_groups = (batch, self._group_ids(batch.groups))
+        ids, positions_on_device, slots, tables, lens = self._inputs.to_device(
+            [input_ids, positions, slot_mapping, tables, (positions + 1).astype(np.int32)])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
+            slot_mapping=slots,
             num_decode_tokens=count,
-            decode_block_tables=self._tensor(tables),
-            decode_seq_lens=self._tensor((positions + 1).astype(np.int32)),
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
             decode_seq_groups=self._kept_groups[1],
             prefill_block_tables=None,
             prefill_seq_lens=None,
             prefill_query_start_loc=None,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta, list(range(count))
+        return ids, positions_on_device, meta, list(range(count))
 
     @torch.inference_mode()
     def execute(self, out) -> StepOutput:
