@@ -221,15 +221,13 @@ def _draw(work: torch.Tensor, which: list[int], rows: list[SamplingRow]) -> torc
     """One token for each row of work (logits, after bans and penalties where the rows have them) that `which`
     names, read in place as float32, sampled as the matching entry of `rows` says."""
     params = [row.params for row in rows]
-
-    def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=work.device)
-
-    return ops.sample_tokens(work, per_row([p.temperature for p in params]),
-                             per_row([p.top_k for p in params], torch.int64), per_row([p.top_p for p in params]),
-                             per_row([p.min_p for p in params]),
-                             torch.from_numpy(_uniforms(rows)).to(device=work.device, dtype=torch.float32),
-                             _selection(work, which))
+    # One float64 table of the rows' parameters and uniforms: a GPU takes it in one copy, and each row rounds to its
+    # op's type as from its own list (top_k's integers are exact in float64).
+    table = np.array([[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                      [p.min_p for p in params], _uniforms(rows)], dtype=np.float64)
+    table = torch.from_numpy(table).to(work.device)
+    temperature, _, top_p, min_p, u = table.float()
+    return ops.sample_tokens(work, temperature, table[1].long(), top_p, min_p, u, _selection(work, which))
 
 
 def _plain_greedy(rows: list[SamplingRow]) -> dict[int, bool]:
