@@ -12,6 +12,10 @@ faster than memory allows; the share at 64 rows is the one to read as "at bandwi
     python scripts/bench_vocab.py                        # both vocabularies, bf16 and fp32 logits
     python scripts/bench_vocab.py --quick --json /tmp/vocab.json
     python scripts/bench_vocab.py --engine               # the whole engine on 128k- and 262k-vocab models
+    python scripts/bench_vocab.py --device cuda --vocabs 128256 --dtype bf16 --rows 64,256   # the ops on a GPU
+
+On a GPU the ops are the sampler's torch paths (no CUDA kernels of their own), the read probe a sum over GPU
+memory, and the stable sort that ops.top_k replaced is timed beside it.
 
 `--engine` runs LLM.generate on a random-weight model of Llama 3's shape family with a tiny hidden size (2 layers,
 hidden 256, GQA), at each vocabulary, over rows that mix greedy, top-p, penalties and logprobs: how much of the
@@ -38,6 +42,7 @@ from machine import processor  # noqa: E402
 from batchgen import _C, ops  # noqa: E402
 from batchgen.engine.host_memory import retain_freed_memory  # noqa: E402
 from batchgen.layers.sampler import SamplingRow, sample  # noqa: E402
+from batchgen.ops import reference  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 VOCABS = {"llama3": 128256, "gemma3": 262144}
@@ -57,7 +62,8 @@ class Result:
     share: float  # gb_s / read_gb_s
 
 
-def random_logits(rows: int, vocab: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def random_logits(rows: int, vocab: int, hidden: int, dtype: torch.dtype, seed: int,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
     """A random-weight lm_head's logits of random hidden states (std ~1), with 24 tokens a row raised 14-20
     above them as a language model's likely next tokens: a top-p 0.95 nucleus of a few tokens, as real
     models mostly give (a random model alone gives nuclei of thousands, which only measures the sort)."""
@@ -68,7 +74,7 @@ def random_logits(rows: int, vocab: int, hidden: int, dtype: torch.dtype, seed: 
     for r in range(rows):
         likely = torch.randperm(vocab, generator=gen)[:24]
         logits[r, likely] += (14 + 0.25 * torch.arange(24)).to(dtype)
-    return logits
+    return logits.to(device)
 
 
 def sampler_rows(rows: int, vocab: int, params: SamplingParams, outputs: int, allowed: bool) -> list[SamplingRow]:
@@ -87,8 +93,8 @@ def sampler_rows(rows: int, vocab: int, params: SamplingParams, outputs: int, al
 
 def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
     rows, vocab = logits.shape
-    per_row = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype)  # noqa: E731
-    u = torch.rand(rows, generator=torch.Generator().manual_seed(2))
+    per_row = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype, device=logits.device)  # noqa: E731
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(2)).to(logits.device)
     plain = (per_row(1.0), per_row(0, torch.int64), per_row(1.0), per_row(0.0), u)
     filtered = (per_row(0.8), per_row(50, torch.int64), per_row(0.95), per_row(0.05), u)
     greedy = SamplingParams(temperature=0)
@@ -98,7 +104,8 @@ def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
     cases = {
         "argmax_logsumexp": lambda: ops.argmax_logsumexp(logits),
         "top_k 20": lambda: ops.top_k(logits, 20),
-        "top_k 20 by keys (CUDA's)": lambda: ops.top_k_by_keys(logits, 20),
+        "top_k 20 by keys (GPU)": lambda: ops.top_k_by_keys(logits, 20),
+        "top_k 20 sorted (old GPU)": lambda: reference.top_k(logits, 20),
         "torch.topk 20 (peer)": lambda: logits.topk(20, dim=-1),
         "sample_tokens plain": lambda: ops.sample_tokens(logits, *plain),
         "sample_tokens top-k/p/min-p": lambda: ops.sample_tokens(logits, *filtered),
@@ -113,12 +120,12 @@ def op_table(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
 
 
 def bench(vocab: int, dtype_name: str, rows: int, hidden: int, min_time: float, probe: torch.Tensor) -> list[Result]:
-    logits = random_logits(rows, vocab, hidden, DTYPES[dtype_name], seed=rows)
+    logits = random_logits(rows, vocab, hidden, DTYPES[dtype_name], seed=rows, device=probe.device)
     nbytes = logits.numel() * logits.element_size()
     read = lambda: probe.sum()  # noqa: E731
     results = []
     for name, fn in op_table(logits).items():
-        op_s, read_s = time_interleaved([fn, read], torch.device("cpu"), min_time)
+        op_s, read_s = time_interleaved([fn, read], probe.device, min_time)
         read_gb_s = probe.numel() * 4 / read_s / 1e9
         gb_s = nbytes / op_s / 1e9
         results.append(Result(vocab, dtype_name, rows, name, op_s * 1e3, gb_s, read_gb_s, gb_s / read_gb_s))
@@ -228,6 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,16,64", help="comma list of batch rows")
     parser.add_argument("--hidden", type=int, default=256, help="the random lm_head's hidden size")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the ops only, not --engine)")
     parser.add_argument("--quick", action="store_true", help="short timings, one batch size")
     parser.add_argument("--engine", action="store_true", help="run the whole engine on random models instead")
     parser.add_argument("--requests", type=int, default=64, help="--engine: rows (a quarter per sampling kind)")
@@ -245,9 +253,13 @@ def main(argv=None) -> list[Result] | list[EngineResult]:
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # the engine's allocator settings (engine/host_memory.py): temporaries reused, not remapped
     min_time = 0.05 if args.quick else 0.3
-    probe = torch.ones(READ_PROBE_BYTES // 4)
-    print(f"{processor()}, {args.threads} threads, kernels {_C.cpu_isa()}, torch {torch.__version__}")
+    device = torch.device(args.device)
+    probe = torch.ones(READ_PROBE_BYTES // 4, device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{processor()}, {args.threads} threads"
+    print(f"{where}, kernels {_C.cpu_isa()}, torch {torch.__version__}")
     if args.engine:
+        if device.type != "cpu":
+            sys.exit("bench_vocab.py: --engine runs on a CPU only")
         count, max_tokens = (8, 8) if args.quick else (args.requests, args.max_tokens)
         results = [engine_run(vocab, dtype, args.threads, count, max_tokens, probe)
                    for vocab in args.vocabs for dtype in args.dtypes]

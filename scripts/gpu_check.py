@@ -148,7 +148,7 @@ class GpuCheck:
         return {"device": self.device, "budget_s": self.budget_s,
                 "elapsed_s": round(time.monotonic() - self.started, 1),
                 "steps": {name: asdict(step) for name, step in self.steps.items()},
-                "kernels": read("bench.json"), "e2e": read("e2e.json")}
+                "kernels": read("bench.json"), "sampler": read("vocab.json"), "e2e": read("e2e.json")}
 
     def publish(self) -> None:
         """Writes the report as it stands, and copies it and the logs to $OUT when set."""
@@ -345,6 +345,11 @@ def step_bench(check: GpuCheck, python: str) -> None:
     print(f"[gpu_check] scripts/bench_kernels.py --device cuda --grid issue51 (log: {check.log}/bench.txt)", flush=True)
     rc = check.run("bench", [python, "scripts/bench_kernels.py", "--device", "cuda", "--grid", "issue51",
                              "--json", str(check.log / "bench.json")], "bench.txt", {"PYTHONUNBUFFERED": "1"})
+    if rc == 0:  # the sampler's ops on the device: ops.top_k by keys against the sort it replaced, the draws
+        print(f"[gpu_check] scripts/bench_vocab.py --device cuda (log: {check.log}/vocab.txt)", flush=True)
+        rc = check.run("bench", [python, "scripts/bench_vocab.py", "--device", "cuda", "--vocabs", "128256",
+                                 "--dtype", "bf16", "--rows", "64,256", "--json", str(check.log / "vocab.json")],
+                       "vocab.txt", {"PYTHONUNBUFFERED": "1"})
     mark_exit(check, "bench", rc)
 
 

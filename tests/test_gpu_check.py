@@ -303,10 +303,12 @@ def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
     assert report["steps"]["tests"]["detail"].startswith("4 passed, 0 failed, 0 errors, 1 skipped")
     site = str(log / "site")  # the carried wheels, first on the path of every step after the python step
     assert report["kernels"] == {"results": [{"script": "scripts/bench_kernels.py", "path": site}]}
+    assert report["sampler"] == {"results": [{"script": "scripts/bench_vocab.py", "path": site}]}
     assert report["e2e"] == {"results": [{"script": "scripts/bench_e2e.py", "path": site}]}
     assert report["budget_s"] == 400
     kinds = {"wheels": "-m pip install -q --no-index", "build": "-m pip install --no-build-isolation",
              "tests": "-m pytest -m gpu", "bench": "scripts/bench_kernels.py --device cuda --grid issue51",
+             "vocab": "scripts/bench_vocab.py --device cuda",
              "e2e": "scripts/bench_e2e.py --device cuda", "profile": "ncu ",
              "memcheck": "compute-sanitizer --tool memcheck", "racecheck": "compute-sanitizer --tool racecheck"}
     order = [next((kind for kind, start in kinds.items() if line.startswith(start)), None)
@@ -314,7 +316,7 @@ def test_a_whole_run_on_a_stand_in_gpu_machine(tmp_path):
     assert [kind for kind in order if kind] == list(kinds)
     assert "kernel_calls.py sweep --device cuda" in calls.read_text()
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert {"build.txt", "tests.txt", "bench.txt", "e2e.txt", "profile.txt", "sanitize.txt",
+        assert {"build.txt", "tests.txt", "bench.txt", "vocab.txt", "e2e.txt", "profile.txt", "sanitize.txt",
                 "wheels.txt"} <= set(tar.getnames())
 
     # The steps after build chosen: only those run, in the order given; an unknown one is a usage error.
