@@ -1,9 +1,9 @@
 """The engine's features on each device (kernel_cases.DEVICES), each against transformers run on the same device
-in float32: sampling's filters and logprobs, seeded samples, samples sharing a prompt's blocks, beam search,
-prompt logprobs, scoring, embeddings, structured outputs, swap and recompute preemption, prefix caching, an
-fp8 KV cache and images in (LLaVA, Qwen2-VL). On a CPU they run in every CI run, which keeps the tests themselves
-honest; on a GPU `scripts/gpu_check.sh` runs them (`gpu` mark) through the CUDA kernels, the decode graphs and
-every copy between host and device that the CPU never makes."""
+in float32: sampling's filters and logprobs, penalties and logits processors, seeded samples, samples sharing a
+prompt's blocks, beam search, prompt logprobs, scoring, embeddings, structured outputs, swap and recompute
+preemption, prefix caching, an fp8 KV cache and images in (LLaVA, Qwen2-VL). On a CPU they run in every CI run,
+which keeps the tests themselves honest; on a GPU `scripts/gpu_check.sh` runs them (`gpu` mark) through the CUDA
+kernels, the decode graphs and every copy between host and device that the CPU never makes."""
 
 from __future__ import annotations
 
@@ -91,6 +91,33 @@ def test_filters_that_keep_one_token_follow_greedy_and_logprobs_match(case):
             assert max(abs(lp - expected[step, t].item()) for t, lp in top.items()) < TOL
         cumulative = expected.gather(1, torch.tensor(ref)[:, None]).sum().item()
         assert completion.cumulative_logprob == pytest.approx(cumulative, abs=1e-3)
+
+
+def test_repetition_penalty_and_logits_processors_follow_transformers(case):
+    """The rows that edit a float32 copy of their logits: a repetition penalty against transformers' own, and a
+    logits processor banning each prompt's first greedy token against `bad_words_ids`."""
+    llm = case.llm()
+
+    def ban(token: int):
+        def processor(_, logits):
+            logits[token] = float("-inf")
+            return logits
+        return processor
+
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)
+              for _ in case.prompts]
+    params += [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logits_processors=[ban(ref[0])])
+               for ref in case.greedy]
+    outputs = tokens(llm.generate(case.prompts * 2, params, use_tqdm=False))
+    for i, (prompt, ref) in enumerate(zip(case.prompts, case.greedy, strict=True)):
+        ids = torch.tensor([prompt], device=case.device)
+        common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        penalized = case.hf.generate(ids, repetition_penalty=1.3, **common)[0, len(prompt):].tolist()
+        banned = case.hf.generate(ids, bad_words_ids=[[ref[0]]], **common)[0, len(prompt):].tolist()
+        assert outputs[i] == penalized and outputs[len(case.prompts) + i] == banned
+        assert ref[0] not in banned
+    assert outputs[:len(case.prompts)] != case.greedy  # the penalty changed something: the check can fail
 
 
 def test_seeded_samples_repeat_and_shared_prompts_decode_as_alone(case):
