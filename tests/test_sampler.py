@@ -226,6 +226,24 @@ def test_sample_tokens_matches_the_torch_reference_on_every_isa(cpu_isas):
         assert torch.equal(ops.sample_tokens(*case), expected), isa
 
 
+def test_the_reference_draws_a_row_alike_in_any_company():
+    """The torch path (CUDA's) takes shortcuts when no row or every row filters, and when no row's filter outgrows
+    its first candidates: each subset of rows draws what the mixed batch drew for them."""
+    from batchgen.ops import reference
+
+    logits, temperature, top_k, top_p, min_p, u = _filter_cases(300, 4099, torch.Generator().manual_seed(9))
+    expected = reference.sample_tokens(logits, temperature, top_k, top_p, min_p, u)
+    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    assert filtered[1] and not filtered[0]  # row 1, nearly flat, searches past the first candidates
+    top_k_rows = top_k > 0
+    assert int(top_k.max()) < reference._CANDIDATES  # every top-k row is done with its first candidates
+    for subset in (~filtered, filtered, top_k_rows):
+        assert 0 < int(subset.sum()) < len(logits)
+        got = reference.sample_tokens(logits[subset], temperature[subset], top_k[subset], top_p[subset],
+                                      min_p[subset], u[subset])
+        assert torch.equal(got, expected[subset])
+
+
 def test_sample_tokens_finds_candidates_in_every_lane_and_the_ragged_tail(cpu_isas):
     """The kernels collect a filter's candidates a vector of weights at a time: a token holding the nucleus at
     any lane of a vector, in the last whole vector or past it (4,099 is 3 past a multiple of 16), is the one

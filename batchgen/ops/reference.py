@@ -218,7 +218,7 @@ def _sample_filtered(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
                      u: torch.Tensor) -> torch.Tensor:
     """Draws from weights (unnormalised, maximum 1) restricted by each row's top-k, top-p and min-p."""
     device, vocab = weights.device, weights.shape[1]
-    k = min(vocab, max([_CANDIDATES] + top_k[top_k > 0].tolist()))
+    k = min(vocab, max(_CANDIDATES, int(top_k.max())))
     top_k = torch.where(top_k > 0, top_k, vocab)
     totals = weights.sum(-1, keepdim=True)
     drawn = torch.empty(len(weights), dtype=torch.long, device=device)
@@ -231,12 +231,14 @@ def _sample_filtered(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         keep &= probs.cumsum(dim=-1) - probs < top_p[todo, None]
         keep &= cand >= min_p[todo, None]  # relative to the maximum weight, 1
         keep[:, 0] = True  # the most likely token always stays
-        done = ~keep[:, -1] if k < vocab else torch.ones_like(keep[:, -1])
+        done = ~keep[:, -1]
+        if k == vocab or bool(done.all()):  # no row left to search wider: none to pick out (a GPU syncs once)
+            picked = _inverse_cdf(cand * keep, u[todo])
+            drawn[todo] = cand_ids.gather(1, picked[:, None]).squeeze(1)
+            return drawn
         picked = _inverse_cdf(cand[done] * keep[done], u[todo[done]])
         drawn[todo[done]] = cand_ids[done].gather(1, picked[:, None]).squeeze(1)
         todo = todo[~done]
-        if len(todo) == 0:
-            return drawn
         searched = weights[todo]
         k = min(vocab, 8 * k)
 
@@ -246,6 +248,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     weights = logits.float() / temperature[:, None]
     weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # maximum 1 in every row
     filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    if not filtered.any():  # the rows mostly share their parameters: no row to pick out (a GPU syncs once or twice)
+        return _inverse_cdf(weights, u)
+    if filtered.all():
+        return _sample_filtered(weights, top_k, top_p, min_p, u)
     drawn = torch.empty(len(logits), dtype=torch.long, device=logits.device)
     if (~filtered).any():
         drawn[~filtered] = _inverse_cdf(weights[~filtered], u[~filtered])
