@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from jobkit import REPO, cli, outputs_by_key, read_rows
 
+from batchgen.cli import GUIDES
 from batchgen.job import errors
 from batchgen.job.run.lock import ShardLock
 from batchgen.job.shard import Shard
@@ -125,8 +126,11 @@ def test_job_file_reference_is_complete_and_valid():
 
 def test_commands_and_exit_codes_are_all_listed():
     cli_doc = PAGES["docs/cli.md"]
-    for command in ("run", "validate", "status", "slurm", "run-batch", "merge", "ray"):
-        assert f"| `batchgen {command} " in cli_doc
+    readme_row = next(line for line in PAGES["README.md"].splitlines() if line.startswith("| [The command line]"))
+    assert len(GUIDES) >= 9  # every command registers its guide there
+    for command in GUIDES:
+        assert f"| `batchgen {command} " in cli_doc, command
+        assert f"`{command}`" in readme_row, command
     for command in ("run", "run-batch", "merge", "ray", "validate"):
         command_help = cli(command, "--help").stdout
         for option in sorted(set(re.findall(r"(--[a-z][a-z-]+)", command_help)) - {"--help"}):
