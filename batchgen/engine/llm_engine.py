@@ -12,6 +12,7 @@ request ends with its prompt's last chunk.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -170,6 +171,7 @@ class LLMEngine:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
+            gc.collect()  # an engine dropped but not yet collected (its cycles) still holds its cache: free it first
             free, total = torch.cuda.mem_get_info(self.device)
             # What torch's caching allocator holds unused (an engine before this one, freed) is free to us too.
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
