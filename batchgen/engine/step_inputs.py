@@ -47,7 +47,7 @@ class StepInputs:
             host[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         self._device[:total].copy_(self._host[:total], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, on cuda:N too
         views = iter([self._device[o:o + a.nbytes].view(_torch_dtype(a)).view(a.shape)
                       for a, o in zip(present, offsets, strict=True)])
         return [None if a is None else next(views) for a in arrays]
