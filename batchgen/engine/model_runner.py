@@ -109,7 +109,6 @@ class ModelRunner:
         numbered = [ids.setdefault(g, len(ids)) for g in groups]
         return torch.tensor(numbered, dtype=torch.int32, device=self.device)
 
-
     def prepare(self, scheduled, lora_slots: dict[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat batch: decodes (one new token) first, then prefill chunks, each part's rows grouped by
