@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 import yaml
 
 from batchgen import LLM, SamplingParams
@@ -191,3 +192,16 @@ def test_a_job_file_cannot_carry_logits_processors(tmp_path):
     assert "LLM.generate" in problem and "spaces_between_special_tokens" not in r.output
     r = run(job, "--set", "sampling.logits_processors=[f]")
     assert r.exit_code == 1 and "--set sampling.logits_processors: Python callables cannot" in r.stderr
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_gpu_without_the_cuda_kernels_is_refused_before_the_weights(tiny_model_dirs, monkeypatch, device):
+    """A GPU node whose batchgen._C was built without nvcc: one line at start-up, where the first step would fail
+    every row."""
+    from batchgen import _C
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_C, "has_cuda", lambda: False)
+    (problem,) = LLM.check_config(str(tiny_model_dirs["llama"]), device=device)
+    assert problem.option == "device" and "built without its CUDA kernels" in problem.message
+    assert problem.message.startswith(f"{device} gives this machine's GPU") and "docs/gpu.md" in problem.message

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from batchgen import _C
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
 from batchgen.errors import first_line
@@ -133,11 +134,17 @@ def read_hf_config(model_dir: Path) -> Any:
 
 def _pick_device(name: str, problems: list[ConfigProblem]) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif name.startswith("cuda") and not torch.cuda.is_available():
         problems.append(ConfigProblem("device", "cuda was asked for but torch sees no CUDA device"))
         return torch.device("cpu")
-    return torch.device(name)
+    else:
+        device = torch.device(name)
+    if device.type == "cuda" and not _C.has_cuda():  # found at the first step otherwise, every row an error
+        problems.append(ConfigProblem("device", f"{name} gives this machine's GPU, but batchgen._C was built without "
+                                                "its CUDA kernels (a CPU torch or no nvcc at build time): rebuild it "
+                                                "(docs/gpu.md, Install) or set device: cpu"))
+    return device
 
 
 def _pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
