@@ -43,9 +43,13 @@ include_dirs = [os.path.join(ROOT, "engine_src", "csrc"), os.path.join(ROOT, "en
 
 if _with_cuda():
     sources += _sources("engine_src/cuda/*.cu") + _sources("engine_src/cuda/*.cpp")
+    archs = os.environ.get("BATCHGEN_CUDA_ARCHS", "80;90").split(";")
     arch_flags = []
-    for arch in os.environ.get("BATCHGEN_CUDA_ARCHS", "80;90").split(";"):
+    for arch in archs:
         arch_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    # The last architecture's PTX too (the step nvcc takes anyway): a newer GPU (Blackwell's sm_100, ...) compiles
+    # the kernels from it when first loaded, where machine code alone would have no kernel for it.
+    arch_flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     extension = CUDAExtension(
         "batchgen._C",
         sources,

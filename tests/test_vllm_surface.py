@@ -205,3 +205,21 @@ def test_a_gpu_without_the_cuda_kernels_is_refused_before_the_weights(tiny_model
     (problem,) = LLM.check_config(str(tiny_model_dirs["llama"]), device=device)
     assert problem.option == "device" and "built without its CUDA kernels" in problem.message
     assert problem.message.startswith(f"{device} gives this machine's GPU") and "docs/gpu.md" in problem.message
+
+
+def test_a_gpu_the_kernels_were_not_built_for_is_refused_before_the_weights(tiny_model_dirs, monkeypatch):
+    """batchgen._C built for other architectures (no machine code or PTX for this GPU's): one line naming the
+    architecture to build for, where the first step would fail every row."""
+    from batchgen import _C
+    from batchgen.engine import preflight
+
+    def no_kernel_image(device):
+        raise RuntimeError("reshape_and_cache: CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(_C, "has_cuda", lambda: True)
+    monkeypatch.setattr(preflight, "_probe_cuda_kernels", no_kernel_image)
+    (problem,) = LLM.check_config(str(tiny_model_dirs["llama"]), device="cuda")
+    assert problem.option == "device" and "no kernel this GPU (sm_100) can run" in problem.message
+    assert 'BATCHGEN_CUDA_ARCHS="100"' in problem.message and "no kernel image is available" in problem.message

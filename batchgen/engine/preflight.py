@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from batchgen import _C
+from batchgen import _C, ops
 from batchgen.config import ConfigError, ConfigProblem, EngineConfig
 from batchgen.engine.model_runner import CacheShape
 from batchgen.errors import first_line
@@ -140,11 +140,35 @@ def _pick_device(name: str, problems: list[ConfigProblem]) -> torch.device:
         return torch.device("cpu")
     else:
         device = torch.device(name)
-    if device.type == "cuda" and not _C.has_cuda():  # found at the first step otherwise, every row an error
-        problems.append(ConfigProblem("device", f"{name} gives this machine's GPU, but batchgen._C was built without "
-                                                "its CUDA kernels (a CPU torch or no nvcc at build time): rebuild it "
-                                                "(docs/gpu.md, Install) or set device: cpu"))
+    if device.type == "cuda" and (problem := _cuda_kernels_problem(name, device)):
+        problems.append(problem)
     return device
+
+
+def _cuda_kernels_problem(name: str, device: torch.device) -> ConfigProblem | None:
+    """Why batchgen._C cannot run on this GPU, found before the weights load: otherwise the first step's kernels
+    fail, and every row in it."""
+    if not _C.has_cuda():
+        return ConfigProblem("device", f"{name} gives this machine's GPU, but batchgen._C was built without its CUDA "
+                                       "kernels (a CPU torch or no nvcc at build time): rebuild it (docs/gpu.md, "
+                                       "Install) or set device: cpu")
+    try:
+        _probe_cuda_kernels(device)
+    except RuntimeError as e:
+        major, minor = torch.cuda.get_device_capability(device)
+        return ConfigProblem("device", f"batchgen._C has no kernel this GPU (sm_{major}{minor}) can run "
+                                       f"({first_line(e)}): rebuild it with BATCHGEN_CUDA_ARCHS=\"{major}{minor}\" "
+                                       "(docs/gpu.md, Install)")
+    return None
+
+
+def _probe_cuda_kernels(device: torch.device) -> None:
+    """One cache write on the device: raises where batchgen._C holds no machine code (nor PTX) for this GPU's
+    architecture, which would otherwise fail the first step and every row in it."""
+    key = torch.zeros(1, 1, 64, device=device)
+    cache = torch.zeros(1, 1, 16, 64, device=device)
+    ops.reshape_and_cache(key, key, cache, cache.clone(), torch.zeros(1, dtype=torch.int64, device=device))
+    torch.cuda.synchronize(device)
 
 
 def _pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
