@@ -30,13 +30,13 @@ def prompts_of(vocab: int, lens=(3, 17, 40, 90), seed: int = 0) -> list[list[int
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
+def hf_greedy(model, prompts: list[list[int]], max_new: int = 16, **generate) -> list[list[int]]:
     """transformers' (or PEFT's) greedy continuation of each prompt alone, exactly max_new tokens, on the
-    model's device."""
+    model's device; `generate`: more arguments of `generate` (a repetition penalty, bad words)."""
     outs = []
     for p in prompts:
         x = torch.tensor([p], device=model.device)
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0, **generate)
         outs.append(out[0, len(p):].tolist())
     return outs

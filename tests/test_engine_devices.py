@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers as tf
 from kernel_cases import DEVICES
+from lora_kit import hf_greedy
 from test_beam_search import assert_same_beams, hf_beams
 from test_kv_fp8 import agreement
 from test_llm import make_prompts, tokens
@@ -22,7 +23,7 @@ from test_vision_models import prompts as image_prompts
 from vision_kit import build_llava, build_qwen2_vl
 from vision_kit import hf_greedy as hf_image_greedy
 
-from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams, ops
 from batchgen import StructuredOutputsParams as Constraint
 from batchgen.pooling_params import ScoringParams
 
@@ -61,13 +62,7 @@ def case(request, tiny_model_dirs) -> Case:
     path = tiny_model_dirs["llama"]
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(request.param).eval()
     prompts = make_prompts(hf.config.vocab_size, [3, 17, 40, 90])
-    greedy = []
-    for p in prompts:
-        ids = torch.tensor([p], device=request.param)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        greedy.append(out[0, len(p):].tolist())
-    yield Case(request.param, path, hf, prompts, greedy)
+    yield Case(request.param, path, hf, prompts, hf_greedy(hf, prompts, MAX_NEW))
     del hf
     if request.param == "cuda":
         torch.cuda.empty_cache()
@@ -109,14 +104,10 @@ def test_repetition_penalty_and_logits_processors_follow_transformers(case):
     params += [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logits_processors=[ban(ref[0])])
                for ref in case.greedy]
     outputs = tokens(llm.generate(case.prompts * 2, params, use_tqdm=False))
+    assert outputs[:len(case.prompts)] == hf_greedy(case.hf, case.prompts, MAX_NEW, repetition_penalty=1.3)
     for i, (prompt, ref) in enumerate(zip(case.prompts, case.greedy, strict=True)):
-        ids = torch.tensor([prompt], device=case.device)
-        common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-        penalized = case.hf.generate(ids, repetition_penalty=1.3, **common)[0, len(prompt):].tolist()
-        banned = case.hf.generate(ids, bad_words_ids=[[ref[0]]], **common)[0, len(prompt):].tolist()
-        assert outputs[i] == penalized and outputs[len(case.prompts) + i] == banned
-        assert ref[0] not in banned
+        (banned,) = hf_greedy(case.hf, [prompt], MAX_NEW, bad_words_ids=[[ref[0]]])
+        assert outputs[len(case.prompts) + i] == banned and ref[0] not in banned
     assert outputs[:len(case.prompts)] != case.greedy  # the penalty changed something: the check can fail
 
 
@@ -219,7 +210,9 @@ def test_prefix_cache_hits_change_no_token(case):
 def test_fp8_kv_cache_mostly_agrees_and_survives_swaps(case, kv_cache_dtype):
     """Greedy tokens up to each sequence's first difference from transformers (test_kv_fp8's measure and bar),
     and the same tokens when the cache is too small and sequences are swapped out and back."""
-    roomy = tokens(case.llm(kv_cache_dtype=kv_cache_dtype).generate(case.prompts * 3, GREEDY, use_tqdm=False))
+    llm = case.llm(kv_cache_dtype=kv_cache_dtype)
+    assert llm.llm_engine.runner.device_caches[0][0].dtype in ops.FP8_CACHE_DTYPES
+    roomy = tokens(llm.generate(case.prompts * 3, GREEDY, use_tqdm=False))
     assert agreement(roomy, case.greedy * 3) >= 0.25
     tight = case.llm(kv_cache_dtype=kv_cache_dtype, block_size=8, num_gpu_blocks_override=24, max_num_seqs=12,
                      swap_space="4MiB", enable_prefix_caching=False)

@@ -48,7 +48,8 @@ def test_the_engine_on_packed_inputs_gives_the_same_tokens(tiny_model_dirs, pref
               SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=24, ignore_eos=True)] * 5
     want = LLM(path, **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, **options)
-    llm.llm_engine.runner._inputs = StepInputs(torch.device("cpu"), pack=True)
+    packed = llm.llm_engine.runner._inputs = StepInputs(torch.device("cpu"), pack=True)
     got = llm.generate(prompts, params, use_tqdm=False)
+    assert packed._host.numel() > 0  # the steps' inputs went through the packed buffer
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert tokens(got) == tokens(want) and llm.stats()["swap_preemptions"] > 0

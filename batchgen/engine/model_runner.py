@@ -151,11 +151,11 @@ class ModelRunner:
 
     def _prepare_decode(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """prepare() of a steady decode step: each row's last token at its position, its table from the batch's
-        array (a copy: the array changes in place at the next step), no reordering (no adapters)."""
+        array (which changes in place only once the step has run), no reordering (no adapters)."""
         batch, positions, bs = step.batch, step.positions, self.block_size
         count = len(positions)
         input_ids = np.array([tokens[-1] for tokens in batch.token_lists], dtype=np.int64)
-        tables = batch.tables[:, :batch.width()].copy()
+        tables = batch.tables[:, :batch.width()]  # a view: to_device packs it, or copies it where not contiguous
         slot_mapping = tables[np.arange(count), positions // bs].astype(np.int64) * bs + positions % bs
         if self._kept_groups[0] is not batch:
             self._kept_groups = (batch, self._group_ids(batch.groups))

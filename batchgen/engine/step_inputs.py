@@ -11,6 +11,8 @@ the same stream. On a CPU the arrays are used where they lie, as before (`torch.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -31,9 +33,10 @@ class StepInputs:
 
     def to_device(self, arrays: list[np.ndarray | None]) -> list[torch.Tensor | None]:
         """Each array as a tensor on the device (None stays None), all sent in one copy. The tensors are valid
-        until the next call: they share one buffer."""
+        until the next call: they share one buffer. Unpacked (a CPU), each tensor is its array, copied only where
+        it is not contiguous: an array may change once the step has run, not before."""
         if not self.pack:
-            return [None if a is None else torch.from_numpy(a) for a in arrays]
+            return [None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         present = [a for a in arrays if a is not None]
         offsets, total = [], 0
         for a in present:
@@ -43,12 +46,12 @@ class StepInputs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left the host buffer
         host = self._host.numpy()
-        for a, offset in zip(present, offsets, strict=True):
-            host[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for a, offset in zip(present, offsets, strict=True):  # one copy each, whatever the array's layout
+            host[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
         self._device[:total].copy_(self._host[:total], non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, on cuda:N too
-        views = iter([self._device[o:o + a.nbytes].view(_torch_dtype(a)).view(a.shape)
+        views = iter([self._device[o:o + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
                       for a, o in zip(present, offsets, strict=True)])
         return [None if a is None else next(views) for a in arrays]
 
@@ -56,11 +59,10 @@ class StepInputs:
         if nbytes <= self._host.numel():
             return
         size = max(nbytes, 2 * self._host.numel(), 1 << 16)
-        if self._copied is not None:
-            self._copied.synchronize()
         self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self._device = torch.empty(size, dtype=torch.uint8, device=self.device)
 
 
-def _torch_dtype(array: np.ndarray) -> torch.dtype:
-    return torch.from_numpy(array[:0]).dtype
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
