@@ -1,7 +1,7 @@
 """Tiny random models of architectures beyond the Llama family, from transformers configs (2 layers,
 4 query and 2 KV heads of 64, hidden 256), saved with conftest's tiny tokenizer. Sizes that change a
 model's attention are small enough to matter in short prompts: sliding windows of 16-40 tokens,
-Gemma 2's soft caps, Gemma's and Granite's attention scales."""
+Gemma 2's soft caps, Gemma's and Granite's attention scales; and mixtures of experts of 4-8 experts."""
 
 from __future__ import annotations
 
@@ -42,11 +42,22 @@ def _configs(tf, tokens: dict) -> dict:
                                    max_position_embeddings=1024), tf.FalconForCausalLM),
         "mistral_window": (tf.MistralConfig(**SIZES, **KV, head_dim=64, **tokens, sliding_window=24),
                            tf.MistralForCausalLM),
+        # Mixtures of experts (layers/experts.py): routers of F.linear over their own weight (Mixtral, Qwen3-MoE),
+        # an nn.Linear subclass with its own forward (Phi-3.5-MoE), a gate that reads its linear's dtype (Hunyuan).
+        "mixtral": (tf.MixtralConfig(**SIZES, **KV, **tokens, num_local_experts=8, num_experts_per_tok=2),
+                    tf.MixtralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig(**SIZES, **KV, **tokens, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=128), tf.Qwen3MoeForCausalLM),
+        "phimoe": (tf.PhimoeConfig(**SIZES, **KV, **tokens, num_local_experts=4, num_experts_per_tok=2),
+                   tf.PhimoeForCausalLM),
+        "hunyuan_moe": (tf.HunYuanMoEV1Config(**SIZES, **KV, **tokens, head_dim=64, num_experts=4, moe_topk=2),
+                        tf.HunYuanMoEV1ForCausalLM),
     }
 
 
+MOE = ["mixtral", "qwen3_moe", "phimoe", "hunyuan_moe"]
 ZOO = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox", "starcoder2", "cohere", "falcon",
-       "mistral_window"]
+       "mistral_window", *MOE]
 
 
 def build_zoo_model(path, arch: str, seed: int = 0):

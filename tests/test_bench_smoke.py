@@ -341,6 +341,16 @@ def test_host_bench_quick_pass(capsys):
         assert sum(line["breakdown_us"].values()) == pytest.approx(line["us_per_step"], abs=0.5)
 
 
+def test_moe_bench_quick_pass(capsys):
+    """scripts/bench_moe.py --quick: the same MoE run with packed experts and with transformers' own, then the
+    ratio (no threshold: timings vary with the machine)."""
+    load_script("bench_moe").main(["--quick"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(line["packed"], line["experts"]) for line in lines[:2]] == [(True, "batchgen"), (False, "grouped_mm")]
+    assert all(line["output_tok_s"] > 0 for line in lines[:2])
+    assert lines[2]["packed_over_transformers"] > 0 and lines[2]["processor"]
+
+
 def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):
     """scripts/bench_e2e.py on the tiny shape: a random checkpoint written, both workloads and the batch-1 run
     through LLM, the roofline computed from the steps' schedules (the GPU figures come from a lent card)."""

@@ -50,6 +50,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _on_min_rows(lambda rows: F.linear(rows, weight, bias), x)
 
 
+def forward_on_min_rows(module: nn.Module) -> None:
+    """Makes `module`, one that multiplies its input by a weight of its own with F.linear (transformers' MoE
+    routers), run on at least MIN_ROWS rows, as `linear` runs F.linear: its input [..., rows, features] is padded
+    with zero rows, and each tensor it returns cut back to `rows` along the first dimension of the padded count.
+    The module itself stays in place (its parent may read its attributes); only its forward is wrapped."""
+    inner = module.forward
+
+    def forward(x: torch.Tensor, *args, **kwargs):
+        rows = x.shape[-2]
+        if rows >= MIN_ROWS:
+            return inner(x, *args, **kwargs)
+        out = inner(F.pad(x, (0, 0, 0, MIN_ROWS - rows)), *args, **kwargs)
+        return tuple(_cut_rows(t, rows) for t in out) if isinstance(out, tuple) else _cut_rows(out, rows)
+
+    module.forward = forward
+
+
+def _cut_rows(t, rows: int):
+    if not isinstance(t, torch.Tensor) or MIN_ROWS not in t.shape:
+        return t
+    return t.narrow(list(t.shape).index(MIN_ROWS), 0, rows)
+
+
 def onednn_bf16() -> bool:
     """Whether bf16 weights may go to oneDNN here: it needs AVX-512 (or AVX-NE-CONVERT), and raises on an AVX2-only
     CPU; and where batchgen's GEMM widens bf16 (AVX-512 without AVX512-BF16) oneDNN only emulates bf16, at a third
@@ -201,10 +224,12 @@ class Linear(nn.Linear):
 
 def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear,)) -> dict[str, nn.Linear]:
     """Replaces every packable linear of `kinds` below module by a `PackedLinear` (dropping the plain
-    weight); returns the replaced modules by their qualified names."""
+    weight); returns the replaced modules by their qualified names. A subclass with a forward of its own (one of
+    transformers' MoE routers, an nn.Linear returning its routing) is left as it is."""
     replaced = {}
+    forwards = {kind.forward for kind in kinds}
     for name, child in list(module.named_children()):
-        if isinstance(child, kinds) and can_pack(child.weight):
+        if isinstance(child, kinds) and type(child).forward in forwards and can_pack(child.weight):
             setattr(module, name, PackedLinear(child.weight, child.bias))
             replaced[name] = child
         else:

@@ -27,7 +27,16 @@ from torch import nn
 from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, KVScales, paged_attention
-from batchgen.layers.linear import PackedLinear, gather_panels, linear, logits_head, pack_linears
+from batchgen.layers.experts import PackedExperts
+from batchgen.layers.linear import (
+    PackedLinear,
+    can_pack,
+    forward_on_min_rows,
+    gather_panels,
+    linear,
+    logits_head,
+    pack_linears,
+)
 from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
     ADAPTED_MODEL_TYPES,
@@ -113,6 +122,68 @@ def register_attention() -> None:
     AttentionInterface.register(BACKEND, batchgen_attention)
 
 
+def batchgen_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-interface signature over the layer's `PackedExperts` (set by `pack_experts`)."""
+    return module.batchgen_experts(hidden_states, top_k_index, top_k_weights)
+
+
+def pack_experts(hf: nn.Module) -> int:
+    """The MoE layers' experts (transformers' 3-D expert weights) packed per expert (layers/experts.py) and run by
+    `batchgen_experts`, their 3-D weights freed one layer at a time; the routers' F.linear kept on tall-matrix
+    kernels (`forward_on_min_rows`). Returns the number of expert layers packed; 0 leaves the model as it was.
+    A token's result then depends on that token alone, as in the dense layers."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    layers = [m for m in hf.modules() if hasattr(m, "_apply_gate")]  # what transformers' decorator gives them
+    if not layers or not all(_packable_experts(m) for m in layers):
+        return 0
+    ALL_EXPERTS_FUNCTIONS.register(BACKEND, batchgen_experts)
+    for module in hf.modules():
+        if "Router" in type(module).__name__ and _owns_matrix(module):
+            forward_on_min_rows(module)
+    for module in layers:
+        module.batchgen_experts = _pack_experts_of(module)
+        for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+            if isinstance(getattr(module, name, None), nn.Parameter):
+                setattr(module, name, nn.Parameter(torch.empty(0, dtype=getattr(module, name).dtype),
+                                                   requires_grad=False))
+    hf.set_experts_implementation(BACKEND)
+    return len(layers)
+
+
+def _packable_experts(module: nn.Module) -> bool:
+    """Whether an experts module of transformers' experts interface has a layout batchgen packs: 3-D weights on a
+    CPU that packs them, not split for expert parallelism."""
+    down = getattr(module, "down_proj", None)
+    up = getattr(module, "gate_up_proj" if getattr(module, "has_gate", False) else "up_proj", None)
+    return (isinstance(down, nn.Parameter) and down.dim() == 3 and isinstance(up, nn.Parameter) and up.dim() == 3
+            and can_pack(down) and not getattr(module, "_is_expert_parallel", False))
+
+
+def _pack_experts_of(module: nn.Module) -> PackedExperts:
+    from transformers.integrations.moe import _default_apply_gate
+
+    gated = module.has_gate
+    up = module.gate_up_proj if gated else module.up_proj
+    fused = (gated and module.is_concatenated and not module.has_bias
+             and type(module)._apply_gate is _default_apply_gate
+             and type(module.act_fn).__name__ in ("SiLUActivation", "SiLU"))
+    return PackedExperts.pack(
+        up.detach(), module.down_proj.detach(), transposed=module.is_transposed, fused_silu=fused,
+        up_bias=getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None) if module.has_bias else None,
+        down_bias=module.down_proj_bias if module.has_bias else None,
+        gate_fn=module._apply_gate if gated else module.act_fn,
+        post_norm=module.post_expert_norm if module.has_post_expert_norm else None)
+
+
+def _owns_matrix(module: nn.Module) -> bool:
+    """Whether the module holds a 2-D weight of its own that it multiplies itself (an nn.Linear subclass with a
+    forward of its own included; a packed one has no Parameter)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 2
+
+
 class TransformersModel(nn.Module):
     """The runner's seam over a transformers causal LM (or sequence classifier): flat batch in, hidden states
     out; `compute_logits` (`compute_scores` for a classifier)."""
@@ -143,6 +214,8 @@ class TransformersModel(nn.Module):
         model then fails its one-token check (its code reads a projection's weight itself)."""
         head = self.head
         replaced = pack_linears(self.hf.base_model, (nn.Linear,))
+        for name, plain in replaced.items():  # code that reads a projection's dtype or shape (its device is wrong)
+            self.hf.base_model.get_submodule(name).weight = torch.empty_like(plain.weight, device="meta")
         if head is not None:
             self.head = logits_head(head.weight, head.bias) or head
         try:
@@ -152,6 +225,12 @@ class TransformersModel(nn.Module):
                 self.hf.base_model.set_submodule(name, module)
             self.head = head
             return
+        if pack_experts(self.hf):
+            try:
+                _try_one_token(self)
+            except NotImplementedError as e:  # its layout passed _packable_experts: batchgen's bug, not the model's
+                raise RuntimeError(f"batchgen's packed experts fail on this model ({e}): a batchgen bug, "
+                                   "please report it") from None
         gather_panels(self)
 
     def attention_layers(self) -> list[LayerAttention]:
@@ -226,7 +305,10 @@ def _try_one_token(model: TransformersModel) -> None:
     batchgen's attention lacks is refused now, not when the first requests run."""
     geometry = attention_geometry(model.hf.config)
     embeddings = model.hf.get_input_embeddings().weight
-    device, dtype = embeddings.device, embeddings.dtype
+    device = embeddings.device
+    dtype = getattr(model.hf.config, "dtype", None)  # the engine's cache dtype; some models keep embeddings in float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype if isinstance(dtype, torch.dtype) else embeddings.dtype
     block_size = ops.SUPPORTED_BLOCK_SIZES[0]
     for layer in model.layers:
         layer.key_cache, layer.value_cache = ops.allocate_kv_cache(

@@ -1,0 +1,137 @@
+"""Mixtures of experts on the transformers backend: the experts packed per expert (layers/experts.py) against a
+pure-torch reference, each token's result independent of the batch, routers on tall-matrix kernels, and seeded
+output the same however the engine batches it. (Greedy parity with transformers' generate: test_model_impl.py,
+whose zoo holds the MoE families.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import rel_err, tolerance
+from model_zoo import MOE, build_zoo_model
+from test_reproducibility import VARIANTS, check_variants, seeded, tiny_prompts
+
+from batchgen import LLM
+from batchgen.layers.experts import PackedExperts
+from batchgen.layers.linear import MIN_ROWS, forward_on_min_rows
+
+EXPERTS, HIDDEN, WIDTH, K = 6, 64, 64, 2
+# WIDTH a multiple of 64: an unfused gate runs torch's elementwise code, whose last elements of a tensor not a multiple
+# of the vector width go through a scalar path that may round differently (docs/models.md, Mixtures of experts).
+
+
+def reference(hidden, ids, weights, up, down, *, transposed=False, up_bias=None, down_bias=None, fused=True,
+              act=F.silu):
+    """Each token's sum over its experts of weight * down(gate(up(x))), in float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for rank in range(ids.shape[1]):
+            e = int(ids[t, rank])
+            w_up, w_down = (w[e].double() for w in (up, down))
+            if transposed:
+                w_up, w_down = w_up.t(), w_down.t()
+            x = hidden[t].double() @ w_up.t() + (0 if up_bias is None else up_bias[e].double())
+            if fused:
+                gate, x_up = x.chunk(2)
+                x = act(gate) * x_up
+            else:
+                x = act(x)
+            x = x @ w_down.t() + (0 if down_bias is None else down_bias[e].double())
+            out[t] += weights[t, rank].double() * x
+    return out
+
+
+def routing(tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:K] for _ in range(tokens)])
+    return ids, torch.rand(tokens, K, generator=gen)
+
+
+LAYOUTS = {
+    "silu-gated": dict(fused=True),
+    "transposed,ungated,biased": dict(transposed=True, fused=False, bias=True),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_match_the_reference_and_each_row_is_its_own(dtype, layout):
+    options = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(1)
+    out_up = 2 * WIDTH if options["fused"] else WIDTH
+    up_shape, down_shape = (EXPERTS, out_up, HIDDEN), (EXPERTS, HIDDEN, WIDTH)
+    if options.get("transposed"):
+        up_shape, down_shape = (EXPERTS, HIDDEN, out_up), (EXPERTS, WIDTH, HIDDEN)
+    up = (torch.randn(up_shape, generator=gen) * 0.2).to(dtype)
+    down = (torch.randn(down_shape, generator=gen) * 0.2).to(dtype)
+    biases = {}
+    if options.get("bias"):
+        biases = dict(up_bias=torch.randn(EXPERTS, out_up, generator=gen).to(dtype),
+                      down_bias=torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype))
+    experts = PackedExperts.pack(up, down, transposed=options.get("transposed", False), fused_silu=options["fused"],
+                                 gate_fn=None if options["fused"] else F.silu, **biases)
+    hidden = torch.randn(40, HIDDEN, generator=gen).to(dtype)
+    ids, weights = routing(40)
+    got = experts(hidden, ids, weights.to(dtype))
+    assert got.dtype == dtype and got.shape == hidden.shape
+    want = reference(hidden, ids, weights.to(dtype), up, down, transposed=options.get("transposed", False),
+                     fused=options["fused"], **biases)
+    assert rel_err(got, want) < (tolerance(dtype) if dtype == torch.float32 else 2e-2)
+    # A token's bits do not depend on the other tokens of the call: alone, in a few, in another order.
+    for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
+        part = experts(hidden[rows], ids[rows], weights.to(dtype)[rows])
+        assert torch.equal(part, got[rows]), rows
+
+
+def test_routers_are_called_on_tall_matrix_kernels():
+    """A router's F.linear rows must not depend on the step's row count (BLAS kernels for a few rows round
+    differently): run on at least MIN_ROWS rows, cut back, whatever it returns."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 96, generator=torch.Generator().manual_seed(2)))
+
+        def forward(self, x, scale=1.0):
+            logits = F.linear(x.reshape(-1, x.shape[-1]), self.weight) * scale
+            values, ids = torch.topk(logits.softmax(-1), 2)
+            return logits, values, ids
+
+    router = Router()
+    forward_on_min_rows(router)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    full = router(x)
+    for rows in range(1, MIN_ROWS + 1):
+        for got in (router(x[:rows]), router(x[None, :rows], scale=1.0)):
+            assert [t.shape[0] for t in got] == [rows] * 3
+            for part, whole in zip(got, full, strict=True):
+                assert torch.equal(part, whole[:rows])
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: str(build_zoo_model(root / arch, arch)) for arch in MOE}
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_experts_run_packed_and_their_3d_weights_are_freed(moe_dirs, arch):
+    llm = LLM(moe_dirs[arch], dtype="bfloat16", kv_cache_memory="16MiB")
+    hf = llm.llm_engine.runner.model.hf
+    layers = [m for m in hf.modules() if hasattr(m, "_apply_gate")]
+    assert layers and all(isinstance(m.batchgen_experts, PackedExperts) for m in layers)
+    assert hf.config._experts_implementation == "batchgen"
+    assert not [name for name, p in hf.named_parameters() if p.dim() == 3 and p.numel()]
+    assert llm.generate([[5, 6, 7]], seeded(1, n=1)[0], use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs, dtype):
+    """Before the experts were packed, float32 logprobs changed with max_num_seqs and chunking (transformers'
+    grouped_mm over the raw weights, and the routers' F.linear on a few rows)."""
+    prompts = tiny_prompts(400)
+    block_bytes = 2 * 2 * 2 * 16 * 64 * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    variants = VARIANTS if dtype == "bfloat16" else {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked")}
+    check_variants(moe_dirs["qwen3_moe"], dtype, prompts, seeded(len(prompts)), block_bytes,
+                   {"kv_cache_memory": "32MiB", "swap_space": "8MiB"}, variants)
