@@ -16,6 +16,7 @@ import torch
 import transformers as tf
 from kernel_cases import DEVICES
 from lora_kit import hf_greedy
+from model_zoo import build_zoo_model
 from test_beam_search import assert_same_beams, hf_beams
 from test_kv_fp8 import agreement
 from test_llm import make_prompts, tokens
@@ -233,3 +234,17 @@ def test_vision_language_models_match_transformers(tmp_path, device, build):
     want = [hf_image_greedy(hf, e, 10) for e in encoded]
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     assert tokens(llm.generate(encoded, greedy, use_tqdm=False)) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mixture_of_experts(device, tmp_path):
+    """A Qwen3-MoE on the transformers backend: on a CPU its experts packed per expert (layers/experts.py), on a
+    GPU transformers' own grouped experts; greedy tokens transformers' on the same device either way."""
+    path = str(build_zoo_model(tmp_path / "moe", "qwen3_moe"))
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    prompts = make_prompts(hf.config.vocab_size, [3, 17, 40, 90])
+    want = hf_greedy(hf, prompts, MAX_NEW)
+    llm = LLM(path, dtype="float32", device=device, gpu_memory_utilization=0.3)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    packed = llm.llm_engine.runner.model.hf.config._experts_implementation == "batchgen"
+    assert packed == (device == "cpu")

@@ -225,13 +225,13 @@ class TransformersModel(nn.Module):
                 self.hf.base_model.set_submodule(name, module)
             self.head = head
             return
+        gather_panels(self)  # before the experts: copying theirs too would hold a MoE's weights twice at its peak
         if pack_experts(self.hf):
             try:
                 _try_one_token(self)
             except NotImplementedError as e:  # its layout passed _packable_experts: batchgen's bug, not the model's
                 raise RuntimeError(f"batchgen's packed experts fail on this model ({e}): a batchgen bug, "
                                    "please report it") from None
-        gather_panels(self)
 
     def attention_layers(self) -> list[LayerAttention]:
         return self.layers
