@@ -17,8 +17,9 @@ from batchgen.layers.experts import PackedExperts
 from batchgen.layers.linear import MIN_ROWS, forward_on_min_rows
 
 EXPERTS, HIDDEN, WIDTH, K = 6, 64, 64, 2
-# WIDTH a multiple of 64: an unfused gate runs torch's elementwise code, whose last elements of a tensor not a multiple
-# of the vector width go through a scalar path that may round differently (docs/models.md, Mixtures of experts).
+# WIDTH a multiple of 64: the unfused gate here is torch's F.silu itself, whose last elements of a tensor not a
+# multiple of the vector width go through a scalar path (the backend runs models' activations through
+# layers/elementwise.invariant; tests/test_elementwise.py).
 
 
 def reference(hidden, ids, weights, up, down, *, transposed=False, up_bias=None, down_bias=None, fused=True,

@@ -106,6 +106,20 @@ def test_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(tiny_model_dir
     check_all_variants(tiny_model_dirs[arch], dtype)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
+def test_three_threads_split_no_token_differently(tmp_path, arch):
+    """With a thread count that splits torch's elementwise loops unevenly, Gemma 2's gelu and final soft cap
+    (native) and the transformers backend's activations (OLMo 2) rounded a token's last elements through torch's
+    scalar path or not depending on the step (layers/elementwise.py); float32, where it showed."""
+    from model_zoo import build_zoo_model
+
+    model = str(build_zoo_model(tmp_path / arch, arch))
+    prompts = tiny_prompts(400)
+    base = {"kv_cache_memory": "32MiB", "num_threads": 3}
+    variants = {"max-num-seqs-1": {"max_num_seqs": 1}, "chunked": VARIANTS["chunked"]}
+    check_variants(model, "float32", prompts, seeded(len(prompts), n=1), TINY_BLOCK * 4, base, variants)
+
+
 def test_bf16_seeded_outputs_are_invariant_on_every_kernel_table(tiny_model_dirs, cpu_isas):
     """The lower tables too: the widened GEMMs (avx2, avx512), oneDNN on float32 copies (scalar), other vectors."""
     from batchgen import _C

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.attention import AttentionMetadata
+from batchgen.layers.elementwise import gelu_tanh, invariant
 from batchgen.layers.rotary import Rope, RotaryEmbedding
 from batchgen.models.llama import MLP, Attention, LlamaConfig, LlamaForCausalLM, RMSNorm
 
@@ -32,7 +32,7 @@ class GemmaConfig(LlamaConfig):
 class GeluMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(invariant(gelu_tanh, gate) * up)
 
     def pack(self, quantization: str | None = None) -> None:
         """The fused SiLU GEMMs do not apply: gate_up_proj packs (or quantizes) as a plain projection."""
@@ -89,7 +89,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         if cap := self.cfg.final_logit_soft_cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = invariant(torch.tanh, logits / cap) * cap
         return logits
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from torch import nn
 
 from batchgen import ops
 from batchgen.layers.attention import AttentionMetadata, PagedAttention
+from batchgen.layers.elementwise import invariant
 from batchgen.layers.linear import (
     Int8Linear,
     Int8SiluAndMul,
@@ -119,7 +120,7 @@ class MLP(nn.Module):
         if self.packed_gate_up is not None:
             return self.down_proj(self.packed_gate_up(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(invariant(F.silu, gate) * up)
 
     def pack(self, quantization: str | None = None) -> None:
         weight = self.gate_up_proj.weight

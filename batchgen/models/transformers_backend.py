@@ -15,6 +15,7 @@ name (`lora_targets`), wrapped so the LoRA layer sees the step's rows as a 2-D b
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from torch import nn
 from batchgen import ops
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata, AttentionVariant, KVScales, paged_attention
+from batchgen.layers.elementwise import invariant
 from batchgen.layers.experts import PackedExperts
 from batchgen.layers.linear import (
     PackedLinear,
@@ -177,6 +179,14 @@ def _pack_experts_of(module: nn.Module) -> PackedExperts:
         post_norm=module.post_expert_norm if module.has_post_expert_norm else None)
 
 
+def _is_activation(module: nn.Module) -> bool:
+    """transformers' activation modules (ACT2FN's) and torch's: run through `elementwise.invariant`, so that a
+    token's activations do not depend on the step's size (torch's kernels round the last elements of each thread's
+    share through a scalar path)."""
+    return (type(module).__module__ == "transformers.activations"
+            or isinstance(module, (nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.Softplus)))
+
+
 def _owns_matrix(module: nn.Module) -> bool:
     """Whether the module holds a 2-D weight of its own that it multiplies itself (an nn.Linear subclass with a
     forward of its own included; a packed one has no Parameter)."""
@@ -192,6 +202,9 @@ class TransformersModel(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.config = text_config(hf_model.config)
+        for module in hf_model.modules():
+            if _is_activation(module):
+                module.forward = functools.partial(invariant, module.forward)
         self.step = Step()
         self.layers = [LayerAttention(self.step, w) for w in layer_windows(hf_model.config)]
         attention_modules = [m for m in hf_model.modules() if type(m).__name__.endswith("Attention")
@@ -272,7 +285,7 @@ class TransformersModel(nn.Module):
         if scaling := getattr(cfg, "logits_scaling", None):  # Granite
             logits = logits / scaling
         if cap := getattr(cfg, "final_logit_softcapping", None):  # Gemma 2/3
-            logits = torch.tanh(logits / cap) * cap
+            logits = invariant(torch.tanh, logits / cap) * cap
         return logits
 
 
