@@ -40,9 +40,9 @@ from bench_kernels import time_interleaved  # noqa: E402
 from machine import processor  # noqa: E402
 
 from batchgen import _C, ops  # noqa: E402
-from batchgen.engine.host_memory import retain_freed_memory  # noqa: E402
 from batchgen.layers.sampler import SamplingRow, sample  # noqa: E402
 from batchgen.ops import reference  # noqa: E402
+from batchgen.ops.host_memory import retain_freed_memory  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 VOCABS = {"llama3": 128256, "gemma3": 262144}
@@ -251,7 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[Result] | list[EngineResult]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    retain_freed_memory()  # the engine's allocator settings (engine/host_memory.py): temporaries reused, not remapped
+    retain_freed_memory()  # the engine's allocator settings (ops/host_memory.py): temporaries reused, not remapped
     min_time = 0.05 if args.quick else 0.3
     device = torch.device(args.device)
     probe = torch.ones(READ_PROBE_BYTES // 4, device=device)

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from batchgen.engine.host_memory import retain_freed_memory
+from batchgen.ops.host_memory import retain_freed_memory
 
 on_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                               reason="glibc settings")
@@ -23,7 +23,7 @@ def test_release_freed_memory_hands_the_retained_heap_back():
     process: the settings are process-wide)."""
     script = textwrap.dedent("""
         import psutil, torch
-        from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
+        from batchgen.ops.host_memory import release_freed_memory, retain_freed_memory
         assert retain_freed_memory()
         rss = lambda: psutil.Process().memory_info().rss >> 20
         blocks = [torch.ones(2 << 20) for _ in range(40)]  # 8 MiB each: on the heap, under the threshold

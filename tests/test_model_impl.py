@@ -160,3 +160,18 @@ def test_model_impl_in_a_job_file():
     assert ModelSpec(path="m", model_impl="transformers").engine_kwargs(Path("m"))["model_impl"] == "transformers"
     [problem] = spec_problems({**spec, "model": {"path": "m", "model_impl": "vllm"}})
     assert "model.model_impl" in str(problem)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings")
+def test_the_backend_lets_go_of_the_checkpoint_file(tmp_path):
+    """transformers loads tensors as views of the memory-mapped checkpoint: one left (embeddings, norms) kept the
+    whole file mapped, every page the packing read in the process's memory (a 1.7 GB OLMo 2: 3.6 GB of RSS after
+    load, 2.3 GB once let go)."""
+    import gc
+
+    path = build_zoo_model(tmp_path / "olmo2", "olmo2")
+    llm = LLM(str(path), dtype="float32", model_impl="transformers", kv_cache_memory="8MiB")
+    gc.collect()
+    checkpoint = str((path / "model.safetensors").resolve())
+    assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(checkpoint)]
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

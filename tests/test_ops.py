@@ -421,15 +421,22 @@ def test_host_kv_cache_without_prefault_takes_memory_as_written():
 
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
                     reason="transparent huge pages are off or absent")
-def test_on_huge_pages_copies_side_by_side():
+def test_weights_move_onto_huge_pages_side_by_side_freeing_each_original():
+    import types
+    import weakref
+
     tensors = [torch.randn(1000, 700), torch.arange(11, dtype=torch.int32), torch.randn(3, 5).bfloat16(),
                torch.randn(900, 800).bfloat16()]
-    copies = ops.on_huge_pages(tensors)
+    owners = [types.SimpleNamespace(weight=t.clone()) for t in tensors]
+    originals = [weakref.ref(owner.weight) for owner in owners]
+    ops.move_onto_huge_pages([(owner, "weight") for owner in owners])
+    copies = [owner.weight for owner in owners]
     for tensor, copy in zip(tensors, copies, strict=True):
         assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() % 64 == 0
+    assert all(ref() is None for ref in originals), "the move kept an original alive"
     assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
     assert copies[0].data_ptr() % (2 << 20) == 0 and _huge_page_kib(copies[0].data_ptr()) >= 2048
-    assert ops.on_huge_pages([]) == []
+    ops.move_onto_huge_pages([])
 
 
 # --- argument errors ----------------------------------------------------------------------------

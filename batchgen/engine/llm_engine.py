@@ -25,7 +25,6 @@ from batchgen.config import ConfigError, EngineConfig
 from batchgen.engine.beam_search import BeamSearch
 from batchgen.engine.config import SchedulerConfig
 from batchgen.engine.cuda_graphs import DecodeGraphs
-from batchgen.engine.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.engine.kept_rows import KeptRows
 from batchgen.engine.model_runner import CacheShape, ModelRunner, StepOutput
 from batchgen.engine.pooling import Pooler, class_probs, embedding, read_pooling_config
@@ -40,6 +39,7 @@ from batchgen.lora.manager import LoRAManager
 from batchgen.lora.request import LoRARequest
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.models.vision.processing import load_preprocessor
+from batchgen.ops.host_memory import release_freed_memory, retain_freed_memory
 from batchgen.outputs import (
     ClassificationOutput,
     CompletionOutput,

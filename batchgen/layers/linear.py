@@ -285,9 +285,6 @@ def quantize_linears(module: nn.Module) -> None:
 
 def gather_panels(module: nn.Module) -> None:
     """Moves the GEMM panels of every packed module below `module` side by side onto huge pages
-    (`ops.on_huge_pages`): each step streams them all from memory, 4 KiB page by 4 KiB page otherwise."""
-    slots = [(m, name) for m in module.modules() if isinstance(m, PackedModule) and m.uses_panels
-             for name in m.panel_names]
-    moved = ops.on_huge_pages([getattr(m, name) for m, name in slots])
-    for (m, name), tensor in zip(slots, moved, strict=True):
-        setattr(m, name, tensor)
+    (`ops.move_onto_huge_pages`): each step streams them all from memory, 4 KiB page by 4 KiB page otherwise."""
+    ops.move_onto_huge_pages([(m, name) for m in module.modules() if isinstance(m, PackedModule) and m.uses_panels
+                              for name in m.panel_names])

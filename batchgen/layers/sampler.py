@@ -183,7 +183,7 @@ def _call_processor(fn: LogitsProcessor, row: SamplingRow, logits: torch.Tensor)
 
 # Rows are sampled in chunks of up to this many bytes of float32 logits. Only the rows that edit their logits
 # are copied (to float32), so a chunk's temporaries stay within it: below glibc's mmap threshold (32 MiB,
-# engine/host_memory.py), they are reused from step to step, where a fresh mapping would pay its page faults
+# ops/host_memory.py), they are reused from step to step, where a fresh mapping would pay its page faults
 # again at every step. Within that, larger chunks mean fewer calls: 256 rows of a 49k vocabulary, greedy,
 # top-p, penalised and logprob rows interleaved, sample 1.4x faster in chunks of 85 rows than of 16.
 _CHUNK_BYTES = 16 << 20

@@ -310,7 +310,19 @@ def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
         message = f"architecture {architecture(hf_config)} cannot run in batchgen: {e}"
         raise ConfigError([ConfigProblem("model", message)]) from None
     model.pack_weights()
+    own_memory(hf)
     return model
+
+
+def own_memory(module: nn.Module) -> None:
+    """Copies each parameter and buffer left below `module` (embeddings, norms, biases: what packing did not
+    replace) into memory of its own. transformers loads tensors as views of the checkpoint's memory-mapped file, and
+    one view left keeps the whole mapping, with every page packing read (and wrote), in the process's memory."""
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen and tensor.device.type == "cpu":
+            seen.add(id(tensor))
+            tensor.data = tensor.data.clone()
 
 
 def _try_one_token(model: TransformersModel) -> None:

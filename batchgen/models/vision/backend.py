@@ -17,7 +17,13 @@ from torch import nn
 from batchgen.config import ConfigError, ConfigProblem
 from batchgen.layers.attention import AttentionMetadata
 from batchgen.models.architectures import architecture
-from batchgen.models.transformers_backend import BACKEND, TransformersModel, _try_one_token, register_attention
+from batchgen.models.transformers_backend import (
+    BACKEND,
+    TransformersModel,
+    _try_one_token,
+    own_memory,
+    register_attention,
+)
 from batchgen.models.vision.inputs import MultiModalRow
 from batchgen.models.vision.llava import LlavaModel
 from batchgen.models.vision.model import VisionLanguageModel
@@ -103,4 +109,5 @@ def load_backend_vision_model(model_dir: Path, hf_config: Any, dtype: torch.dtyp
         raise ConfigError([ConfigProblem("model", message)]) from None
     model = family(hf, decoder)
     model.pack_weights()
+    own_memory(hf)
     return model
