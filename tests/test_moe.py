@@ -136,3 +136,22 @@ def test_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs, 
     variants = VARIANTS if dtype == "bfloat16" else {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked")}
     check_variants(moe_dirs["qwen3_moe"], dtype, prompts, seeded(len(prompts)), block_bytes,
                    {"kv_cache_memory": "32MiB", "swap_space": "8MiB"}, variants)
+
+
+def test_lora_adapters_on_a_moe_match_peft(moe_dirs, tmp_path):
+    """Attention adapters on Phi-3.5-MoE, whose router is an nn.Linear subclass returning its routing: offered to
+    no adapter (wrapping it as a projection broke every step), the adapted model's greedy tokens are PEFT's."""
+    import peft
+    import transformers as tf
+    from lora_kit import hf_greedy, make_adapter, prompts_of
+
+    from batchgen import LoRARequest, SamplingParams
+
+    adapter = make_adapter(moe_dirs["phimoe"], tmp_path / "adapter", 8, ["q_proj", "v_proj", "o_proj"], seed=1)
+    prompts = prompts_of(400, lens=(3, 17, 40), seed=2)
+    hf = tf.AutoModelForCausalLM.from_pretrained(moe_dirs["phimoe"], dtype=torch.float32)
+    want = hf_greedy(peft.PeftModel.from_pretrained(hf, adapter).eval(), prompts)
+    llm = LLM(moe_dirs["phimoe"], dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory="16MiB")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,
+                           lora_request=LoRARequest("a", 1, str(adapter)))
+    assert [o.outputs[0].token_ids for o in outputs] == want

@@ -255,7 +255,9 @@ class TransformersModel(nn.Module):
         base = self.hf.base_model
         for name, module in list(base.named_modules()):
             found = _LORA_PATH.search(name)
-            if found is None or not isinstance(module, (nn.Linear, PackedLinear)):
+            plain = isinstance(module, PackedLinear) or (isinstance(module, nn.Linear)
+                                                         and type(module).forward is nn.Linear.forward)
+            if found is None or not plain:  # not a linear with a forward of its own (a MoE router's)
                 continue
             flat = FlatRows(module)
             base.set_submodule(name, flat)
