@@ -34,7 +34,8 @@ def test_each_row_its_own_with_three_threads(name, dtype):
     with torch_threads(3):
         assert rows_differing(lambda t: invariant(fn, t), x) == []
         got = invariant(fn, x)
-    assert torch.equal(got, fn(x.float()).to(dtype)) or (got - fn(x)).abs().max() <= 2e-6 * fn(x).abs().max()
+    want = fn(x).float()  # the same function: equal but for the elements torch took through its scalar path
+    assert (got.float() - want).abs().max() <= (2e-6 if dtype == torch.float32 else 1e-2) * want.abs().max()
 
 
 def test_torch_alone_is_not_row_invariant_there():
