@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import rel_err, tolerance
 from model_zoo import MOE, build_zoo_model
-from test_reproducibility import VARIANTS, check_variants, seeded, tiny_prompts
+from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, tiny_prompts
 
 from batchgen import LLM
 from batchgen.layers.experts import PackedExperts
@@ -132,7 +132,7 @@ def test_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs, 
     """Before the experts were packed, float32 logprobs changed with max_num_seqs and chunking (transformers'
     grouped_mm over the raw weights, and the routers' F.linear on a few rows)."""
     prompts = tiny_prompts(400)
-    block_bytes = 2 * 2 * 2 * 16 * 64 * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    block_bytes = TINY_BLOCK * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     variants = VARIANTS if dtype == "bfloat16" else {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked")}
     check_variants(moe_dirs["qwen3_moe"], dtype, prompts, seeded(len(prompts)), block_bytes,
                    {"kv_cache_memory": "32MiB", "swap_space": "8MiB"}, variants)

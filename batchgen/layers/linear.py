@@ -222,14 +222,18 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def plain_linear(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (nn.Linear,)) -> bool:
+    """Whether module is a linear of `kinds` computing x W^T + b and nothing else: a subclass with a forward of its
+    own (one of transformers' MoE routers, an nn.Linear returning its routing) is not."""
+    return isinstance(module, kinds) and any(type(module).forward is kind.forward for kind in kinds)
+
+
 def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear,)) -> dict[str, nn.Linear]:
-    """Replaces every packable linear of `kinds` below module by a `PackedLinear` (dropping the plain
-    weight); returns the replaced modules by their qualified names. A subclass with a forward of its own (one of
-    transformers' MoE routers, an nn.Linear returning its routing) is left as it is."""
+    """Replaces every packable plain linear of `kinds` below module by a `PackedLinear` (dropping the plain
+    weight); returns the replaced modules by their qualified names."""
     replaced = {}
-    forwards = {kind.forward for kind in kinds}
     for name, child in list(module.named_children()):
-        if isinstance(child, kinds) and type(child).forward in forwards and can_pack(child.weight):
+        if plain_linear(child, kinds) and can_pack(child.weight):
             setattr(module, name, PackedLinear(child.weight, child.bias))
             replaced[name] = child
         else:

@@ -38,6 +38,7 @@ from batchgen.layers.linear import (
     linear,
     logits_head,
     pack_linears,
+    plain_linear,
 )
 from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
@@ -255,9 +256,7 @@ class TransformersModel(nn.Module):
         base = self.hf.base_model
         for name, module in list(base.named_modules()):
             found = _LORA_PATH.search(name)
-            plain = isinstance(module, PackedLinear) or (isinstance(module, nn.Linear)
-                                                         and type(module).forward is nn.Linear.forward)
-            if found is None or not plain:  # not a linear with a forward of its own (a MoE router's)
+            if found is None or not (isinstance(module, PackedLinear) or plain_linear(module)):
                 continue
             flat = FlatRows(module)
             base.set_submodule(name, flat)
@@ -333,9 +332,7 @@ def _try_one_token(model: TransformersModel) -> None:
     geometry = attention_geometry(model.hf.config)
     embeddings = model.hf.get_input_embeddings().weight
     device = embeddings.device
-    dtype = getattr(model.hf.config, "dtype", None)  # the engine's cache dtype; some models keep embeddings in float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    dtype = dtype if isinstance(dtype, torch.dtype) else embeddings.dtype
+    dtype = model.hf.config.dtype  # the dtype it was loaded in, the engine's cache's: Ergo keeps its embeddings float32
     block_size = ops.SUPPORTED_BLOCK_SIZES[0]
     for layer in model.layers:
         layer.key_cache, layer.value_cache = ops.allocate_kv_cache(

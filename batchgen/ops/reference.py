@@ -232,12 +232,12 @@ def _sample_filtered(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         keep &= cand >= min_p[todo, None]  # relative to the maximum weight, 1
         keep[:, 0] = True  # the most likely token always stays
         done = ~keep[:, -1]
-        if k == vocab or bool(done.all()):  # no row left to search wider: none to pick out (a GPU syncs once)
-            picked = _inverse_cdf(cand * keep, u[todo])
-            drawn[todo] = cand_ids.gather(1, picked[:, None]).squeeze(1)
+        last = k == vocab or bool(done.all())  # no row left to search wider: none to pick out (a GPU syncs once)
+        rows = slice(None) if last else done
+        picked = _inverse_cdf(cand[rows] * keep[rows], u[todo[rows]])
+        drawn[todo[rows]] = cand_ids[rows].gather(1, picked[:, None]).squeeze(1)
+        if last:
             return drawn
-        picked = _inverse_cdf(cand[done] * keep[done], u[todo[done]])
-        drawn[todo[done]] = cand_ids[done].gather(1, picked[:, None]).squeeze(1)
         todo = todo[~done]
         searched = weights[todo]
         k = min(vocab, 8 * k)
@@ -252,12 +252,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         return _inverse_cdf(weights, u)
     if filtered.all():
         return _sample_filtered(weights, top_k, top_p, min_p, u)
-    drawn = torch.empty(len(logits), dtype=torch.long, device=logits.device)
-    if (~filtered).any():
-        drawn[~filtered] = _inverse_cdf(weights[~filtered], u[~filtered])
-    if filtered.any():
-        drawn[filtered] = _sample_filtered(weights[filtered], top_k[filtered], top_p[filtered], min_p[filtered],
-                                           u[filtered])
+    drawn = torch.empty(len(logits), dtype=torch.long, device=logits.device)  # both kinds of row, from here on
+    drawn[~filtered] = _inverse_cdf(weights[~filtered], u[~filtered])
+    drawn[filtered] = _sample_filtered(weights[filtered], top_k[filtered], top_p[filtered], min_p[filtered],
+                                       u[filtered])
     return drawn
 
 
