@@ -342,13 +342,15 @@ def test_host_bench_quick_pass(capsys):
 
 
 def test_moe_bench_quick_pass(capsys):
-    """scripts/bench_moe.py --quick: the same MoE run with packed experts and with transformers' own, then the
-    ratio (no threshold: timings vary with the machine)."""
+    """scripts/bench_moe.py --quick: the same MoE run with packed experts (one call a layer, then the Python loop)
+    and with transformers' own, then the ratios (no threshold: timings vary with the machine)."""
     load_script("bench_moe").main(["--quick"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [(line["packed"], line["experts"]) for line in lines[:2]] == [(True, "batchgen"), (False, "grouped_mm")]
-    assert all(line["output_tok_s"] > 0 for line in lines[:2])
-    assert lines[2]["packed_over_transformers"] > 0 and lines[2]["processor"]
+    assert [(line["variant"], line["experts"]) for line in lines[:3]] == [
+        ("batchgen", "batchgen"), ("batchgen-loop", "batchgen"), ("transformers", "grouped_mm")]
+    assert [line["one_call"] for line in lines[:3]] == [ops.has_gemm_bf16(), False, False]
+    assert all(line["output_tok_s"] > 0 for line in lines[:3])
+    assert lines[3]["packed_over_transformers"] > 0 and lines[3]["one_call_over_loop"] > 0 and lines[3]["processor"]
 
 
 def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):

@@ -274,6 +274,79 @@ def test_bad_operands_are_value_errors():
         _C.gemm_silu_mul_bf16(out, x, panels, ops.pack_gemm_weight(_operands(1, 32, 50, 0)[1]))
 
 
+def _moe_layer(num_experts: int, hidden: int, width: int, tokens: int, k: int, seed: int, idle: tuple[int, ...] = ()):
+    """Packed SiLU-gated experts, tokens and their routing (k distinct experts each, none of `idle`)."""
+    gen = torch.Generator().manual_seed(seed)
+    def panels(rows: int, cols: int) -> list[torch.Tensor]:
+        return [ops.pack_gemm_weight((torch.randn(rows, cols, generator=gen) / cols**0.5).bfloat16())
+                for _ in range(num_experts)]
+    gates, ups, downs = panels(width, hidden), panels(width, hidden), panels(hidden, width)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    busy = torch.tensor([e for e in range(num_experts) if e not in idle])
+    ids = torch.zeros(tokens, k, dtype=torch.long)
+    for t in range(tokens):
+        ids[t] = busy[torch.randperm(len(busy), generator=gen)[:k]]
+    return x, ids, torch.rand(tokens, k, generator=gen), gates, ups, downs
+
+
+def _moe_by_expert_calls(x, ids, weights, gates, ups, downs, width):
+    """What the op must equal bit for bit: one GEMM call an expert on the rows routed to it, each token's weighted
+    outputs added in float32 in ascending expert order, rounded once."""
+    total = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(len(gates)):
+        token, rank = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            gated = ops.gemm_silu_mul_bf16(x[token], gates[e], ups[e], width)
+            out = ops.gemm_bf16(gated, downs[e], x.shape[1], out_dtype=torch.float32)
+            total[token] += out * weights[token, rank, None]
+    return total.bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("tokens", "k"), [(0, 2), (1, 1), (6, 2), (70, 4)])
+def test_moe_experts_are_the_per_expert_gemms_summed_in_expert_order(tokens, k):
+    """`moe_silu_experts_bf16` cuts every expert's panels among the threads in one call: each token's result must be
+    the per-expert GEMMs' (rows do not depend on the rows beside them), summed in ascending expert order; experts
+    3 and 5 get no token. 200 features: 5 panels, the last partly filled; 136 wide: 3 panels."""
+    x, ids, weights, gates, ups, downs = _moe_layer(9, 200, 136, tokens, k, seed=tokens, idle=(3, 5))
+    want = _moe_by_expert_calls(x, ids, weights, gates, ups, downs, 136)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
+            got = ops.moe_silu_experts_bf16(x, ids, weights, gates, ups, downs, 136)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert torch.equal(got, want), threads
+    if tokens:
+        ref = reference.moe_silu_experts_bf16(x, ids, weights, gates, ups, downs, 136)
+        assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+@needs_kernel
+def test_moe_rows_do_not_depend_on_the_batch():
+    x, ids, weights, gates, ups, downs = _moe_layer(16, 96, 64, 40, 3, seed=7)
+    full = ops.moe_silu_experts_bf16(x, ids, weights, gates, ups, downs, 64)
+    for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
+        part = ops.moe_silu_experts_bf16(x[rows], ids[rows], weights[rows], gates, ups, downs, 64)
+        assert torch.equal(part, full[rows]), rows
+
+
+@needs_kernel
+def test_moe_bad_operands_are_value_errors():
+    x, ids, weights, gates, ups, downs = _moe_layer(4, 64, 48, 5, 2, seed=8)
+    out = torch.empty_like(x)
+    cases = [
+        ((out, x, ids.clone().fill_(4), weights, gates, ups, downs, 48), "token 0 names expert 4 of 4"),
+        ((out, x, ids.int(), weights, gates, ups, downs, 48), "expert_ids must be Long"),
+        ((out, x, ids, weights[:4], gates, ups, downs, 48), "expert_ids and weights"),
+        ((out, x, ids, weights, gates, ups[:3], downs, 48), "same number"),
+        ((out, x, ids, weights, gates, ups, downs, 50), "gate|columns"),
+        ((out, x.float(), ids, weights, gates, ups, downs, 48), "hidden must be a bfloat16"),
+        ((out, x, ids, weights, gates, ups, downs[:3] + [gates[0]], 48), "down"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _C.moe_silu_experts_bf16(*args)
+
+
 def test_amx_kernels_run_where_the_processor_has_amx():
     """Linux lists amx_tile / amx_bf16 only where it also saves the tile state: the amx_bf16 kernels
     must then be found (their detection asks CPUID and the kernel's leave), and chosen by default."""

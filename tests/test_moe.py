@@ -12,7 +12,7 @@ from kernel_cases import rel_err, tolerance
 from model_zoo import MOE, build_zoo_model
 from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, tiny_prompts
 
-from batchgen import LLM
+from batchgen import LLM, ops
 from batchgen.layers.experts import PackedExperts
 from batchgen.layers.linear import MIN_ROWS, forward_on_min_rows
 
@@ -83,6 +83,11 @@ def test_packed_experts_match_the_reference_and_each_row_is_its_own(dtype, layou
     for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
         part = experts(hidden[rows], ids[rows], weights.to(dtype)[rows])
         assert torch.equal(part, got[rows]), rows
+    # bf16 SiLU-gated experts on batchgen's panels run as one C++ call a layer: the loop's bits.
+    assert experts.one_call == (options["fused"] and dtype == torch.bfloat16 and ops.has_gemm_bf16())
+    if experts.one_call:
+        experts.one_call = False
+        assert torch.equal(experts(hidden, ids, weights.to(dtype)), got)
 
 
 def test_routers_are_called_on_tall_matrix_kernels():

@@ -244,6 +244,22 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return out
 
 
+def moe_silu_experts_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                          gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor],
+                          intermediate: int) -> torch.Tensor:
+    """A mixture of experts' SiLU-gated experts, each packed by `pack_gemm_weight`: for token t (hidden [tokens,
+    features], bf16), the sum over its experts e = expert_ids[t, r] (int64 [tokens, k]), in ascending e, of
+    weights[t, r] * down[e](silu(hidden[t] gate[e]^T) * (hidden[t] up[e]^T)), in float32 and rounded to bf16 once
+    (the SiLU product rounded to bf16 as `gemm_silu_mul_bf16` rounds it). One call for the layer: no Python step an
+    expert. A token's result depends on that token alone."""
+    weights = weights.float().contiguous()
+    if not (hidden.is_cpu and has_gemm_bf16()):
+        return reference.moe_silu_experts_bf16(hidden, expert_ids, weights, gates, ups, downs, intermediate)
+    out = torch.empty_like(hidden)
+    _C.moe_silu_experts_bf16(out, hidden, expert_ids.contiguous(), weights, gates, ups, downs, intermediate)
+    return out
+
+
 def pack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LoRA pairs a [slots, r, in] and b_t [slots, r, out] (B transposed) in bf16 as the bf16 dot product takes
     them (`lora_shrink_expand`'s bf16 form): a [slots, ceil(in / 2), rank, 2] holding (A[r, 2k], A[r, 2k + 1])

@@ -281,6 +281,17 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
 
 
+def moe_silu_experts_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                          gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor],
+                          intermediate: int) -> torch.Tensor:
+    total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for e, w in sorted(zip(expert_ids[t].tolist(), weights[t].float().tolist(), strict=True)):
+            gated = gemm_silu_mul_bf16(hidden[t : t + 1], gates[e], ups[e], intermediate)
+            total[t] += gemm_bf16(gated, downs[e], hidden.shape[1], out_dtype=torch.float32)[0] * w
+    return total.to(hidden.dtype)
+
+
 def unpack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 a [slots, rank, in] and b_t [slots, rank, out] that `batchgen.ops.pack_lora_bf16` packed."""
     slots, pairs, rank, _ = a.shape

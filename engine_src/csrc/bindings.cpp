@@ -543,6 +543,44 @@ void gemm_silu_mul_bf16(Tensor& out, const Tensor& x, const Tensor& gate, const 
   batchgen::cpu::gemm_silu_mul_bf16(out, x, gate, up, addend);
 }
 
+void moe_silu_experts_bf16(Tensor& out, const Tensor& hidden, const Tensor& expert_ids, const Tensor& weights,
+                           const std::vector<Tensor>& gates, const std::vector<Tensor>& ups,
+                           const std::vector<Tensor>& downs, int64_t intermediate) {
+  const char* op = "moe_silu_experts_bf16";
+  check_index(op, "expert_ids", expert_ids, torch::kInt64, 2, "[tokens, experts a token]");
+  check_index(op, "weights", weights, torch::kFloat32, 2, "[tokens, experts a token]");
+  TORCH_CHECK_VALUE(expert_ids.is_cpu() && weights.is_cpu() && weights.sizes() == expert_ids.sizes() &&
+                        expert_ids.size(0) == hidden.size(0),
+                    op, ": expert_ids and weights must be CPU tensors [", hidden.size(0), ", k], got ",
+                    expert_ids.sizes(), " and ", weights.sizes());
+  TORCH_CHECK_VALUE(!gates.empty() && ups.size() == gates.size() && downs.size() == gates.size(), op,
+                    ": needs the same number (> 0) of gate, up and down weights, got ", gates.size(), ", ", ups.size(),
+                    " and ", downs.size());
+  TORCH_CHECK_VALUE(intermediate > 0 && intermediate % 2 == 0, op, ": intermediate must be even and positive, got ",
+                    intermediate);
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"hidden", &hidden}, {"out", &out}}) {
+    check_rank(op, name, *t, 2, "[tokens, features]");
+    TORCH_CHECK_VALUE(t->scalar_type() == torch::kBFloat16 && t->is_cpu() && t->stride(1) == 1 &&
+                          t->sizes() == hidden.sizes(),
+                      op, ": ", name, " must be a bfloat16 CPU tensor ", hidden.sizes(),
+                      " contiguous in its last dimension, got ", t->scalar_type(), " ", t->sizes(), " strides ",
+                      t->strides(), " on ", t->device());
+  }
+  // Every expert's panels checked as gemm_*_bf16 checks one call's, on tensors of one row of the right shape.
+  const Tensor one_row = hidden.narrow(0, 0, std::min<int64_t>(1, hidden.size(0)));
+  const Tensor gated = torch::empty({one_row.size(0), intermediate}, hidden.options());
+  const Tensor summed = torch::empty({one_row.size(0), hidden.size(1)}, hidden.options().dtype(torch::kFloat32));
+  for (size_t e = 0; e < gates.size(); ++e) {
+    check_gemm_operands(op, gated, one_row, gates[e], "gate");
+    check_gemm_operands(op, gated, one_row, ups[e], "up");
+    check_gemm_operands(op, summed, gated, downs[e], "down");
+    TORCH_CHECK_VALUE(gates[e].sizes() == gates[0].sizes() && ups[e].sizes() == gates[0].sizes() &&
+                          downs[e].sizes() == downs[0].sizes(),
+                      op, ": expert ", e, "'s panels are not the shape of expert 0's");
+  }
+  batchgen::cpu::moe_silu_experts_bf16(out, hidden, expert_ids, weights, gates, ups, downs, intermediate);
+}
+
 void lora_shrink_expand(Tensor& y, const Tensor& x, const Tensor& segments, const Tensor& a, const Tensor& b_t,
                         const c10::optional<Tensor>& ranks, double scale, bool store) {
   const char* op = "lora_shrink_expand";
@@ -673,6 +711,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_silu_mul_bf16", &gemm_silu_mul_bf16,
         "out = silu(x gate^T + addend's first half) * (x up^T + its second half) on bf16 panels", py::arg("out"),
         py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("addend") = py::none(), no_gil);
+  m.def("moe_silu_experts_bf16", &moe_silu_experts_bf16,
+        "A mixture of experts' SiLU-gated experts on bf16 panels, each token's k outputs weighted and summed in "
+        "float32 in ascending expert order", py::arg("out"), py::arg("hidden"), py::arg("expert_ids"),
+        py::arg("weights"), py::arg("gates"), py::arg("ups"), py::arg("downs"), py::arg("intermediate"), no_gil);
   m.attr("LORA_RANK_GROUP") = batchgen::cpu::kLoRARankGroup;
   m.def("lora_shrink_expand", &lora_shrink_expand,
         "Segmented LoRA: y[segment rows] += scale * (x A[slot]^T) B[slot] (or, with store, y = that)", py::arg("y"),

@@ -93,6 +93,15 @@ void gemm_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& 
                const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& addend = c10::nullopt);
 void gemm_silu_mul_bf16(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate,
                         const torch::Tensor& up, const c10::optional<torch::Tensor>& addend = c10::nullopt);
+// A mixture of experts' SiLU-gated experts on those GEMMs (cpu/gemm_ops.cpp): out[t] (bf16 [tokens, features]) =
+// sum over t's k experts e = expert_ids[t, r] (int64 [tokens, k]), in ascending e, of weights[t, r] (float32) *
+// down[e](silu(hidden[t] gate[e]^T) * (hidden[t] up[e]^T)), the down projection's sums and the weighted sum in
+// float32, rounded to bf16 once; silu(...) * (...) rounded to bf16 as gemm_silu_mul_bf16 rounds it. A token's
+// result depends on that token alone.
+void moe_silu_experts_bf16(torch::Tensor& out, const torch::Tensor& hidden, const torch::Tensor& expert_ids,
+                           const torch::Tensor& weights, const std::vector<torch::Tensor>& gates,
+                           const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
+                           int64_t intermediate);
 
 // Segmented LoRA (cpu/lora_ops.cpp): for each segment (int32 [count, 3]: first row, end row, slot; in order,
 // apart), y[rows] += scale * (x[rows] A[slot]^T) B[slot], A float32 [slots, rank, in], b_t float32 [slots,
