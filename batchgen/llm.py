@@ -43,7 +43,7 @@ class LLM:
     batchgen's own implementation of the architecture, or the model's transformers code on batchgen's attention),
     enable_lora, max_loras, max_lora_rank, max_cpu_loras (LoRA adapters: every batch call takes `lora_request=`,
     one `LoRARequest` for all prompts or a list with one per prompt, None for the base model; docs/lora.md).
-    quantization ("int8": the layers' projections on int8 compute, CPU and native models only; docs/int8.md),
+    quantization ("int8": the layers' projections and MoE experts on int8 compute, CPU only; docs/int8.md),
     enforce_eager (CUDA: decode steps run op by op instead of as CUDA graphs captured per batch size; docs/gpu.md),
     kv_cache_dtype ("auto", or "fp8" / "fp8_e4m3" / "fp8_e5m2": the KV cache in 8 bits, half the bytes per cached
     token; docs/kv-cache.md), num_gpu_blocks_override (the KV cache's blocks on any device, in place of what

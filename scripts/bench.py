@@ -344,12 +344,12 @@ def isolated(isolate: bool, fn, *args):
 
 
 def quality(model: str, quantization: str | None, threads: int, prompts: list[list[int]],
-            dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> dict:
+            dtype: str = "bfloat16", kv_cache_dtype: str = "auto", model_impl: str = "native") -> dict:
     """Greedy continuations of `prompts` and the perplexity of TEXT (as much as the model's context holds) under
     one configuration."""
     from batchgen import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads,
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, num_threads=threads, model_impl=model_impl,
               kv_cache_memory="2GiB", max_num_seqs=64, kv_cache_dtype=kv_cache_dtype)
     greedy = SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True)
     continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

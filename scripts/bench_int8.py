@@ -11,6 +11,8 @@
               int8 within 2% of bf16
   --w8a8      all of the above also for the model written as a compressed-tensors int8 W8A8 checkpoint
               (scripts/w8a8.py: the library's round to nearest) and run as a checkpoint quantized ahead
+  --model-impl transformers
+              every run through the transformers backend (transformers' layers, batchgen's int8 projections)
   --shape 1b  instead of the model itself, random weights in Llama-3.2-1B's layers (hidden 2,048, ffn 8,192, 16
               layers, 32/8 heads of 64) with the model's tokenizer and vocabulary, head tied: throughput where
               the projections are a larger share of a step (the quality figures mean nothing for random weights)
@@ -80,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--w8a8", action="store_true", help="also a W8A8 checkpoint of the model (see above)")
     parser.add_argument("--shape", choices=["1b"], help="random weights of a larger shape (see above)")
+    parser.add_argument("--model-impl", choices=["native", "transformers"], default="native",
+                        help="transformers: every run through the transformers backend (docs/int8.md)")
     parser.add_argument("--json", help="write every result here")
     return parser.parse_args(argv)
 
@@ -117,14 +121,16 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
         for name, (model, q) in configs.items():
             print(f"round {round_ + 1}/{args.rounds}: mixed, {name}", flush=True)
             run = isolated(True, run_batchgen, model, mixed, "bfloat16", args.threads, kv_blocks, 64,
-                           bytes_per_block, "native", q)
+                           bytes_per_block, args.model_impl, q)
             rates[name].append(run.rates()["total_tok_s"])
     prompts = mixed.prompts[: args.agree_prompts]
-    results = {name: isolated(True, quality, model, q, args.threads, prompts) for name, (model, q) in configs.items()}
-    results["fp32"] = isolated(True, quality, args.model, None, args.threads, prompts, "float32")
+    results = {name: isolated(True, quality, model, q, args.threads, prompts, "bfloat16", "auto", args.model_impl)
+               for name, (model, q) in configs.items()}
+    results["fp32"] = isolated(True, quality, args.model, None, args.threads, prompts, "float32", "auto",
+                               args.model_impl)
     ppl = {name: r["perplexity"] for name, r in results.items()}
     report = dict(
-        model=args.model, threads=args.threads, load_average=os.getloadavg(),
+        model=args.model, model_impl=args.model_impl, threads=args.threads, load_average=os.getloadavg(),
         mixed_total_tok_s=rates, int8_over_bf16=statistics.median(rates["int8"]) / statistics.median(rates["bf16"]),
         agreement=agreement(results["bf16"]["continuations"], results["int8"]["continuations"]),
         fp32_agreement=agreement(results["bf16"]["continuations"], results["fp32"]["continuations"]),

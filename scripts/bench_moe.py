@@ -14,6 +14,7 @@ different tokens early (tests/test_moe.py holds float32 parity with transformers
     python scripts/bench_moe.py                   # granite-moe shape, 12 layers, 32 prompts x 256 + 64 tokens
     python scripts/bench_moe.py --quick           # a smoke run (tests/test_bench_smoke.py)
     python scripts/bench_moe.py --arch qwen3_moe --layers 4
+    python scripts/bench_moe.py --int8              # and quantization="int8" (the experts on int8 too)
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ VARIANTS = ("batchgen", "batchgen-loop", "transformers")
 def run(model_dir: Path, variant: str, prompts: list[list[int]], max_tokens: int, threads: int) -> dict:
     pack = transformers_backend.pack_experts
     if variant == "transformers":
-        transformers_backend.pack_experts = lambda hf: 0  # transformers' experts code, its default implementation
+        transformers_backend.pack_experts = lambda hf, **_: 0  # transformers' experts code, its default one
     try:
         llm = LLM(str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, num_threads=threads,
+                  quantization="int8" if variant == "batchgen-int8" else None,
                   max_num_seqs=len(prompts))
     finally:
         transformers_backend.pack_experts = pack
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each implementation this many times, alternating")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="2 layers, 4 prompts of 32 + 8 tokens, one round")
+    parser.add_argument("--int8", action="store_true", help="also with quantization=int8 (experts and projections)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.prompts, args.prompt_len, args.max_tokens, args.rounds = 2, 4, 32, 8, 1
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for variant in VARIANTS:
+            for variant in VARIANTS + (("batchgen-int8",) if args.int8 else ()):
                 result = run(model_dir, variant, prompts, args.max_tokens, args.threads)
                 print(json.dumps({"arch": args.arch, "layers": args.layers, "variant": variant, **result}), flush=True)
                 if variant not in best or result["seconds"] < best[variant]["seconds"]:
@@ -117,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"processor": processor(), "threads": args.threads, "prompts": args.prompts,
                           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                           "packed_over_transformers": speedup("transformers"),
-                          "one_call_over_loop": speedup("batchgen-loop")}), flush=True)
+                          "one_call_over_loop": speedup("batchgen-loop"),
+                          **({"int8_over_bf16": round(1 / speedup("batchgen-int8"), 2)} if args.int8 else {})}),
+              flush=True)
 
 
 if __name__ == "__main__":

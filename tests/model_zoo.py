@@ -52,6 +52,10 @@ def _configs(tf, tokens: dict) -> dict:
                    tf.PhimoeForCausalLM),
         "hunyuan_moe": (tf.HunYuanMoEV1Config(**SIZES, **KV, **tokens, head_dim=64, num_experts=4, moe_topk=2),
                         tf.HunYuanMoEV1ForCausalLM),
+        # A shared expert beside the routed ones, weighed by a linear of one output (not in MOE: tests/test_moe.py).
+        "qwen2_moe": (tf.Qwen2MoeConfig(**SIZES, **KV, **tokens, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=128, shared_expert_intermediate_size=128),
+                      tf.Qwen2MoeForCausalLM),
     }
 
 

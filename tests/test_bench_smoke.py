@@ -342,15 +342,18 @@ def test_host_bench_quick_pass(capsys):
 
 
 def test_moe_bench_quick_pass(capsys):
-    """scripts/bench_moe.py --quick: the same MoE run with packed experts (one call a layer, then the Python loop)
-    and with transformers' own, then the ratios (no threshold: timings vary with the machine)."""
-    load_script("bench_moe").main(["--quick"])
+    """scripts/bench_moe.py --quick --int8: the same MoE run with packed experts (one call a layer, then the Python
+    loop), with transformers' own, and on int8, then the ratios (no threshold: timings vary with the machine)."""
+    load_script("bench_moe").main(["--quick", "--int8"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [(line["variant"], line["experts"]) for line in lines[:3]] == [
-        ("batchgen", "batchgen"), ("batchgen-loop", "batchgen"), ("transformers", "grouped_mm")]
-    assert [line["one_call"] for line in lines[:3]] == [ops.has_gemm_bf16(), False, False]
-    assert all(line["output_tok_s"] > 0 for line in lines[:3])
-    assert lines[3]["packed_over_transformers"] > 0 and lines[3]["one_call_over_loop"] > 0 and lines[3]["processor"]
+    assert [(line["variant"], line["experts"]) for line in lines[:4]] == [
+        ("batchgen", "batchgen"), ("batchgen-loop", "batchgen"), ("transformers", "grouped_mm"),
+        ("batchgen-int8", "batchgen")]
+    assert [line["one_call"] for line in lines[:4]] == [ops.has_gemm_bf16(), False, False, False]
+    assert all(line["output_tok_s"] > 0 for line in lines[:4])
+    summary = lines[4]
+    assert summary["packed_over_transformers"] > 0 and summary["one_call_over_loop"] > 0 and summary["processor"]
+    assert summary["int8_over_bf16"] > 0
 
 
 def test_e2e_bench_quick_pass_on_the_cpu(tmp_path, capsys):

@@ -12,9 +12,11 @@ from kernel_cases import rel_err, tolerance
 from model_zoo import MOE, build_zoo_model
 from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, tiny_prompts
 
-from batchgen import LLM, ops
+from batchgen import LLM, SamplingParams, ops
 from batchgen.layers.experts import PackedExperts
-from batchgen.layers.linear import MIN_ROWS, forward_on_min_rows
+from batchgen.layers.linear import MIN_ROWS, Int8Linear, Int8SiluAndMul, forward_on_min_rows
+from batchgen.models.transformers_backend import expert_layers
+from batchgen.ops import reference as ops_reference
 
 EXPERTS, HIDDEN, WIDTH, K = 6, 64, 64, 2
 # WIDTH a multiple of 64: the unfused gate here is torch's F.silu itself, whose last elements of a tensor not a
@@ -90,6 +92,38 @@ def test_packed_experts_match_the_reference_and_each_row_is_its_own(dtype, layou
         assert torch.equal(experts(hidden, ids, weights.to(dtype)), got)
 
 
+def int8_reference(hidden, ids, weights, up, down):
+    """Each token's sum, in ascending expert order, of weight * its experts' int8 projections (the pure-torch
+    int8 ops of batchgen.ops.reference: gate, up and the SiLU rounded to hidden's dtype, down's sums in float32)."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for t in range(hidden.shape[0]):
+        for e, w in sorted(zip(ids[t].tolist(), weights[t].float().tolist(), strict=True)):
+            x = ops_reference.linear_silu_mul_int8(hidden[t : t + 1], ops.pack_int8_gate_up(up[e]))
+            out[t] += ops_reference.linear_int8(x, ops.pack_int8_weight(down[e]), None, torch.float32)[0] * w
+    return out.to(hidden.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_experts_are_the_int8_projections_summed_in_expert_order(dtype):
+    gen = torch.Generator().manual_seed(5)
+    up = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=gen) * 0.2).to(dtype)
+    down = (torch.randn(EXPERTS, HIDDEN, WIDTH, generator=gen) * 0.2).to(dtype)
+    experts = PackedExperts.pack(up, down, fused_silu=True, int8=True)
+    assert not experts.one_call
+    assert all(isinstance(m, Int8SiluAndMul) for m in experts.up)
+    assert all(isinstance(m, Int8Linear) for m in experts.down)
+    hidden = torch.randn(40, HIDDEN, generator=gen).to(dtype)
+    ids, weights = routing(40, seed=5)
+    got = experts(hidden, ids, weights)
+    assert got.dtype == dtype
+    want = int8_reference(hidden, ids, weights, up, down)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    float_model = reference(hidden, ids, weights, up, down)
+    assert 1e-4 < rel_err(got, float_model) < 0.05  # int8 really ran, within int8's error
+    for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
+        assert torch.equal(experts(hidden[rows], ids[rows], weights[rows]), got[rows]), rows
+
+
 def test_routers_are_called_on_tall_matrix_kernels():
     """A router's F.linear rows must not depend on the step's row count (BLAS kernels for a few rows round
     differently): run on at least MIN_ROWS rows, cut back, whatever it returns."""
@@ -160,3 +194,33 @@ def test_lora_adapters_on_a_moe_match_peft(moe_dirs, tmp_path):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,
                            lora_request=LoRARequest("a", 1, str(adapter)))
     assert [o.outputs[0].token_ids for o in outputs] == want
+
+
+def test_int8_moe_runs_experts_and_projections_on_int8_but_the_shared_experts_gate(tmp_path):
+    """quantization="int8" on the transformers backend: the experts, the attention projections and the shared
+    expert's MLP on int8; the linear of one output that weighs the shared expert stays in the model's dtype."""
+    model_dir = str(build_zoo_model(tmp_path / "qwen2_moe", "qwen2_moe"))
+    prompts = [[5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    outputs = {}
+    for quantization in (None, "int8"):
+        llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="16MiB", quantization=quantization)
+        outputs[quantization] = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    hf = llm.llm_engine.runner.model.hf
+    layers = expert_layers(hf)
+    assert layers and all(isinstance(m, Int8SiluAndMul) for layer in layers for m in layer.batchgen_experts.up)
+    assert all(isinstance(m, Int8Linear) for layer in layers for m in layer.batchgen_experts.down)
+    assert not [name for name, p in hf.named_parameters() if p.dim() == 3 and p.numel()]
+    block = hf.model.layers[0].mlp
+    assert type(block.shared_expert_gate) is torch.nn.Linear
+    assert isinstance(block.shared_expert.gate_proj, Int8Linear) and isinstance(hf.model.layers[0].self_attn.q_proj,
+                                                                                   Int8Linear)
+    assert outputs["int8"].logprobs != outputs[None].logprobs  # int8 really ran
+
+
+def test_int8_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs):
+    prompts = tiny_prompts(400)
+    block_bytes = TINY_BLOCK * 2
+    variants = {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked", "swap")}
+    check_variants(moe_dirs["qwen3_moe"], "bfloat16", prompts, seeded(len(prompts)), block_bytes,
+                   {"kv_cache_memory": "32MiB", "swap_space": "8MiB", "quantization": "int8"}, variants)

@@ -75,9 +75,9 @@ def plan_model(config: EngineConfig) -> ModelPlan:
 def _quantization(config: EngineConfig, hf_config: Any, impl: str, device: torch.device,
                   dtype: torch.dtype) -> tuple[str | None, list[ConfigProblem]]:
     """The quantization the model will run in, and why it cannot. int8 compute runs batchgen's own CPU kernels
-    on float32 or bf16 activations, in the native models' plain linear layers (which LoRA replaces); a
-    checkpoint quantized ahead asks for it itself in the native models (transformers loads a quantized
-    checkpoint its own way)."""
+    on float32 or bf16 activations, in the models' plain linear layers (which LoRA replaces), native or through
+    the transformers backend; a checkpoint quantized ahead asks for it itself in the native models (transformers
+    loads a quantized checkpoint its own way)."""
     try:
         prequantized = checkpoint_quantization(hf_config) if impl == "native" else None
     except ValueError as e:
@@ -87,8 +87,7 @@ def _quantization(config: EngineConfig, hf_config: Any, impl: str, device: torch
         return quantization, []
     option = "quantization" if config.quantization else "model"
     mode = "int8" if config.quantization else "the checkpoint's int8 quantization (quantization_config)"
-    why = ("needs batchgen's native model implementation" if impl != "native"
-           else "runs on CPU only" if device.type != "cpu"
+    why = ("runs on CPU only" if device.type != "cpu"
            else "takes float32 or bfloat16 (the activations' dtype)" if dtype not in (torch.float32, torch.bfloat16)
            else "cannot be combined with enable_lora" if config.enable_lora else None)
     return quantization, [ConfigProblem(option, f"{mode} {why}")] if why else []

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from batchgen import ops
-from batchgen.layers.linear import PackedLinear, PackedSiluAndMul
+from batchgen.layers.linear import Int8Linear, Int8SiluAndMul, PackedLinear, PackedSiluAndMul
 
 
 class PackedExperts(nn.Module):
@@ -43,9 +43,10 @@ class PackedExperts(nn.Module):
     @classmethod
     def pack(cls, up_weights: torch.Tensor, down_weights: torch.Tensor, *, up_bias: torch.Tensor | None = None,
              down_bias: torch.Tensor | None = None, fused_silu: bool = False, gate_fn: Callable | None = None,
-             post_norm: Callable | None = None, transposed: bool = False) -> PackedExperts:
+             post_norm: Callable | None = None, transposed: bool = False, int8: bool = False) -> PackedExperts:
         """From transformers' 3-D expert weights, [experts, out, in] (`transposed`: [experts, in, out]).
-        `fused_silu`: the up weights are [gate; up] and the gate is silu(gate) * up."""
+        `fused_silu`: the up weights are [gate; up] and the gate is silu(gate) * up. `int8`: on int8 compute
+        (`Int8SiluAndMul`, `Int8Linear`; docs/int8.md), the down projection's results in float32 as here."""
         def weight(weights: torch.Tensor, e: int) -> torch.Tensor:
             return (weights[e].t() if transposed else weights[e]).contiguous()
 
@@ -56,10 +57,11 @@ class PackedExperts(nn.Module):
         down: list[nn.Module] = []
         for e in range(up_weights.shape[0]):
             if fused_silu:
-                up.append(PackedSiluAndMul(weight(up_weights, e)))
+                up.append((Int8SiluAndMul if int8 else PackedSiluAndMul)(weight(up_weights, e)))
             else:
-                up.append(PackedLinear(weight(up_weights, e), bias(up_bias, e)))
-            down.append(PackedLinear(weight(down_weights, e), bias(down_bias, e), float_out=True))
+                up.append((Int8Linear if int8 else PackedLinear)(weight(up_weights, e), bias(up_bias, e)))
+            down.append((Int8Linear if int8 else PackedLinear)(weight(down_weights, e), bias(down_bias, e),
+                                                               float_out=True))
         return cls(up, down, None if fused_silu else gate_fn, post_norm)
 
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -247,17 +247,19 @@ class Int8Linear(nn.Module):
     dtype. A row's result depends on that row alone. `scale`: W was quantized ahead (a checkpoint's int8 values
     and their scales, `ops.checkpoint_int8_weight`). Inference only."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 float_out: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = ops.pack_int8_weight(weight, scale)
         self.bias = None if bias is None else bias.detach().float()
+        self.out_dtype = torch.float32 if float_out else None  # float_out: the float32 results, unrounded
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _with_leading_shape(ops.linear_int8(_as_rows(x), self.weight, self.bias), x)
+        return _with_leading_shape(ops.linear_int8(_as_rows(x), self.weight, self.bias, self.out_dtype), x)
 
 
 class Int8SiluAndMul(nn.Module):
@@ -277,14 +279,19 @@ class Int8SiluAndMul(nn.Module):
         return _with_leading_shape(ops.linear_silu_mul_int8(_as_rows(x), self.weight), x)
 
 
-def quantize_linears(module: nn.Module) -> None:
-    """Replaces every `Linear` below module by an `Int8Linear` (dropping the plain weight); one with a
-    `weight_scale` holds a checkpoint's int8 weight, packed as it is."""
+def quantize_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear,),
+                     keep: frozenset[int] = frozenset()) -> dict[str, nn.Linear]:
+    """Replaces every plain linear of `kinds` below module, but those whose id is in `keep`, by an `Int8Linear`
+    (dropping the plain weight); one with a `weight_scale` holds a checkpoint's int8 weight, packed as it is.
+    Returns the replaced modules by their qualified names."""
+    replaced = {}
     for name, child in list(module.named_children()):
-        if isinstance(child, Linear):
+        if plain_linear(child, kinds) and id(child) not in keep:
             setattr(module, name, Int8Linear(child.weight, child.bias, getattr(child, "weight_scale", None)))
+            replaced[name] = child
         else:
-            quantize_linears(child)
+            replaced |= {f"{name}.{key}": m for key, m in quantize_linears(child, kinds, keep).items()}
+    return replaced
 
 
 def gather_panels(module: nn.Module) -> None:

@@ -69,8 +69,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     """The model the runner drives: `model(input_ids, positions, meta)` -> hidden states, `compute_logits` (where
     `has_lm_head`), `compute_scores` (a classifier's head, where `class_labels` is set), `attention_layers()`,
     `vocab_size` and `hidden_size`; `model_impl` "native" or "transformers" (see architectures.pick_impl);
-    `for_lora`: packed for LoRA layers, `quantization`: "int8" or None (native models only, see
-    LlamaForCausalLM.pack_weights); a checkpoint quantized ahead (models/quantized.py) runs in its mode whatever
+    `for_lora`: packed for LoRA layers, `quantization`: "int8" or None (LlamaForCausalLM.pack_weights,
+    TransformersModel.pack_weights); a checkpoint quantized ahead (models/quantized.py) runs in its mode whatever
     `quantization` says (preflight refuses a contradiction)."""
     if NATIVE_ARCHITECTURES.get(decoder_architecture(hf_config)) == "vision":
         from batchgen.models.vision.loader import load_vision_model
@@ -79,7 +79,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if model_impl == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 
-        return load_transformers_model(model_dir, hf_config, dtype, device)
+        return load_transformers_model(model_dir, hf_config, dtype, device, quantization)
     return _load_native(model_dir, hf_config, dtype, device, max_model_len, for_lora, quantization)
 
 

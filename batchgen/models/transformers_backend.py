@@ -39,6 +39,7 @@ from batchgen.layers.linear import (
     logits_head,
     pack_linears,
     plain_linear,
+    quantize_linears,
 )
 from batchgen.layers.lora import LoRATarget
 from batchgen.models.architectures import (
@@ -131,14 +132,19 @@ def batchgen_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     return module.batchgen_experts(hidden_states, top_k_index, top_k_weights)
 
 
-def pack_experts(hf: nn.Module) -> int:
-    """The MoE layers' experts (transformers' 3-D expert weights) packed per expert (layers/experts.py) and run by
-    `batchgen_experts`, their 3-D weights freed one layer at a time; the routers' F.linear kept on tall-matrix
-    kernels (`forward_on_min_rows`). Returns the number of expert layers packed; 0 leaves the model as it was.
-    A token's result then depends on that token alone, as in the dense layers."""
+def expert_layers(hf: nn.Module) -> list[nn.Module]:
+    """The modules of transformers' experts interface (an MoE layer's experts, with their 3-D weights)."""
+    return [m for m in hf.modules() if hasattr(m, "_apply_gate")]  # what transformers' decorator gives them
+
+
+def pack_experts(hf: nn.Module, int8: bool = False) -> int:
+    """The MoE layers' experts (transformers' 3-D expert weights) packed per expert (layers/experts.py), on int8
+    compute with `int8`, and run by `batchgen_experts`, their 3-D weights freed one layer at a time; the routers'
+    F.linear kept on tall-matrix kernels (`forward_on_min_rows`). Returns the number of expert layers packed; 0
+    leaves the model as it was. A token's result then depends on that token alone."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    layers = [m for m in hf.modules() if hasattr(m, "_apply_gate")]  # what transformers' decorator gives them
+    layers = expert_layers(hf)
     if not layers or not all(_packable_experts(m) for m in layers):
         return 0
     ALL_EXPERTS_FUNCTIONS.register(BACKEND, batchgen_experts)
@@ -146,7 +152,7 @@ def pack_experts(hf: nn.Module) -> int:
         if "Router" in type(module).__name__ and _owns_matrix(module):
             forward_on_min_rows(module)
     for module in layers:
-        module.batchgen_experts = _pack_experts_of(module)
+        module.batchgen_experts = _pack_experts_of(module, int8)
         for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
             if isinstance(getattr(module, name, None), nn.Parameter):
                 setattr(module, name, nn.Parameter(torch.empty(0, dtype=getattr(module, name).dtype),
@@ -164,7 +170,7 @@ def _packable_experts(module: nn.Module) -> bool:
             and can_pack(down) and not getattr(module, "_is_expert_parallel", False))
 
 
-def _pack_experts_of(module: nn.Module) -> PackedExperts:
+def _pack_experts_of(module: nn.Module, int8: bool) -> PackedExperts:
     from transformers.integrations.moe import _default_apply_gate
 
     gated = module.has_gate
@@ -177,7 +183,7 @@ def _pack_experts_of(module: nn.Module) -> PackedExperts:
         up_bias=getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None) if module.has_bias else None,
         down_bias=module.down_proj_bias if module.has_bias else None,
         gate_fn=module._apply_gate if gated else module.act_fn,
-        post_norm=module.post_expert_norm if module.has_post_expert_norm else None)
+        post_norm=module.post_expert_norm if module.has_post_expert_norm else None, int8=int8)
 
 
 def _is_activation(module: nn.Module) -> bool:
@@ -222,25 +228,37 @@ class TransformersModel(nn.Module):
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings
         self.hidden_size = self.config.hidden_size
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, quantization: str | None = None) -> None:
         """The projections into batchgen's packed GEMMs, as the native models' (layers/linear.py): several
         times faster on CPU than F.linear, and every row independent of the batch. Left unpacked when the
-        model then fails its one-token check (its code reads a projection's weight itself)."""
+        model then fails its one-token check (its code reads a projection's weight itself). `quantization`
+        "int8": the projections and the experts on int8 compute instead (docs/int8.md), but for the linears
+        beside an MoE layer's experts (a shared expert's gate: a few outputs that weigh whole experts); a model
+        whose code then fails its one-token check is refused."""
         head = self.head
-        replaced = pack_linears(self.hf.base_model, (nn.Linear,))
-        for name, plain in replaced.items():  # code that reads a projection's dtype or shape (its device is wrong)
-            self.hf.base_model.get_submodule(name).weight = torch.empty_like(plain.weight, device="meta")
+        base = self.hf.base_model
+        if quantization == "int8":
+            beside_experts = frozenset(id(m) for layer in expert_layers(base) for parent in base.modules()
+                                       if layer in parent.children() for m in parent.children())
+            replaced = quantize_linears(base, (nn.Linear,), keep=beside_experts)
+        else:
+            replaced = pack_linears(base, (nn.Linear,))
+            for name, plain in replaced.items():  # code that reads a projection's dtype or shape (its device is wrong)
+                base.get_submodule(name).weight = torch.empty_like(plain.weight, device="meta")
         if head is not None:
             self.head = logits_head(head.weight, head.bias) or head
         try:
             _try_one_token(self)
-        except NotImplementedError:
+        except NotImplementedError as e:
+            if quantization:
+                raise ConfigError([ConfigProblem("quantization", f"{quantization} cannot run "
+                                                 f"{architecture(self.hf.config)}: {e}")]) from None
             for name, module in replaced.items():
-                self.hf.base_model.set_submodule(name, module)
+                base.set_submodule(name, module)
             self.head = head
             return
         gather_panels(self)  # before the experts: copying theirs too would hold a MoE's weights twice at its peak
-        if pack_experts(self.hf):
+        if pack_experts(self.hf, int8=quantization == "int8"):
             try:
                 _try_one_token(self)
             except NotImplementedError as e:  # its layout passed _packable_experts: batchgen's bug, not the model's
@@ -290,9 +308,10 @@ class TransformersModel(nn.Module):
         return logits
 
 
-def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
-                            device: torch.device) -> TransformersModel:
-    """Builds and checks the model; a ConfigError naming the architecture when it cannot run here."""
+def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
+                            quantization: str | None = None) -> TransformersModel:
+    """Builds and checks the model; a ConfigError naming the architecture when it cannot run here.
+    `quantization`: "int8" or None (TransformersModel.pack_weights)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     register_attention()
@@ -310,7 +329,7 @@ def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     except NotImplementedError as e:
         message = f"architecture {architecture(hf_config)} cannot run in batchgen: {e}"
         raise ConfigError([ConfigProblem("model", message)]) from None
-    model.pack_weights()
+    model.pack_weights(quantization)
     own_memory(hf)
     return model
 
