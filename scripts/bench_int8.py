@@ -85,7 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-impl", choices=["native", "transformers"], default="native",
                         help="transformers: every run through the transformers backend (docs/int8.md)")
     parser.add_argument("--json", help="write every result here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.w8a8 and args.model_impl != "native":
+        parser.error("--w8a8 needs --model-impl native: a checkpoint quantized ahead runs in the native models only")
+    return args
 
 
 def main(argv=None) -> dict:

@@ -310,7 +310,7 @@ def test_moe_experts_are_the_per_expert_gemms_summed_in_expert_order(tokens, k):
     3 and 5 get no token. 200 features: 5 panels, the last partly filled; 136 wide: 3 panels."""
     x, ids, weights, gates, ups, downs = _moe_layer(9, 200, 136, tokens, k, seed=tokens, idle=(3, 5))
     want = _moe_by_expert_calls(x, ids, weights, gates, ups, downs, 136)
-    for threads in (1, 2, 3):
+    for threads in (1, 2, 3, 7):  # 7: idle threads, and shares that cut an expert's panels
         with torch_threads(threads):
             got = ops.moe_silu_experts_bf16(x, ids, weights, gates, ups, downs, 136)
         assert got.dtype == torch.bfloat16 and got.shape == x.shape

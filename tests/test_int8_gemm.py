@@ -315,3 +315,74 @@ def test_bad_operands_are_refused_in_one_line():
                                 packed.compensation.repeat(2), packed.scale.repeat(2))
     with pytest.raises(ValueError, match="int8 GEMM kernel 'nope' is not supported"):
         _C.set_int8_kernel("nope")
+
+
+def _int8_moe(num_experts: int, hidden: int, width: int, tokens: int, k: int, seed: int, dtype, idle=()):
+    gen = torch.Generator().manual_seed(seed)
+    gate_ups = [ops.pack_int8_gate_up(torch.randn(2 * width, hidden, generator=gen) / hidden**0.5)
+                for _ in range(num_experts)]
+    downs = [ops.pack_int8_weight(torch.randn(hidden, width, generator=gen) / width**0.5) for _ in range(num_experts)]
+    x = (torch.randn(tokens, hidden, generator=gen) * 2).to(dtype)
+    busy = torch.tensor([e for e in range(num_experts) if e not in idle])
+    ids = torch.zeros(tokens, k, dtype=torch.long)
+    for t in range(tokens):
+        ids[t] = busy[torch.randperm(len(busy), generator=gen)[:k]]
+    return x, ids, torch.rand(tokens, k, generator=gen), gate_ups, downs
+
+
+def _int8_moe_by_expert_calls(x, ids, weights, gate_ups, downs):
+    """What the op must equal bit for bit: `linear_silu_mul_int8` and a float32 `linear_int8` an expert on the rows
+    routed to it, each token's weighted outputs added in float32 in ascending expert order, rounded once."""
+    total = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(len(gate_ups)):
+        token, rank = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            out = ops.linear_int8(ops.linear_silu_mul_int8(x[token], gate_ups[e]), downs[e], out_dtype=torch.float32)
+            total[token] += out * weights[token, rank, None]
+    return total.to(x.dtype)
+
+
+@pytest.mark.parametrize(("tokens", "k"), [(0, 2), (1, 1), (6, 2), (70, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("int8_kernel")
+def test_moe_experts_are_the_per_expert_int8_calls_summed_in_expert_order(tokens, k, dtype):
+    """`moe_silu_experts_int8` quantizes each token once and cuts every expert's panels among the threads in one
+    call: bit for bit one call an expert, at 1-7 threads; experts 3 and 5 get no token. 200 features (padded to the
+    depth step), 136 wide: 3 pairs of panels, the last partly filled."""
+    x, ids, weights, gate_ups, downs = _int8_moe(9, 200, 136, tokens, k, seed=tokens, dtype=dtype, idle=(3, 5))
+    want = _int8_moe_by_expert_calls(x, ids, weights, gate_ups, downs)
+    for threads in (1, 2, 3, 7):  # 7: idle threads, and shares that cut an expert's panels
+        with torch_threads(threads):
+            got = ops.moe_silu_experts_int8(x, ids, weights, gate_ups, downs)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(got, want), threads
+    if tokens:
+        ref = reference.moe_silu_experts_int8(x, ids, weights, gate_ups, downs)
+        assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+def test_moe_int8_rows_do_not_depend_on_the_batch():
+    x, ids, weights, gate_ups, downs = _int8_moe(16, 96, 64, 40, 3, seed=7, dtype=torch.bfloat16)
+    full = ops.moe_silu_experts_int8(x, ids, weights, gate_ups, downs)
+    for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
+        assert torch.equal(ops.moe_silu_experts_int8(x[rows], ids[rows], weights[rows], gate_ups, downs), full[rows])
+
+
+def test_moe_int8_bad_operands_are_value_errors():
+    x, ids, weights, gate_ups, downs = _int8_moe(4, 64, 48, 5, 2, seed=8, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    def panels(weights):
+        return [(w.panels, w.compensation, w.scale) for w in weights]
+    cases = [
+        ((out, x, ids.clone().fill_(4), weights, panels(gate_ups), panels(downs), 48), "token 0 names expert 4 of 4"),
+        ((out, x, ids.int(), weights, panels(gate_ups), panels(downs), 48), "expert_ids and weights"),
+        ((out, x, ids, weights[:4], panels(gate_ups), panels(downs), 48), "expert_ids and weights"),
+        ((out, x, ids, weights, panels(gate_ups), panels(downs[:3]), 48), "same number"),
+        ((out, x, ids, weights, panels(gate_ups), panels(downs), 50), "weight must be"),
+        ((out.float(), x, ids, weights, panels(gate_ups), panels(downs), 48), "out must be"),
+        ((out, x, ids, weights, panels(gate_ups), panels(downs[:3] + [ops.pack_int8_weight(torch.ones(64, 100))]),
+          48), "weight must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _C.moe_silu_experts_int8(*args)

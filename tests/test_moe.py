@@ -14,7 +14,7 @@ from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, t
 
 from batchgen import LLM, SamplingParams, ops
 from batchgen.layers.experts import PackedExperts
-from batchgen.layers.linear import MIN_ROWS, Int8Linear, Int8SiluAndMul, forward_on_min_rows
+from batchgen.layers.linear import MIN_ROWS, Int8Linear, Int8SiluAndMul, PackedLinear, forward_on_min_rows
 from batchgen.models.transformers_backend import expert_layers
 from batchgen.ops import reference as ops_reference
 
@@ -109,7 +109,7 @@ def test_int8_experts_are_the_int8_projections_summed_in_expert_order(dtype):
     up = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=gen) * 0.2).to(dtype)
     down = (torch.randn(EXPERTS, HIDDEN, WIDTH, generator=gen) * 0.2).to(dtype)
     experts = PackedExperts.pack(up, down, fused_silu=True, int8=True)
-    assert not experts.one_call
+    assert experts.one_call and experts.int8
     assert all(isinstance(m, Int8SiluAndMul) for m in experts.up)
     assert all(isinstance(m, Int8Linear) for m in experts.down)
     hidden = torch.randn(40, HIDDEN, generator=gen).to(dtype)
@@ -122,6 +122,8 @@ def test_int8_experts_are_the_int8_projections_summed_in_expert_order(dtype):
     assert 1e-4 < rel_err(got, float_model) < 0.05  # int8 really ran, within int8's error
     for rows in ([7], [0, 1, 2], list(range(39, 14, -1))):
         assert torch.equal(experts(hidden[rows], ids[rows], weights[rows]), got[rows]), rows
+    experts.one_call = False  # the loop an expert at a time: the same bits
+    assert torch.equal(experts(hidden, ids, weights), got)
 
 
 def test_routers_are_called_on_tall_matrix_kernels():
@@ -212,15 +214,18 @@ def test_int8_moe_runs_experts_and_projections_on_int8_but_the_shared_experts_ga
     assert all(isinstance(m, Int8Linear) for layer in layers for m in layer.batchgen_experts.down)
     assert not [name for name, p in hf.named_parameters() if p.dim() == 3 and p.numel()]
     block = hf.model.layers[0].mlp
-    assert type(block.shared_expert_gate) is torch.nn.Linear
+    assert isinstance(block.shared_expert_gate, PackedLinear)  # packed in bf16, its rows the batch's own
     assert isinstance(block.shared_expert.gate_proj, Int8Linear) and isinstance(hf.model.layers[0].self_attn.q_proj,
                                                                                    Int8Linear)
     assert outputs["int8"].logprobs != outputs[None].logprobs  # int8 really ran
 
 
-def test_int8_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_int8_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_dirs, tmp_path, arch):
+    """Qwen2-MoE: its shared expert's gate stays in bf16, on packed (row-independent) kernels too."""
+    model_dir = moe_dirs[arch] if arch in moe_dirs else str(build_zoo_model(tmp_path / arch, arch))
     prompts = tiny_prompts(400)
     block_bytes = TINY_BLOCK * 2
     variants = {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked", "swap")}
-    check_variants(moe_dirs["qwen3_moe"], "bfloat16", prompts, seeded(len(prompts)), block_bytes,
+    check_variants(model_dir, "bfloat16", prompts, seeded(len(prompts)), block_bytes,
                    {"kv_cache_memory": "32MiB", "swap_space": "8MiB", "quantization": "int8"}, variants)

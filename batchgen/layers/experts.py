@@ -7,9 +7,9 @@ with its neighbours. Here each expert's projections are packed once as the dense
 batchgen's bf16 GEMM panels, else oneDNN's packed layout), whose rows never depend on the other rows, and a token's
 k expert outputs are weighted and summed in float32 in ascending expert order (the order of transformers' eager
 loop; its grouped implementation sums in float32 too), rounded once: the order is the token's own, whatever else
-the step holds. SiLU-gated experts on batchgen's panels (the bf16 MoEs: Mixtral, Qwen-MoE, Granite MoE, ...) run
-as one C++ call a layer (`ops.moe_silu_experts_bf16`), the same arithmetic as the loop here without its Python
-step for each expert.
+the step holds. SiLU-gated experts (Mixtral, Qwen-MoE, Granite MoE, ...) on batchgen's bf16 panels or on int8 run
+as one C++ call a layer (`ops.moe_silu_experts_bf16`, `ops.moe_silu_experts_int8`), the same arithmetic as the
+loop here without its Python step for each expert.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ class PackedExperts(nn.Module):
         self.up, self.down = nn.ModuleList(up), nn.ModuleList(down)
         self.gate_fn, self.post_norm = gate_fn, post_norm
         self.num_experts = len(up)
-        # Whether the layer runs as one call: SiLU-gated experts on batchgen's bf16 panels, nothing around them.
-        self.one_call = (gate_fn is None and post_norm is None
-                         and all(isinstance(m, PackedSiluAndMul) and m.uses_panels for m in up)
-                         and all(m.uses_panels and m.bias is None for m in down))
+        # Whether the layer runs as one call: SiLU-gated experts on batchgen's bf16 panels or on int8, nothing
+        # around them.
+        self.int8 = all(isinstance(m, Int8SiluAndMul) for m in up) and all(
+            isinstance(m, Int8Linear) and m.bias is None and m.out_dtype == torch.float32 for m in down)
+        bf16_panels = all(isinstance(m, PackedSiluAndMul) and m.uses_panels for m in up) and all(
+            isinstance(m, PackedLinear) and m.uses_panels and m.bias is None for m in down)
+        self.one_call = gate_fn is None and post_norm is None and (self.int8 or bf16_panels)
 
     @classmethod
     def pack(cls, up_weights: torch.Tensor, down_weights: torch.Tensor, *, up_bias: torch.Tensor | None = None,
@@ -67,6 +70,9 @@ class PackedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden [tokens, features]; expert_ids and weights [tokens, k]: each token's experts and their weights.
         Returns [tokens, features] in hidden's dtype."""
+        if self.one_call and self.int8:
+            return ops.moe_silu_experts_int8(hidden.contiguous(), expert_ids.long(), weights,
+                                             [m.weight for m in self.up], [m.weight for m in self.down])
         if self.one_call:
             return ops.moe_silu_experts_bf16(hidden.contiguous(), expert_ids.long(), weights,
                                              [m.gate for m in self.up], [m.up for m in self.up],

@@ -186,6 +186,18 @@ def _pack_experts_of(module: nn.Module, int8: bool) -> PackedExperts:
         post_norm=module.post_expert_norm if module.has_post_expert_norm else None, int8=int8)
 
 
+def _routing_linears(base: nn.Module) -> frozenset[int]:
+    """The ids of the linears int8 leaves in the model's dtype: those beside an MoE layer's experts (Qwen2-MoE's
+    shared-expert gate) and any named as a router or gate (transformers 4's MoE routers were plain linears named
+    `gate`): their few outputs decide which weights run, and int8 would gain nothing on them."""
+    experts = {id(m) for m in expert_layers(base)}
+    beside = {id(child) for parent in base.modules() if any(id(c) in experts for c in parent.children())
+              for child in parent.children()}
+    named = {id(m) for name, m in base.named_modules()
+             if name.rsplit(".", 1)[-1] in ("gate", "router") or name.endswith("_gate")}
+    return frozenset(beside | named)
+
+
 def _is_activation(module: nn.Module) -> bool:
     """transformers' activation modules (ACT2FN's) and torch's: run through `elementwise.invariant`, so that a
     token's activations do not depend on the step's size (torch's kernels round the last elements of each thread's
@@ -232,19 +244,16 @@ class TransformersModel(nn.Module):
         """The projections into batchgen's packed GEMMs, as the native models' (layers/linear.py): several
         times faster on CPU than F.linear, and every row independent of the batch. Left unpacked when the
         model then fails its one-token check (its code reads a projection's weight itself). `quantization`
-        "int8": the projections and the experts on int8 compute instead (docs/int8.md), but for the linears
-        beside an MoE layer's experts (a shared expert's gate: a few outputs that weigh whole experts); a model
-        whose code then fails its one-token check is refused."""
+        "int8": the projections and the experts on int8 compute instead (docs/int8.md), but for the routing
+        linears (`_routing_linears`), packed in the model's dtype; a model whose code then fails its one-token
+        check is refused."""
         head = self.head
         base = self.hf.base_model
-        if quantization == "int8":
-            beside_experts = frozenset(id(m) for layer in expert_layers(base) for parent in base.modules()
-                                       if layer in parent.children() for m in parent.children())
-            replaced = quantize_linears(base, (nn.Linear,), keep=beside_experts)
-        else:
-            replaced = pack_linears(base, (nn.Linear,))
-            for name, plain in replaced.items():  # code that reads a projection's dtype or shape (its device is wrong)
-                base.get_submodule(name).weight = torch.empty_like(plain.weight, device="meta")
+        quantized = quantize_linears(base, (nn.Linear,), _routing_linears(base)) if quantization == "int8" else {}
+        packed = pack_linears(base, (nn.Linear,))  # the rest (with int8, the routing linears) in the model's dtype
+        for name, plain in packed.items():  # code that reads a projection's dtype or shape (its device is wrong)
+            base.get_submodule(name).weight = torch.empty_like(plain.weight, device="meta")
+        replaced = quantized | packed
         if head is not None:
             self.head = logits_head(head.weight, head.bias) or head
         try:
@@ -252,7 +261,9 @@ class TransformersModel(nn.Module):
         except NotImplementedError as e:
             if quantization:
                 raise ConfigError([ConfigProblem("quantization", f"{quantization} cannot run "
-                                                 f"{architecture(self.hf.config)}: {e}")]) from None
+                                                 f"{architecture(self.hf.config)}: its code reads a projection's "
+                                                 f"weight itself, which {quantization} compute replaces ({e})")]
+                                  ) from None
             for name, module in replaced.items():
                 base.set_submodule(name, module)
             self.head = head

@@ -411,6 +411,22 @@ def linear_silu_mul_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return out
 
 
+def moe_silu_experts_int8(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                          gate_ups: list[Int8Weight], downs: list[Int8Weight]) -> torch.Tensor:
+    """`moe_silu_experts_bf16` on int8 compute: gate_ups from `pack_int8_gate_up`, downs from `pack_int8_weight`;
+    for token t, the sum over its experts, in ascending expert order, of weights[t, r] *
+    linear_int8(linear_silu_mul_int8(hidden[t], gate_up[e]), down[e], out_dtype=float32), in float32 and rounded to
+    hidden's dtype (float32 or bf16) once. One call for the layer; a token's result depends on that token alone."""
+    weights = weights.float().contiguous()
+    if not hidden.is_cpu:
+        return reference.moe_silu_experts_int8(hidden, expert_ids, weights, gate_ups, downs)
+    out = torch.empty_like(hidden)
+    _C.moe_silu_experts_int8(out, hidden, expert_ids.contiguous(), weights,
+                             [(w.panels, w.compensation, w.scale) for w in gate_ups],
+                             [(w.panels, w.compensation, w.scale) for w in downs], gate_ups[0].out_features)
+    return out
+
+
 # A Llama model's decoder layers on CPU in one call, through the ops above (contract: engine_src/README.md;
 # built by LlamaForCausalLM._build_decoder_stack).
 DecoderStack = _C.DecoderStack

@@ -292,6 +292,16 @@ def moe_silu_experts_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weight
     return total.to(hidden.dtype)
 
 
+def moe_silu_experts_int8(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_ups: list,
+                          downs: list) -> torch.Tensor:
+    total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for e, w in sorted(zip(expert_ids[t].tolist(), weights[t].float().tolist(), strict=True)):
+            gated = linear_silu_mul_int8(hidden[t : t + 1], gate_ups[e])
+            total[t] += linear_int8(gated, downs[e], None, torch.float32)[0] * w
+    return total.to(hidden.dtype)
+
+
 def unpack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 a [slots, rank, in] and b_t [slots, rank, out] that `batchgen.ops.pack_lora_bf16` packed."""
     slots, pairs, rank, _ = a.shape

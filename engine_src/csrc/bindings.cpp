@@ -806,6 +806,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_silu_mul_int8", &batchgen::cpu::linear_silu_mul_int8,
         "out = silu(x gate^T) * (x up^T) on int8 panels alternating gate and up", py::arg("out"), py::arg("x"),
         py::arg("weight"), py::arg("compensation"), py::arg("w_scale"), no_gil);
+  m.def("moe_silu_experts_int8", &batchgen::cpu::moe_silu_experts_int8,
+        "A mixture of experts' SiLU-gated experts on int8 panels ((panels, compensation, w_scale) an expert), each "
+        "token's k outputs weighted and summed in float32 in ascending expert order", py::arg("out"),
+        py::arg("hidden"), py::arg("expert_ids"), py::arg("weights"), py::arg("gate_ups"), py::arg("downs"),
+        py::arg("intermediate"), no_gil);
   m.def("has_cuda", &has_cuda, "Whether the module was built with the CUDA kernels");
   m.def("cpu_isa", [] { return std::string(batchgen::cpu::active_kernels().name); },
         "The instruction set the CPU kernels use");

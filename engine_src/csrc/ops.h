@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -134,5 +135,14 @@ void linear_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
 // gate's and the up projection's; x quantized once.
 void linear_silu_mul_int8(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                           const torch::Tensor& compensation, const torch::Tensor& w_scale);
+// A mixture of experts' SiLU-gated experts on int8 compute, each expert's (gate_up panels, compensation, w_scale)
+// from pack_int8_gate_up and (down panels, compensation, w_scale) from pack_int8_weight (cpu/gemm_int8_ops.cpp):
+// out[t] (hidden's dtype, float32 or bf16) = the sum over t's experts, in ascending expert order, of weights[t, r]
+// * linear_int8(linear_silu_mul_int8(hidden[t], gate_up[e]), down[e]) in float32, rounded once; bit for bit one
+// linear_silu_mul_int8 and one float32 linear_int8 call an expert.
+using Int8Panels = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+void moe_silu_experts_int8(torch::Tensor& out, const torch::Tensor& hidden, const torch::Tensor& expert_ids,
+                           const torch::Tensor& weights, const std::vector<Int8Panels>& gate_ups,
+                           const std::vector<Int8Panels>& downs, int64_t intermediate);
 
 }  // namespace batchgen::cpu

@@ -12,6 +12,7 @@
 #include "cpu/gemm_int8.h"
 #include "cpu/gemm_parallel.h"
 #include "cpu/isa.h"
+#include "cpu/moe_slots.h"
 #include "ops.h"
 
 namespace batchgen::cpu {
@@ -87,36 +88,42 @@ void run_int8_gemm(const Int8GemmArgs& args) {
 // run_int8_gemm for a gate_up weight (check_int8_weight): each pair of panels multiplies kSiluMulRows rows at a
 // time into float32 sums on the stack, which the kernel table's silu_mul_row turns into the pair's columns of
 // out while they are in cache.
-void run_int8_silu_mul(const Int8GemmArgs& args) {
+// The gate_up GEMM's pairs of panels [begin, end) for every row of args, with `gemm`.
+void silu_mul_pairs(const Int8GemmArgs& args, Int8GemmFn gemm, int64_t begin, int64_t end) {
   constexpr int64_t kSiluMulRows = 4 * kInt8BlockRows;
-  const Int8GemmFn gemm = kernel_in_use().gemm;
   const SiluMulRowFn finish = active_kernels().silu_mul_row[args.out_kind == Int8Out::bf16 ? 1 : 0];
-  const int64_t pairs = (args.cols + kInt8PanelCols - 1) / kInt8PanelCols, panel_bytes = args.depth * kInt8PanelCols;
+  const int64_t panel_bytes = args.depth * kInt8PanelCols;
   const int64_t element_bytes = args.out_kind == Int8Out::bf16 ? 2 : 4;
-  parallel_panels(args.rows, pairs, kInt8BlockRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
-    alignas(64) float sums[kSiluMulRows][2 * kInt8PanelCols];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      Int8GemmArgs part = args;
-      part.weight = args.weight + 2 * pair * panel_bytes;
-      part.compensation = args.compensation + 2 * pair * kInt8PanelCols;
-      part.w_scale = args.w_scale + 2 * pair * kInt8PanelCols;
-      part.out = sums;
-      part.out_stride = 2 * kInt8PanelCols;
-      part.out_kind = Int8Out::f32;
-      part.cols = 2 * kInt8PanelCols;
-      const int64_t col = pair * kInt8PanelCols, width = std::min<int64_t>(kInt8PanelCols, args.cols - col);
-      for (int64_t row = first_row; row < first_row + rows; row += kSiluMulRows) {
-        const int64_t count = std::min(kSiluMulRows, first_row + rows - row);
-        part.x = args.x + row * args.x_stride;
-        part.x_scale = args.x_scale + row;
-        part.rows = count;
-        gemm(part, 0, 2);
-        for (int64_t r = 0; r < count; ++r) {
-          char* out = static_cast<char*>(args.out) + ((row + r) * args.out_stride + col) * element_bytes;
-          finish(sums[r], sums[r] + kInt8PanelCols, out, width);
-        }
+  alignas(64) float sums[kSiluMulRows][2 * kInt8PanelCols];
+  for (int64_t pair = begin; pair < end; ++pair) {
+    Int8GemmArgs part = args;
+    part.weight = args.weight + 2 * pair * panel_bytes;
+    part.compensation = args.compensation + 2 * pair * kInt8PanelCols;
+    part.w_scale = args.w_scale + 2 * pair * kInt8PanelCols;
+    part.out = sums;
+    part.out_stride = 2 * kInt8PanelCols;
+    part.out_kind = Int8Out::f32;
+    part.cols = 2 * kInt8PanelCols;
+    const int64_t col = pair * kInt8PanelCols, width = std::min<int64_t>(kInt8PanelCols, args.cols - col);
+    for (int64_t row = 0; row < args.rows; row += kSiluMulRows) {
+      const int64_t count = std::min(kSiluMulRows, args.rows - row);
+      part.x = args.x + row * args.x_stride;
+      part.x_scale = args.x_scale + row;
+      part.rows = count;
+      gemm(part, 0, 2);
+      for (int64_t r = 0; r < count; ++r) {
+        char* out = static_cast<char*>(args.out) + ((row + r) * args.out_stride + col) * element_bytes;
+        finish(sums[r], sums[r] + kInt8PanelCols, out, width);
       }
     }
+  }
+}
+
+void run_int8_silu_mul(const Int8GemmArgs& args) {
+  const Int8GemmFn gemm = kernel_in_use().gemm;
+  const int64_t pairs = (args.cols + kInt8PanelCols - 1) / kInt8PanelCols;
+  parallel_panels(args.rows, pairs, kInt8BlockRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
+    silu_mul_pairs(int8_rows(args, first_row, rows), gemm, begin, end);
   });
 }
 
@@ -272,6 +279,95 @@ void linear_silu_mul_int8(torch::Tensor& out, const torch::Tensor& x, const torc
   const Int8GemmArgs args = int8_args(op, out, q, x_scale, weight, compensation, w_scale, c10::nullopt, true);
   TORCH_CHECK_VALUE(args.out_kind != Int8Out::i32, op, ": out must be float32 or bfloat16, got int32");
   run_int8_silu_mul(args);
+}
+
+void moe_silu_experts_int8(torch::Tensor& out, const torch::Tensor& hidden, const torch::Tensor& expert_ids,
+                           const torch::Tensor& weights, const std::vector<Int8Panels>& gate_ups,
+                           const std::vector<Int8Panels>& downs, int64_t intermediate) {
+  const char* op = "moe_silu_experts_int8";
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK_VALUE(hidden.is_cpu() && hidden.dim() == 2 && hidden.stride(1) == 1 &&
+                        (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+                    op, ": hidden must be a float32 or bfloat16 CPU tensor [tokens, features] contiguous in its last "
+                    "dimension, got ", dtype, " ", hidden.sizes());
+  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == dtype && out.sizes() == hidden.sizes() && out.stride(1) == 1,
+                    op, ": out must be a CPU tensor of hidden's dtype and shape ", hidden.sizes(), ", got ",
+                    out.scalar_type(), " ", out.sizes());
+  for (const auto& [name, t, want] : {std::tuple{"expert_ids", &expert_ids, torch::kInt64},
+                                      std::tuple{"weights", &weights, torch::kFloat32}}) {
+    TORCH_CHECK_VALUE(t->is_cpu() && t->scalar_type() == want && t->dim() == 2 && t->is_contiguous() &&
+                          t->size(0) == hidden.size(0) && t->sizes() == expert_ids.sizes(),
+                      op, ": expert_ids and weights must be contiguous CPU tensors [", hidden.size(0),
+                      ", k], int64 and float32, got ", name, " ", t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(!gate_ups.empty() && downs.size() == gate_ups.size(), op,
+                    ": needs the same number (> 0) of gate_up and down weights, got ", gate_ups.size(), " and ",
+                    downs.size());
+  TORCH_CHECK_VALUE(intermediate > 0, op, ": intermediate must be positive, got ", intermediate);
+  const auto padded = [](int64_t depth) { return (depth + kInt8DepthStep - 1) / kInt8DepthStep * kInt8DepthStep; };
+  const int64_t features = hidden.size(1), k = expert_ids.size(1), slots = expert_ids.numel();
+  const int64_t features_padded = padded(features), intermediate_padded = padded(intermediate);
+  for (size_t e = 0; e < gate_ups.size(); ++e) {
+    const auto& [gate_up, gate_up_compensation, gate_up_scale] = gate_ups[e];
+    const auto& [down, down_compensation, down_scale] = downs[e];
+    check_int8_weight(op, gate_up, gate_up_compensation, gate_up_scale, features_padded, intermediate, true);
+    check_int8_weight(op, down, down_compensation, down_scale, intermediate_padded, features, false);
+  }
+  const ExpertSlots grouped(expert_ids, static_cast<int64_t>(gate_ups.size()), op);
+  // Each token quantized once (per row, as linear_int8 quantizes it), its bytes gathered into the slots' grouped
+  // order, through the gate_up GEMM, quantized again, through the down GEMM into float32: what Int8SiluAndMul and
+  // Int8Linear compute an expert at a time, bit for bit.
+  thread_local std::vector<uint8_t> token_q_buffer, row_q_buffer, gated_q_buffer;
+  thread_local std::vector<float> token_scale_buffer, row_scale_buffer, gated_buffer, gated_scale_buffer, out_buffer;
+  torch::Tensor token_q = kept_buffer(token_q_buffer, hidden.size(0), features_padded, torch::kUInt8);
+  torch::Tensor token_scale = kept_buffer(token_scale_buffer, hidden.size(0), 1, torch::kFloat32).view(-1);
+  quantize_int8_rows(hidden, token_q, token_scale);
+  torch::Tensor row_q = kept_buffer(row_q_buffer, slots, features_padded, torch::kUInt8);
+  torch::Tensor row_scale = kept_buffer(row_scale_buffer, slots, 1, torch::kFloat32).view(-1);
+  const uint8_t* token_bytes = token_q.data_ptr<uint8_t>();
+  uint8_t* row_bytes = row_q.data_ptr<uint8_t>();
+  at::parallel_for(0, slots, std::max<int64_t>(1, 8192 / features_padded), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t token = grouped.slot_at[p] / k;
+      std::copy_n(token_bytes + token * features_padded, features_padded, row_bytes + p * features_padded);
+      row_scale.data_ptr<float>()[p] = token_scale.data_ptr<float>()[token];
+    }
+  });
+  const Int8GemmFn gemm = kernel_in_use().gemm;
+  const auto set_weight = [](Int8GemmArgs& a, const Int8Panels& panels) {
+    a.weight = std::get<0>(panels).data_ptr<int8_t>();
+    a.compensation = std::get<1>(panels).data_ptr<int32_t>();
+    a.w_scale = std::get<2>(panels).data_ptr<float>();
+  };
+  torch::Tensor gated = kept_buffer(gated_buffer, slots, intermediate, dtype);
+  const auto& [gate_up0, gate_up_compensation0, gate_up_scale0] = gate_ups[0];
+  const Int8GemmArgs up_args = int8_args(op, gated, row_q, row_scale, gate_up0, gate_up_compensation0, gate_up_scale0,
+                                         c10::nullopt, true);
+  const int64_t pairs = (intermediate + kInt8PanelCols - 1) / kInt8PanelCols;
+  parallel_expert_panels(grouped, pairs, kInt8BlockRows, [&](int64_t e, int64_t begin, int64_t end) {
+    Int8GemmArgs a = int8_rows(up_args, grouped.first[e], grouped.count[e]);
+    set_weight(a, gate_ups[e]);
+    silu_mul_pairs(a, gemm, begin, end);
+  });
+  torch::Tensor gated_q = kept_buffer(gated_q_buffer, slots, intermediate_padded, torch::kUInt8);
+  torch::Tensor gated_scale = kept_buffer(gated_scale_buffer, slots, 1, torch::kFloat32).view(-1);
+  quantize_int8_rows(gated, gated_q, gated_scale);
+  torch::Tensor expert_out = kept_buffer(out_buffer, slots, features, torch::kFloat32);
+  const auto& [down0, down_compensation0, down_scale0] = downs[0];
+  const Int8GemmArgs down_args = int8_args(op, expert_out, gated_q, gated_scale, down0, down_compensation0,
+                                           down_scale0, c10::nullopt);
+  const int64_t panels = (features + kInt8PanelCols - 1) / kInt8PanelCols;
+  parallel_expert_panels(grouped, panels, kInt8BlockRows, [&](int64_t e, int64_t begin, int64_t end) {
+    Int8GemmArgs a = int8_rows(down_args, grouped.first[e], grouped.count[e]);
+    set_weight(a, downs[e]);
+    gemm(a, begin, end);
+  });
+  const float* y = expert_out.data_ptr<float>();
+  if (dtype == torch::kBFloat16) {
+    sum_expert_outputs(static_cast<BF16*>(out.data_ptr()), out.stride(0), y, features, grouped, expert_ids, weights);
+  } else {
+    sum_expert_outputs(out.data_ptr<float>(), out.stride(0), y, features, grouped, expert_ids, weights);
+  }
 }
 
 }  // namespace batchgen::cpu
