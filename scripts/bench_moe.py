@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import processor  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
-from batchgen.layers.experts import PackedExperts  # noqa: E402
 from batchgen.models import transformers_backend  # noqa: E402
 
 # Real models' MoE shapes (hidden, heads, kv heads, experts, experts a token, expert width, vocabulary).
@@ -73,8 +72,7 @@ def run(model_dir: Path, variant: str, prompts: list[list[int]], max_tokens: int
     finally:
         transformers_backend.pack_experts = pack
     hf = llm.llm_engine.runner.model.hf
-    experts = [m.batchgen_experts for m in hf.modules() if isinstance(getattr(m, "batchgen_experts", None),
-                                                                        PackedExperts)]
+    experts = [m.batchgen_experts for m in transformers_backend.expert_layers(hf) if hasattr(m, "batchgen_experts")]
     if variant == "batchgen-loop":
         for layer in experts:
             layer.one_call = False

@@ -56,6 +56,26 @@ def single_threaded():
     return torch_threads(1)
 
 
+def moe_routing(tokens: int, k: int, num_experts: int, gen: torch.Generator, idle: tuple[int, ...] = ()):
+    """A mixture of experts' routing: k distinct experts a token (none of `idle`) and their weights, float32."""
+    busy = torch.tensor([e for e in range(num_experts) if e not in idle])
+    ids = torch.zeros(tokens, k, dtype=torch.long)
+    for t in range(tokens):
+        ids[t] = busy[torch.randperm(len(busy), generator=gen)[:k]]
+    return ids, torch.rand(tokens, k, generator=gen)
+
+
+def moe_by_expert_calls(x, ids, weights, num_experts: int, expert_rows):
+    """What a one-call MoE op must equal bit for bit: `expert_rows(rows, e)` (float32) once an expert on the rows
+    routed to it, each token's weighted outputs added in float32 in ascending expert order, rounded to x's dtype."""
+    total = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(num_experts):
+        token, rank = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            total[token] += expert_rows(x[token], e) * weights[token, rank, None]
+    return total.to(x.dtype)
+
+
 def tolerance(dtype: torch.dtype, device: str = "cpu") -> float:
     """Largest allowed rel_err of a kernel against the reference. CUDA's float32 gets twice CPU's: its kernels
     are built with --use_fast_math (exp2 and division approximate to 2 ulp)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import torch_threads
+from kernel_cases import moe_by_expert_calls, moe_routing, torch_threads
 
 from batchgen import _C, ops
 from batchgen.ops import reference
@@ -282,24 +282,7 @@ def _moe_layer(num_experts: int, hidden: int, width: int, tokens: int, k: int, s
                 for _ in range(num_experts)]
     gates, ups, downs = panels(width, hidden), panels(width, hidden), panels(hidden, width)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-    busy = torch.tensor([e for e in range(num_experts) if e not in idle])
-    ids = torch.zeros(tokens, k, dtype=torch.long)
-    for t in range(tokens):
-        ids[t] = busy[torch.randperm(len(busy), generator=gen)[:k]]
-    return x, ids, torch.rand(tokens, k, generator=gen), gates, ups, downs
-
-
-def _moe_by_expert_calls(x, ids, weights, gates, ups, downs, width):
-    """What the op must equal bit for bit: one GEMM call an expert on the rows routed to it, each token's weighted
-    outputs added in float32 in ascending expert order, rounded once."""
-    total = torch.zeros(x.shape, dtype=torch.float32)
-    for e in range(len(gates)):
-        token, rank = (ids == e).nonzero(as_tuple=True)
-        if len(token):
-            gated = ops.gemm_silu_mul_bf16(x[token], gates[e], ups[e], width)
-            out = ops.gemm_bf16(gated, downs[e], x.shape[1], out_dtype=torch.float32)
-            total[token] += out * weights[token, rank, None]
-    return total.bfloat16()
+    return x, *moe_routing(tokens, k, num_experts, gen, idle), gates, ups, downs
 
 
 @needs_kernel
@@ -309,7 +292,8 @@ def test_moe_experts_are_the_per_expert_gemms_summed_in_expert_order(tokens, k):
     the per-expert GEMMs' (rows do not depend on the rows beside them), summed in ascending expert order; experts
     3 and 5 get no token. 200 features: 5 panels, the last partly filled; 136 wide: 3 panels."""
     x, ids, weights, gates, ups, downs = _moe_layer(9, 200, 136, tokens, k, seed=tokens, idle=(3, 5))
-    want = _moe_by_expert_calls(x, ids, weights, gates, ups, downs, 136)
+    want = moe_by_expert_calls(x, ids, weights, 9, lambda rows, e: ops.gemm_bf16(
+        ops.gemm_silu_mul_bf16(rows, gates[e], ups[e], 136), downs[e], x.shape[1], out_dtype=torch.float32))
     for threads in (1, 2, 3, 7):  # 7: idle threads, and shares that cut an expert's panels
         with torch_threads(threads):
             got = ops.moe_silu_experts_bf16(x, ids, weights, gates, ups, downs, 136)

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_cases import subnormal_count, torch_threads
+from kernel_cases import moe_by_expert_calls, moe_routing, subnormal_count, torch_threads
 
 from batchgen import _C, ops
 from batchgen.ops import reference
@@ -323,23 +323,7 @@ def _int8_moe(num_experts: int, hidden: int, width: int, tokens: int, k: int, se
                 for _ in range(num_experts)]
     downs = [ops.pack_int8_weight(torch.randn(hidden, width, generator=gen) / width**0.5) for _ in range(num_experts)]
     x = (torch.randn(tokens, hidden, generator=gen) * 2).to(dtype)
-    busy = torch.tensor([e for e in range(num_experts) if e not in idle])
-    ids = torch.zeros(tokens, k, dtype=torch.long)
-    for t in range(tokens):
-        ids[t] = busy[torch.randperm(len(busy), generator=gen)[:k]]
-    return x, ids, torch.rand(tokens, k, generator=gen), gate_ups, downs
-
-
-def _int8_moe_by_expert_calls(x, ids, weights, gate_ups, downs):
-    """What the op must equal bit for bit: `linear_silu_mul_int8` and a float32 `linear_int8` an expert on the rows
-    routed to it, each token's weighted outputs added in float32 in ascending expert order, rounded once."""
-    total = torch.zeros(x.shape, dtype=torch.float32)
-    for e in range(len(gate_ups)):
-        token, rank = (ids == e).nonzero(as_tuple=True)
-        if len(token):
-            out = ops.linear_int8(ops.linear_silu_mul_int8(x[token], gate_ups[e]), downs[e], out_dtype=torch.float32)
-            total[token] += out * weights[token, rank, None]
-    return total.to(x.dtype)
+    return x, *moe_routing(tokens, k, num_experts, gen, idle), gate_ups, downs
 
 
 @pytest.mark.parametrize(("tokens", "k"), [(0, 2), (1, 1), (6, 2), (70, 4)])
@@ -350,7 +334,8 @@ def test_moe_experts_are_the_per_expert_int8_calls_summed_in_expert_order(tokens
     call: bit for bit one call an expert, at 1-7 threads; experts 3 and 5 get no token. 200 features (padded to the
     depth step), 136 wide: 3 pairs of panels, the last partly filled."""
     x, ids, weights, gate_ups, downs = _int8_moe(9, 200, 136, tokens, k, seed=tokens, dtype=dtype, idle=(3, 5))
-    want = _int8_moe_by_expert_calls(x, ids, weights, gate_ups, downs)
+    want = moe_by_expert_calls(x, ids, weights, 9, lambda rows, e: ops.linear_int8(
+        ops.linear_silu_mul_int8(rows, gate_ups[e]), downs[e], out_dtype=torch.float32))
     for threads in (1, 2, 3, 7):  # 7: idle threads, and shares that cut an expert's panels
         with torch_threads(threads):
             got = ops.moe_silu_experts_int8(x, ids, weights, gate_ups, downs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import rel_err, tolerance
+from kernel_cases import moe_routing, rel_err, tolerance
 from model_zoo import MOE, build_zoo_model
 from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, tiny_prompts
 
@@ -46,9 +46,7 @@ def reference(hidden, ids, weights, up, down, *, transposed=False, up_bias=None,
 
 
 def routing(tokens: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:K] for _ in range(tokens)])
-    return ids, torch.rand(tokens, K, generator=gen)
+    return moe_routing(tokens, K, EXPERTS, torch.Generator().manual_seed(seed))
 
 
 LAYOUTS = {
@@ -95,12 +93,8 @@ def test_packed_experts_match_the_reference_and_each_row_is_its_own(dtype, layou
 def int8_reference(hidden, ids, weights, up, down):
     """Each token's sum, in ascending expert order, of weight * its experts' int8 projections (the pure-torch
     int8 ops of batchgen.ops.reference: gate, up and the SiLU rounded to hidden's dtype, down's sums in float32)."""
-    out = torch.zeros(hidden.shape, dtype=torch.float32)
-    for t in range(hidden.shape[0]):
-        for e, w in sorted(zip(ids[t].tolist(), weights[t].float().tolist(), strict=True)):
-            x = ops_reference.linear_silu_mul_int8(hidden[t : t + 1], ops.pack_int8_gate_up(up[e]))
-            out[t] += ops_reference.linear_int8(x, ops.pack_int8_weight(down[e]), None, torch.float32)[0] * w
-    return out.to(hidden.dtype)
+    return ops_reference.moe_silu_experts_int8(hidden, ids, weights, [ops.pack_int8_gate_up(w) for w in up],
+                                               [ops.pack_int8_weight(w) for w in down])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -42,6 +42,11 @@ class PackedExperts(nn.Module):
         bf16_panels = all(isinstance(m, PackedSiluAndMul) and m.uses_panels for m in up) and all(
             isinstance(m, PackedLinear) and m.uses_panels and m.bias is None for m in down)
         self.one_call = gate_fn is None and post_norm is None and (self.int8 or bf16_panels)
+        # The one call's weight operands, gathered once rather than from every expert's modules at every step.
+        if self.int8:
+            self.operands = ([m.weight for m in up], [m.weight for m in down])
+        elif bf16_panels:
+            self.operands = ([m.gate for m in up], [m.up for m in up], [m.packed for m in down], up[0].out_features)
 
     @classmethod
     def pack(cls, up_weights: torch.Tensor, down_weights: torch.Tensor, *, up_bias: torch.Tensor | None = None,
@@ -70,13 +75,9 @@ class PackedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden [tokens, features]; expert_ids and weights [tokens, k]: each token's experts and their weights.
         Returns [tokens, features] in hidden's dtype."""
-        if self.one_call and self.int8:
-            return ops.moe_silu_experts_int8(hidden.contiguous(), expert_ids.long(), weights,
-                                             [m.weight for m in self.up], [m.weight for m in self.down])
         if self.one_call:
-            return ops.moe_silu_experts_bf16(hidden.contiguous(), expert_ids.long(), weights,
-                                             [m.gate for m in self.up], [m.up for m in self.up],
-                                             [m.packed for m in self.down], self.up[0].out_features)
+            one_call = ops.moe_silu_experts_int8 if self.int8 else ops.moe_silu_experts_bf16
+            return one_call(hidden.contiguous(), expert_ids.long(), weights, *self.operands)
         tokens, k = expert_ids.shape
         slots = expert_ids.reshape(-1)
         order = torch.argsort(slots, stable=True)  # the (token, rank) slots grouped by expert

@@ -228,17 +228,25 @@ def plain_linear(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (nn.Lin
     return isinstance(module, kinds) and any(type(module).forward is kind.forward for kind in kinds)
 
 
+def replace_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...],
+                    replacement: Callable[[nn.Linear], nn.Module | None]) -> dict[str, nn.Linear]:
+    """Replaces every plain linear of `kinds` below module by `replacement(linear)` where that gives a module (None:
+    left as it is); returns the replaced linears by their qualified names."""
+    replaced = {}
+    for name, child in list(module.named_children()):
+        if not plain_linear(child, kinds):
+            replaced |= {f"{name}.{key}": m for key, m in replace_linears(child, kinds, replacement).items()}
+        elif (new := replacement(child)) is not None:
+            setattr(module, name, new)
+            replaced[name] = child
+    return replaced
+
+
 def pack_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Linear,)) -> dict[str, nn.Linear]:
     """Replaces every packable plain linear of `kinds` below module by a `PackedLinear` (dropping the plain
     weight); returns the replaced modules by their qualified names."""
-    replaced = {}
-    for name, child in list(module.named_children()):
-        if plain_linear(child, kinds) and can_pack(child.weight):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
-            replaced[name] = child
-        else:
-            replaced |= {f"{name}.{key}": m for key, m in pack_linears(child, kinds).items()}
-    return replaced
+    return replace_linears(module, kinds, lambda linear: PackedLinear(linear.weight, linear.bias)
+                           if can_pack(linear.weight) else None)
 
 
 class Int8Linear(nn.Module):
@@ -284,14 +292,8 @@ def quantize_linears(module: nn.Module, kinds: tuple[type[nn.Linear], ...] = (Li
     """Replaces every plain linear of `kinds` below module, but those whose id is in `keep`, by an `Int8Linear`
     (dropping the plain weight); one with a `weight_scale` holds a checkpoint's int8 weight, packed as it is.
     Returns the replaced modules by their qualified names."""
-    replaced = {}
-    for name, child in list(module.named_children()):
-        if plain_linear(child, kinds) and id(child) not in keep:
-            setattr(module, name, Int8Linear(child.weight, child.bias, getattr(child, "weight_scale", None)))
-            replaced[name] = child
-        else:
-            replaced |= {f"{name}.{key}": m for key, m in quantize_linears(child, kinds, keep).items()}
-    return replaced
+    return replace_linears(module, kinds, lambda linear: None if id(linear) in keep else Int8Linear(
+        linear.weight, linear.bias, getattr(linear, "weight_scale", None)))
 
 
 def gather_panels(module: nn.Module) -> None:

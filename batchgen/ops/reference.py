@@ -281,25 +281,26 @@ def gemm_silu_mul_bf16(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ou
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
 
 
-def moe_silu_experts_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                          gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor],
-                          intermediate: int) -> torch.Tensor:
+def _moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, expert) -> torch.Tensor:
+    """Each token's sum, in ascending expert order, of weight * expert(row, e) (float32 [1, features])."""
     total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for t in range(hidden.shape[0]):
         for e, w in sorted(zip(expert_ids[t].tolist(), weights[t].float().tolist(), strict=True)):
-            gated = gemm_silu_mul_bf16(hidden[t : t + 1], gates[e], ups[e], intermediate)
-            total[t] += gemm_bf16(gated, downs[e], hidden.shape[1], out_dtype=torch.float32)[0] * w
+            total[t] += expert(hidden[t : t + 1], e)[0] * w
     return total.to(hidden.dtype)
+
+
+def moe_silu_experts_bf16(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                          gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor],
+                          intermediate: int) -> torch.Tensor:
+    return _moe_experts(hidden, expert_ids, weights, lambda row, e: gemm_bf16(
+        gemm_silu_mul_bf16(row, gates[e], ups[e], intermediate), downs[e], hidden.shape[1], out_dtype=torch.float32))
 
 
 def moe_silu_experts_int8(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_ups: list,
                           downs: list) -> torch.Tensor:
-    total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for t in range(hidden.shape[0]):
-        for e, w in sorted(zip(expert_ids[t].tolist(), weights[t].float().tolist(), strict=True)):
-            gated = linear_silu_mul_int8(hidden[t : t + 1], gate_ups[e])
-            total[t] += linear_int8(gated, downs[e], None, torch.float32)[0] * w
-    return total.to(hidden.dtype)
+    return _moe_experts(hidden, expert_ids, weights, lambda row, e: linear_int8(
+        linear_silu_mul_int8(row, gate_ups[e]), downs[e], None, torch.float32))
 
 
 def unpack_lora_bf16(a: torch.Tensor, b_t: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@
 #include "checked_ops.h"
 #include "cpu/gemm_int8.h"
 #include "cpu/isa.h"
+#include "cpu/moe_slots.h"
 #include "decoder_stack.h"
 #include "ops.h"
 #ifdef WITH_CUDA
@@ -547,12 +548,6 @@ void moe_silu_experts_bf16(Tensor& out, const Tensor& hidden, const Tensor& expe
                            const std::vector<Tensor>& gates, const std::vector<Tensor>& ups,
                            const std::vector<Tensor>& downs, int64_t intermediate) {
   const char* op = "moe_silu_experts_bf16";
-  check_index(op, "expert_ids", expert_ids, torch::kInt64, 2, "[tokens, experts a token]");
-  check_index(op, "weights", weights, torch::kFloat32, 2, "[tokens, experts a token]");
-  TORCH_CHECK_VALUE(expert_ids.is_cpu() && weights.is_cpu() && weights.sizes() == expert_ids.sizes() &&
-                        expert_ids.size(0) == hidden.size(0),
-                    op, ": expert_ids and weights must be CPU tensors [", hidden.size(0), ", k], got ",
-                    expert_ids.sizes(), " and ", weights.sizes());
   TORCH_CHECK_VALUE(!gates.empty() && ups.size() == gates.size() && downs.size() == gates.size(), op,
                     ": needs the same number (> 0) of gate, up and down weights, got ", gates.size(), ", ", ups.size(),
                     " and ", downs.size());
@@ -566,6 +561,7 @@ void moe_silu_experts_bf16(Tensor& out, const Tensor& hidden, const Tensor& expe
                       " contiguous in its last dimension, got ", t->scalar_type(), " ", t->sizes(), " strides ",
                       t->strides(), " on ", t->device());
   }
+  batchgen::cpu::check_routing(op, hidden, expert_ids, weights);
   // Every expert's panels checked as gemm_*_bf16 checks one call's, on tensors of one row of the right shape.
   const Tensor one_row = hidden.narrow(0, 0, std::min<int64_t>(1, hidden.size(0)));
   const Tensor gated = torch::empty({one_row.size(0), intermediate}, hidden.options());

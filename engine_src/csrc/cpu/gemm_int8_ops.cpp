@@ -293,13 +293,7 @@ void moe_silu_experts_int8(torch::Tensor& out, const torch::Tensor& hidden, cons
   TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == dtype && out.sizes() == hidden.sizes() && out.stride(1) == 1,
                     op, ": out must be a CPU tensor of hidden's dtype and shape ", hidden.sizes(), ", got ",
                     out.scalar_type(), " ", out.sizes());
-  for (const auto& [name, t, want] : {std::tuple{"expert_ids", &expert_ids, torch::kInt64},
-                                      std::tuple{"weights", &weights, torch::kFloat32}}) {
-    TORCH_CHECK_VALUE(t->is_cpu() && t->scalar_type() == want && t->dim() == 2 && t->is_contiguous() &&
-                          t->size(0) == hidden.size(0) && t->sizes() == expert_ids.sizes(),
-                      op, ": expert_ids and weights must be contiguous CPU tensors [", hidden.size(0),
-                      ", k], int64 and float32, got ", name, " ", t->scalar_type(), " ", t->sizes());
-  }
+  check_routing(op, hidden, expert_ids, weights);
   TORCH_CHECK_VALUE(!gate_ups.empty() && downs.size() == gate_ups.size(), op,
                     ": needs the same number (> 0) of gate_up and down weights, got ", gate_ups.size(), " and ",
                     downs.size());
@@ -325,12 +319,14 @@ void moe_silu_experts_int8(torch::Tensor& out, const torch::Tensor& hidden, cons
   torch::Tensor row_q = kept_buffer(row_q_buffer, slots, features_padded, torch::kUInt8);
   torch::Tensor row_scale = kept_buffer(row_scale_buffer, slots, 1, torch::kFloat32).view(-1);
   const uint8_t* token_bytes = token_q.data_ptr<uint8_t>();
+  const float* token_scales = token_scale.data_ptr<float>();
   uint8_t* row_bytes = row_q.data_ptr<uint8_t>();
+  float* row_scales = row_scale.data_ptr<float>();
   at::parallel_for(0, slots, std::max<int64_t>(1, 8192 / features_padded), [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t token = grouped.slot_at[p] / k;
       std::copy_n(token_bytes + token * features_padded, features_padded, row_bytes + p * features_padded);
-      row_scale.data_ptr<float>()[p] = token_scale.data_ptr<float>()[token];
+      row_scales[p] = token_scales[token];
     }
   });
   const Int8GemmFn gemm = kernel_in_use().gemm;

@@ -34,10 +34,16 @@ const float* widened_x(const GemmArgs& args) {
   return out;
 }
 
-void run_gemm(GemmArgs args, int64_t panels) {
+// The active kernel table, which must have the bf16 GEMM.
+const KernelTable& gemm_kernels() {
   const KernelTable& kernels = active_kernels();
   TORCH_CHECK_VALUE(kernels.gemm_bf16 != nullptr, "the bf16 GEMM needs AVX2 or AVX-512 kernels; active: ",
                     kernels.name);
+  return kernels;
+}
+
+void run_gemm(GemmArgs args, int64_t panels) {
+  const KernelTable& kernels = gemm_kernels();
   if (kernels.gemm_widens_bf16) args.x_wide = widened_x(args);
   parallel_panels(args.rows, panels, kGemmTileRows, [&](int64_t first_row, int64_t rows, int64_t begin, int64_t end) {
     kernels.gemm_bf16(gemm_rows(args, first_row, rows), begin, end);
@@ -89,9 +95,7 @@ void moe_silu_experts_bf16(torch::Tensor& out, const torch::Tensor& hidden, cons
                            const torch::Tensor& weights, const std::vector<torch::Tensor>& gates,
                            const std::vector<torch::Tensor>& ups, const std::vector<torch::Tensor>& downs,
                            int64_t intermediate) {
-  const KernelTable& kernels = active_kernels();
-  TORCH_CHECK_VALUE(kernels.gemm_bf16 != nullptr, "the bf16 GEMM needs AVX2 or AVX-512 kernels; active: ",
-                    kernels.name);
+  const KernelTable& kernels = gemm_kernels();
   const int64_t features = hidden.size(1), k = expert_ids.size(1), slots = expert_ids.numel();
   const ExpertSlots grouped(expert_ids, static_cast<int64_t>(gates.size()), "moe_silu_experts_bf16");
   // Each slot's token row, in the grouped order; through the gate and up projections; through the down projection.

@@ -14,6 +14,18 @@
 
 namespace batchgen::cpu {
 
+// The routing both ops take: expert_ids int64 and weights float32, contiguous CPU tensors [tokens of hidden, k].
+inline void check_routing(const char* op, const torch::Tensor& hidden, const torch::Tensor& expert_ids,
+                          const torch::Tensor& weights) {
+  TORCH_CHECK_VALUE(expert_ids.is_cpu() && weights.is_cpu() && expert_ids.scalar_type() == torch::kInt64 &&
+                        weights.scalar_type() == torch::kFloat32 && expert_ids.dim() == 2 &&
+                        expert_ids.is_contiguous() && weights.is_contiguous() &&
+                        weights.sizes() == expert_ids.sizes() && expert_ids.size(0) == hidden.size(0),
+                    op, ": expert_ids and weights must be contiguous CPU tensors [", hidden.size(0),
+                    ", k] (expert_ids must be Long, weights Float), got ", expert_ids.scalar_type(), " ",
+                    expert_ids.sizes(), " and ", weights.scalar_type(), " ", weights.sizes());
+}
+
 // The slots of expert_ids (int64 [tokens, k]) grouped by expert, each expert's in slot order (a counting sort):
 // expert e's slots sit at [first[e], first[e] + count[e]) of that order; slot s (= token * k + rank) at
 // position[s], and the slot at position p is slot_at[p].
