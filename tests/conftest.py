@@ -66,14 +66,17 @@ def build_tiny_model(path, arch: str, seed: int = 0):
     return save_random_model(path, cls, config, tokenizer, seed)
 
 
-def save_random_model(path, cls, config, tokenizer, seed: int):
-    """A float32 model of `cls` with random weights, saved with `tokenizer`."""
+def save_random_model(path, cls, config, tokenizer, seed: int, adjust=None):
+    """A float32 model of `cls` with random weights, saved with `tokenizer`; `adjust(model)`, if given, changes
+    some of them first (under no_grad)."""
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     with torch.no_grad():  # larger weights than the default init make the logits less flat
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+        if adjust is not None:
+            adjust(model)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -1,10 +1,12 @@
 """Tiny random models of architectures beyond the Llama family, from transformers configs (2 layers,
 4 query and 2 KV heads of 64, hidden 256), saved with conftest's tiny tokenizer. Sizes that change a
 model's attention are small enough to matter in short prompts: sliding windows of 16-40 tokens,
-Gemma 2's soft caps, Gemma's and Granite's attention scales; and mixtures of experts of 4-8 experts."""
+Gemma 2's soft caps, Gemma's and Granite's attention scales, GPT-OSS's attention sinks; and mixtures of experts
+of 4-8 experts."""
 
 from __future__ import annotations
 
+import torch
 from conftest import _tiny_tokenizer, save_random_model
 
 SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -52,6 +54,9 @@ def _configs(tf, tokens: dict) -> dict:
                    tf.PhimoeForCausalLM),
         "hunyuan_moe": (tf.HunYuanMoEV1Config(**SIZES, **KV, **tokens, head_dim=64, num_experts=4, moe_topk=2),
                         tf.HunYuanMoEV1ForCausalLM),
+        # Attention sinks, a window on every other layer, experts with biases and a clamped SwiGLU (per-expert loop).
+        "gpt_oss": (tf.GptOssConfig(**SIZES, **KV, **tokens, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=16, layer_types=ALTERNATING), tf.GptOssForCausalLM),
         # A shared expert beside the routed ones, weighed by a linear of one output (not in MOE: tests/test_moe.py).
         "qwen2_moe": (tf.Qwen2MoeConfig(**SIZES, **KV, **tokens, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=128, shared_expert_intermediate_size=128),
@@ -59,7 +64,7 @@ def _configs(tf, tokens: dict) -> dict:
     }
 
 
-MOE = ["mixtral", "qwen3_moe", "phimoe", "hunyuan_moe"]
+MOE = ["mixtral", "qwen3_moe", "phimoe", "hunyuan_moe", "gpt_oss"]
 ZOO = ["gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox", "starcoder2", "cohere", "falcon",
        "mistral_window", *MOE]
 
@@ -71,4 +76,12 @@ def build_zoo_model(path, arch: str, seed: int = 0):
     tokens = {"vocab_size": len(tokenizer), **{name: getattr(tokenizer, name)
                                                for name in ("bos_token_id", "eos_token_id", "pad_token_id")}}
     config, cls = _configs(tf, tokens)[arch]
-    return save_random_model(path, cls, config, tokenizer, seed)
+    return save_random_model(path, cls, config, tokenizer, seed, _large_sinks if arch == "gpt_oss" else None)
+
+
+def _large_sinks(model) -> None:
+    """Attention sinks from -3 to 3 (the default init's are ~0.02: too small to change a token), some heads
+    giving the sink most of their weight."""
+    for layer in model.model.layers:
+        sinks = layer.self_attn.sinks
+        sinks.copy_(torch.linspace(-3.0, 3.0, sinks.numel())[torch.randperm(sinks.numel())])

@@ -71,9 +71,9 @@ def _bind(lib):
     lib.emu_copy_blocks.argtypes = [p, p, i32, p, i64, i64]
     lib.emu_decode_workspace_bytes.argtypes = [i32, i32, i32, i32, i32]
     lib.emu_decode_workspace_bytes.restype = ctypes.c_size_t
-    lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p]
+    lib.emu_decode.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, *[i32] * 6, f32, i32, f32, p, p]
     lib.emu_prefill.argtypes = [i32, p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, i32,
-                                f32]
+                                f32, p]
     lib.emu_prefill_limits.argtypes = [*lib.emu_prefill.argtypes, p]
     lib.emu_reshape_and_cache_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, i32, i32, i32, p, p]
     lib.emu_decode_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, *[i32] * 6, f32, p, p, p]
@@ -119,9 +119,10 @@ def paged_sequences(seq_lens, num_kv_heads, block_size, head_dim, dtype, table_p
     return key_cache, value_cache, tables, keys, values
 
 
-def reference(query, keys, values, positions, scale, window=0, cap=0.0, limits=None):
+def reference(query, keys, values, positions, scale, window=0, cap=0.0, limits=None, sinks=None):
     """query [n, H, D] attends keys/values [L, KVH, D]; row j sees positions 0..positions[j] (0..limits[j] when
-    given), with a window only those after positions[j] - window; a soft cap bends scores s to cap * tanh(s / cap)."""
+    given), with a window only those after positions[j] - window; a soft cap bends scores s to cap * tanh(s / cap).
+    sinks [H]: each head's attention sink, a score joining every row's softmax with a zero value (GPT-OSS)."""
     group = query.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
@@ -131,7 +132,11 @@ def reference(query, keys, values, positions, scale, window=0, cap=0.0, limits=N
     key_pos, query_pos = torch.arange(k.shape[0])[None, :], torch.tensor(positions)[:, None]
     last = query_pos if limits is None else torch.as_tensor(limits)[:, None]
     hidden = (key_pos > last) | ((key_pos <= query_pos - window) if window else False)
-    probs = scores.masked_fill(hidden[None], float("-inf")).softmax(-1)
+    scores = scores.masked_fill(hidden[None], float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = scores.softmax(-1)[..., : k.shape[0]]
     return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
@@ -151,7 +156,7 @@ def poison_before_windows(key_cache, value_cache, tables, first_positions, windo
             value_cache[tables[i, b]] = float("nan")
 
 
-def decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window=0, cap=0.0):
+def decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window=0, cap=0.0, sinks=None):
     """The decode kernel's output, and the bytes of workspace it asked for."""
     num_seqs, num_heads, head_dim = query.shape
     out = torch.full_like(query, float("nan"))
@@ -163,27 +168,27 @@ def decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window=0
     rc = lib.emu_decode(
         DTYPE_CODE[query.dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
         ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs, num_heads,
-        key_cache.shape[1], head_dim, block_size, max_context, scale, window, cap, ptr(workspace))
+        key_cache.shape[1], head_dim, block_size, max_context, scale, window, cap, ptr(workspace), ptr(sinks))
     assert rc == 0
     return out, workspace_bytes
 
 
 def run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, table_pad=1, window=0, cap=0.0,
-               scale=None):
+               scale=None, sinks=None):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype, table_pad)
     poison_before_windows(key_cache, value_cache, tables, [n - 1 for n in seq_lens], window)
     scale = scale or head_dim**-0.5
     query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
-    out, workspace_bytes = decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window, cap)
-    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale, window, cap)
+    out, workspace_bytes = decode(lib, query, key_cache, value_cache, tables, seq_lens, scale, window, cap, sinks)
+    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], scale, window, cap, sinks=sinks)
             for i, n in enumerate(seq_lens)]
     assert_close(out, torch.cat(want), dtype)
     return workspace_bytes
 
 
 def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, query_lens,
-                strided_query=False, window=0, cap=0.0, scale=None, query_pad=0):
+                strided_query=False, window=0, cap=0.0, scale=None, query_pad=0, sinks=None):
     key_cache, value_cache, tables, keys, values = paged_sequences(
         seq_lens, num_kv_heads, block_size, head_dim, dtype)
     poison_before_windows(key_cache, value_cache, tables, [n - q for n, q in zip(seq_lens, query_lens, strict=True)],
@@ -197,13 +202,14 @@ def run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_l
     rc = lib.emu_prefill(
         DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2],
         ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
-        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, cap)
+        len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, cap, ptr(sinks))
     assert rc == 0
     want = []
     for i, (n, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         context = n - q_len
         rows = query[starts[i]:starts[i + 1]]
-        want.append(reference(rows, keys[i], values[i], [context + j for j in range(q_len)], scale, window, cap))
+        want.append(reference(rows, keys[i], values[i], [context + j for j in range(q_len)], scale, window, cap,
+                              sinks=sinks))
     assert_close(out, torch.cat(want), dtype)
 
 
@@ -415,7 +421,7 @@ def test_prefill_key_limits(lib, dtype, head_dim, block_size, num_heads, num_kv_
         rc = lib.emu_prefill_limits(
             DTYPE_CODE[dtype], ptr(result), *result.stride()[:2], ptr(query), *query.stride()[:2],
             ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
-            len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, 0.0,
+            len(seq_lens), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, 0.0, None,
             ptr(key_limit))
         assert rc == 0
         return result
@@ -435,6 +441,51 @@ def test_prefill_key_limits(lib, dtype, head_dim, block_size, num_heads, num_kv_
     assert_close(out, torch.cat(want), dtype)
     assert not torch.allclose(torch.cat(want), torch.cat(causal))  # the limits changed the result
 
+
+
+def sink_values(num_heads: int) -> torch.Tensor:
+    """Attention sinks (GPT-OSS) for `num_heads` heads: from well below the scores to well above them, so that
+    some heads' rows give the sink most of their weight and others almost none."""
+    return torch.linspace(-6.0, 8.0, num_heads) + 0.1 * torch.randn(num_heads)
+
+
+# Attention sinks: (dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window). Decode's split context
+# (the sink joined once, at the merge) and its head chunks; the prefill's CUDA-core (float32) and tensor-core kernels.
+SINK_CASES = [
+    (torch.float32, 64, 16, 8, 2, [1, 9, 70], 0),
+    (torch.bfloat16, 64, 16, 40, 1, [600, 3, 1000], 0),  # head chunks; split contexts
+    (torch.float16, 128, 8, 14, 2, [1300, 33], 128),  # group 7; GPT-OSS's window of 128
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window", SINK_CASES)
+def test_decode_sinks(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window):
+    torch.manual_seed(13)
+    sinks = sink_values(num_heads)
+    workspace = run_decode(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window=window,
+                           sinks=sinks)
+    assert (workspace > 0) == (max(seq_lens) > 512 and window == 0)  # the split path ran where it should
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window", SINK_CASES)
+def test_prefill_sinks(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, seq_lens, window):
+    torch.manual_seed(14)
+    sinks = sink_values(num_heads)
+    lens = [n if n < 200 else 150 for n in seq_lens]
+    run_prefill(lib, dtype, head_dim, block_size, num_heads, num_kv_heads, lens, [min(n, 40) for n in lens],
+                window=window, sinks=sinks)
+
+
+def test_sinks_change_the_output(lib):
+    """The sink case is not vacuous: the same decode without sinks differs from the reference with them."""
+    torch.manual_seed(15)
+    key_cache, value_cache, tables, keys, values = paged_sequences([40], 2, 16, 64, torch.float32)
+    query = torch.randn(1, 4, 64)
+    sinks = torch.tensor([3.0, 0.0, -3.0, 5.0])
+    with_sinks, _ = decode(lib, query, key_cache, value_cache, tables, [40], 0.125, sinks=sinks)
+    without, _ = decode(lib, query, key_cache, value_cache, tables, [40], 0.125)
+    assert_close(with_sinks, reference(query, keys[0], values[0], [39], 0.125, sinks=sinks), torch.float32)
+    assert (with_sinks - without).abs().max() > 1e-2
 
 def test_prefill_unaligned_rows_take_the_cuda_core_kernel(lib):
     """Query heads 68 elements apart (rows not on 16-byte boundaries) cannot be copied with cp.async: the fp16
@@ -475,7 +526,7 @@ def _prefill_parts(lib, dtype, caches, parts, num_heads, scale, window, cap):
     rc = lib.emu_prefill(
         DTYPE_CODE[dtype], ptr(out), *out.stride()[:2], ptr(query), *query.stride()[:2], ptr(key_cache),
         ptr(value_cache), ptr(part_tables), part_tables.stride(0), ptr(lens), ptr(starts), len(parts), len(query),
-        num_heads, num_kv_heads, head_dim, block_size, scale, window, cap)
+        num_heads, num_kv_heads, head_dim, block_size, scale, window, cap, None)
     assert rc == 0
     return out.split(lengths)
 

@@ -91,9 +91,10 @@ class PagedAttention(nn.Module):
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, meta: AttentionMetadata, variant: AttentionVariant,
-                    scales: KVScales | None = None) -> torch.Tensor:
+                    scales: KVScales | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's step: K/V into the cache, then the decode rows and the prefill rows. `scales`: an fp8
-    cache's (None for caches of the activations' dtype)."""
+    cache's (None for caches of the activations' dtype). `sinks`: the layer's attention sinks, float32
+    `[num_heads]` on the cache's device (ops.paged_attention_decode), or None."""
     k_scale, v_scale = (scales.k, scales.v) if scales is not None else (None, None)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -102,11 +103,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
         ops.paged_attention_decode(
             q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, variant.scale,
             out=out[:d], seq_groups=meta.decode_seq_groups, sliding_window=variant.sliding_window,
-            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+            logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if d < q.shape[0]:
         ops.paged_attention_prefill(
             q[d:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, variant.scale, out=out[d:], sliding_window=variant.sliding_window,
             logits_soft_cap=variant.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-            key_limit=meta.prefill_key_limit)
+            key_limit=meta.prefill_key_limit, sinks=sinks)
     return out

@@ -54,8 +54,10 @@ from batchgen.models.architectures import (
 from batchgen.models.transformers_adapters import adapt_attention
 
 BACKEND = "batchgen"
-# Arguments transformers' layers pass for attention the kernels do not have (sinks, relative biases).
-_UNSUPPORTED_ARGUMENTS = ("s_aux", "sinks", "position_bias")
+# Arguments transformers' layers pass for attention the kernels do not have (relative biases).
+_UNSUPPORTED_ARGUMENTS = ("position_bias",)
+# The names transformers' layers give their attention sinks (GPT-OSS: `s_aux`).
+_SINK_ARGUMENTS = ("s_aux", "sinks")
 _LORA_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.\w+\.(\w+)$")  # layers.3.self_attn.q_proj
 
 
@@ -89,18 +91,23 @@ class LayerAttention:
     value_cache: torch.Tensor | None = None
     kv_scales: KVScales | None = None  # an fp8 cache's, set with the caches
     calls: int = field(default=0, repr=False)
+    sinks: torch.Tensor | None = field(default=None, repr=False)  # float32 copy of the layer's, made at its first call
 
     def __call__(self, *args) -> torch.Tensor:
         return self.forward(*args)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """query `[1, Hq, T, D]`, key/value `[1, Hk, T, D]` -> `[1, T, Hq, D]`."""
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query `[1, Hq, T, D]`, key/value `[1, Hk, T, D]` -> `[1, T, Hq, D]`; `sinks` `[Hq]`: the layer's attention
+        sinks (fixed weights: their float32 copy is made once)."""
         self.calls += 1
+        if sinks is not None and self.sinks is None:
+            self.sinks = sinks.detach().float().reshape(-1).contiguous()
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
         window = sliding_window if sliding_window is not None else self.window
         variant = AttentionVariant(float(scaling), int(window or 0), float(softcap or 0.0))
-        return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant, self.kv_scales)[None]
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant, self.kv_scales,
+                               self.sinks)[None]
 
 
 def batchgen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -115,9 +122,10 @@ def batchgen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         raise NotImplementedError("its attention is not causal")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError("its values have another head size than its queries and keys")
+    sinks = next((kwargs[name] for name in _SINK_ARGUMENTS if kwargs.get(name) is not None), None)
     layer: LayerAttention = module.batchgen_layer
     return layer(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window,
-                 softcap), None
+                 softcap, sinks), None
 
 
 def register_attention() -> None:

@@ -100,6 +100,7 @@ def paged_attention_decode(
     logits_soft_cap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence (`query` `[num_seqs, num_heads, head_dim]`), the
     query at position `seq_lens[i] - 1`; scores are `scale * q.k` (any scale, not only head_dim**-0.5).
@@ -110,11 +111,14 @@ def paged_attention_decode(
     p - sliding_window < j <= p (transformers' rule); blocks wholly outside the window are not read.
     `logits_soft_cap` (0 or None off): each score s becomes `logits_soft_cap * tanh(s / logits_soft_cap)`
     before the softmax (Gemma 2). None is taken as off, as Hugging Face configs write it.
-    fp8 caches read as `byte * k_scale[kv head]` and `byte * v_scale[kv head]` (float32, None for 1.0)."""
+    fp8 caches read as `byte * k_scale[kv head]` and `byte * v_scale[kv head]` (float32, None for 1.0).
+    `sinks` (float32 `[num_heads]` on the query's device, optional): each head's attention sink (GPT-OSS), a
+    score in the scaled scores' units that joins every row's softmax with a zero value, so that a row's weights
+    sum to less than 1."""
     if out is None:
         out = torch.empty_like(query)
     _C.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), seq_groups,
-                              int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale)
+                              int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale, sinks)
     return out
 
 
@@ -142,11 +146,12 @@ def paged_attention_prefill(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     key_limit: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens `[num_tokens, num_heads, head_dim]`; the
     tokens of sequence i are rows `query_start_loc[i]:query_start_loc[i + 1]` and come last in it
     (row j at position `context + j`, `context = seq_lens[i] - q_len`). `sliding_window` and
-    `logits_soft_cap`, `k_scale` and `v_scale` as for `paged_attention_decode`. `key_limit` (int32
+    `logits_soft_cap`, `k_scale`, `v_scale` and `sinks` as for `paged_attention_decode`. `key_limit` (int32
     `[num_tokens]`, optional): row t sees the keys up to position key_limit[t] (at least its own, at most its
     sequence's last) instead of up to its own, the sliding window still counted from its own (Gemma 3's
     image tokens, which see their whole image)."""
@@ -154,7 +159,7 @@ def paged_attention_prefill(
         out = torch.empty_like(query)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
-        int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale, key_limit,
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), k_scale, v_scale, key_limit, sinks,
     )
     return out
 

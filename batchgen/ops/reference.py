@@ -2,7 +2,8 @@
 
 Written to be obviously correct, not fast: attention gathers each sequence's keys and values
 through its block table and computes softmax(q k^T * scale) v in float32 with an explicit causal
-(and optionally sliding-window) mask, the scores optionally soft-capped. Tests compare the kernels
+(and optionally sliding-window) mask, the scores optionally soft-capped, each head's attention sink
+(optional) a score beside the keys' whose value is zero. Tests compare the kernels
 against these functions.
 """
 
@@ -75,11 +76,13 @@ def attend(
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     key_limit: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 attention of query `[n, num_heads, head_dim]` over keys/values
     `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i] (0 .. key_limit[i] when
     `key_limit` is given), with a sliding window only keys j > positions[i] - sliding_window (transformers'
-    `kv_idx > q_idx - sliding_window`). A soft cap c turns each score s into c * tanh(s / c)."""
+    `kv_idx > q_idx - sliding_window`). A soft cap c turns each score s into c * tanh(s / c). `sinks`
+`[num_heads]`: each head's attention sink, a score in every row's softmax whose value is zero (GPT-OSS)."""
     group = query.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
@@ -92,7 +95,12 @@ def attend(
     if sliding_window:  # 0 or None: off
         hidden |= key_pos[None, :] <= positions[:, None] - sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
+    if sinks is not None:
+        sink_scores = sinks.float().reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink_scores], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.einsum("hnl,lhd->nhd", probs, values)
 
 
 def paged_attention_decode(
@@ -108,10 +116,11 @@ def paged_attention_decode(
     logits_soft_cap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, one_query_each, scale, out,
-                                   sliding_window, logits_soft_cap, k_scale, v_scale)
+                                   sliding_window, logits_soft_cap, k_scale, v_scale, sinks=sinks)
 
 
 def paged_attention_prefill(
@@ -128,6 +137,7 @@ def paged_attention_prefill(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     key_limit: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
@@ -142,7 +152,7 @@ def paged_attention_prefill(
         positions = torch.arange(context, seq_len, device=query.device)
         limit = None if key_limit is None else key_limit[begin:end]
         out[begin:end] = attend(query[begin:end], keys, values, positions, scale, sliding_window,
-                                logits_soft_cap, limit).to(out.dtype)
+                                logits_soft_cap, limit, sinks).to(out.dtype)
     return out
 
 

@@ -162,10 +162,21 @@ void check_attention(const char* op, const Tensor& out, const Tensor& query, con
 }
 
 // The attention variants: sliding_window >= 0 (0 off), logits_soft_cap finite and >= 0 (0 off).
-void check_variants(const char* op, int64_t sliding_window, double logits_soft_cap) {
+void check_variants(const char* op, int64_t sliding_window, double logits_soft_cap,
+                    const c10::optional<Tensor>& sinks, const Tensor& query) {
   TORCH_CHECK_VALUE(sliding_window >= 0, op, ": sliding_window must be >= 0 (0 for none), got ", sliding_window);
   TORCH_CHECK_VALUE(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
                     ": logits_soft_cap must be finite and >= 0 (0 for none), got ", logits_soft_cap);
+  if (!sinks.has_value()) return;
+  check_index(op, "sinks", *sinks, torch::kFloat32, 1, "[num_heads]");
+  TORCH_CHECK_VALUE(sinks->size(0) == query.size(1), op, ": sinks has ", sinks->size(0), " entries but query has ",
+                    query.size(1), " heads");
+  check_same_device(op, "sinks", *sinks, query, "query");
+  if (!sinks->is_cpu()) return;
+  const float* values = sinks->data_ptr<float>();
+  for (int64_t h = 0; h < sinks->size(0); ++h) {
+    TORCH_CHECK_VALUE(!std::isnan(values[h]), op, ": sinks[", h, "] is NaN");
+  }
 }
 
 // block_mapping int64 [n, 2] of (src, dst) pairs; when it is on the host, every id is checked.
@@ -219,11 +230,12 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
                             const c10::optional<Tensor>& seq_groups, int64_t sliding_window, double logits_soft_cap,
-                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale) {
+                            const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
+                            const c10::optional<Tensor>& sinks) {
   const char* op = "paged_attention_decode";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
-  check_variants(op, sliding_window, logits_soft_cap);
+  check_variants(op, sliding_window, logits_soft_cap, sinks, query);
   TORCH_CHECK_VALUE(seq_lens.size(0) == query.size(0), op, ": seq_lens has ", seq_lens.size(0),
                     " sequences but query has ", query.size(0), " (one query token per sequence)");
   if (seq_groups.has_value()) {
@@ -234,10 +246,10 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& key_
   }
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_decode, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                       sliding_window, logits_soft_cap, k_scale, v_scale);
+                       sliding_window, logits_soft_cap, k_scale, v_scale, sinks);
   } else {
     batchgen::cpu::paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                          seq_groups, sliding_window, logits_soft_cap, scales);
+                                          seq_groups, sliding_window, logits_soft_cap, scales, sinks);
   }
 }
 
@@ -254,11 +266,11 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
                              const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                              double scale, int64_t sliding_window, double logits_soft_cap,
                              const c10::optional<Tensor>& k_scale, const c10::optional<Tensor>& v_scale,
-                             const c10::optional<Tensor>& key_limit) {
+                             const c10::optional<Tensor>& key_limit, const c10::optional<Tensor>& sinks) {
   const char* op = "paged_attention_prefill";
   check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   const batchgen::cpu::KVScales scales = checked_scales(op, k_scale, v_scale, key_cache);
-  check_variants(op, sliding_window, logits_soft_cap);
+  check_variants(op, sliding_window, logits_soft_cap, sinks, query);
   check_index(op, "query_start_loc", query_start_loc, torch::kInt32, 1, "[num_seqs + 1]");
   check_same_device(op, "query_start_loc", query_start_loc, key_cache, "key_cache");
   TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, op, ": query_start_loc has ",
@@ -272,11 +284,11 @@ void paged_attention_prefill(Tensor& out, const Tensor& query, const Tensor& key
   }
   if (on_cuda(op, key_cache)) {
     BATCHGEN_CUDA_CALL(paged_attention_prefill, out, query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, sliding_window, logits_soft_cap, k_scale, v_scale, key_limit);
+                       query_start_loc, scale, sliding_window, logits_soft_cap, k_scale, v_scale, key_limit, sinks);
   } else {
     batchgen::cpu::paged_attention_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            query_start_loc, scale, sliding_window, logits_soft_cap, scales,
-                                           key_limit);
+                                           key_limit, sinks);
   }
 }
 
@@ -664,7 +676,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "Attention of one query token per sequence",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("seq_groups") = py::none(), py::arg("sliding_window") = 0,
-        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), no_gil);
+        py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("sinks") = py::none(), no_gil);
   m.def("read_decode_blocks", &read_decode_blocks,
         "Read the K/V bytes paged_attention_decode reads, nothing else done (a benchmark's yardstick)",
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"),
@@ -673,7 +686,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window") = 0,
         py::arg("logits_soft_cap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        py::arg("key_limit") = py::none(), no_gil);
+        py::arg("key_limit") = py::none(), py::arg("sinks") = py::none(), no_gil);
   m.def("copy_blocks", &copy_blocks, "Copy blocks within each layer's caches", py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"), no_gil);
   m.def("swap_blocks", &swap_blocks, "Copy blocks from one cache to another, across devices", py::arg("src"),

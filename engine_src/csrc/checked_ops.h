@@ -15,14 +15,16 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const torch::Tensor& seq_lens, double scale,
                             const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window = 0,
                             double logits_soft_cap = 0.0, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
-                            const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
+                            const c10::optional<torch::Tensor>& v_scale = c10::nullopt,
+                            const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window = 0, double logits_soft_cap = 0.0,
                              const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
                              const c10::optional<torch::Tensor>& v_scale = c10::nullopt,
-                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt);
+                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt,
+                             const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 void rms_norm(torch::Tensor& out, const torch::Tensor& input, const torch::Tensor& weight, double eps);
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual, const torch::Tensor& weight, double eps);
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x, const torch::Tensor& cos_sin_cache);

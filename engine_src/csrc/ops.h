@@ -35,7 +35,8 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale,
                             const c10::optional<torch::Tensor>& seq_groups, int64_t sliding_window,
-                            double logits_soft_cap, const KVScales& scales = {});
+                            double logits_soft_cap, const KVScales& scales = {},
+                            const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 
 // The bytes paged_attention_decode reads for these sequences (every key, no window), read with nothing else
 // done, on the threads and tasks decode would use: what memory gives decode's access pattern, the yardstick of
@@ -45,14 +46,16 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
 int64_t read_decode_blocks(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, bool whole_blocks);
 
-// sliding_window (0 off) and logits_soft_cap (0 off) as in engine_src/README.md, for both ops.
+// sliding_window (0 off), logits_soft_cap (0 off) and sinks (optional, float32 [num_heads]: each query head's
+// attention sink) as in engine_src/README.md, for both ops.
 // key_limit (optional, int32 [num_tokens]): the last key position each query token sees, in place of its own
 // (Gemma 3's image tokens see their whole image); each in [its position, its seq_len - 1].
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const KVScales& scales = {},
-                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt);
+                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt,
+                             const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

@@ -157,6 +157,7 @@ struct DecodeParams {
   float soft_cap_log2;  // logits_soft_cap times log2(e), 0 off
   const float* k_scale;  // an fp8 cache's per-kv-head scales, or null
   const float* v_scale;
+  const float* sinks;  // [num_heads]: each head's attention sink, or null
   // Per (seq, head, split) results of sequences with several splits.
   float* partial_out;  // [num_seqs * num_heads * max_splits, head_dim], normalized
   float* partial_max;  // [num_seqs * num_heads * max_splits]
@@ -390,9 +391,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeShape<C, HEAD_DIM>::kMin
       total += warp_sum_s[w][h] * weight;
       o += warp_acc_s[w][h][d] * weight;
     }
-    o /= total;
-    if (p.v_scale != nullptr) o *= p.v_scale[kv_head];  // an fp8 cache's values, scaled once
     const int head = first_head + h;
+    o /= split_sequence ? total : with_sink(total, p.sinks, head, block_max);  // a split's sink joins at the merge
+    if (p.v_scale != nullptr) o *= p.v_scale[kv_head];  // an fp8 cache's values, scaled once
     if (!split_sequence) {
       out[head * p.out_head_stride + d] = from_float<T>(o);
     } else {
@@ -435,7 +436,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_decode_merge_ke
   }
   __syncthreads();
 
-  const float inv_total = 1.f / total_s;
+  const float inv_total = 1.f / with_sink(total_s, p.sinks, head, max_s);
   T* out = static_cast<T*>(p.out) + seq * p.out_seq_stride + head * p.out_head_stride;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float o = 0.f;
@@ -464,7 +465,8 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
                                           int num_heads, int num_kv_heads, int head_dim, int block_size,
                                           int max_context_len, float scale, int sliding_window,
                                           float logits_soft_cap, void* workspace, cudaStream_t stream,
-                                          KVFormat kv_format, const float* k_scale, const float* v_scale) {
+                                          KVFormat kv_format, const float* k_scale, const float* v_scale,
+                                          const float* sinks) {
   if (num_seqs == 0) return cudaSuccess;
   const int max_heads = max_heads_per_block(dtype, kv_format, head_dim);
   if (max_heads == 0 || !is_supported_block_size(block_size) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
@@ -501,6 +503,7 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
   p.soft_cap_log2 = logits_soft_cap * kLog2e;
   p.k_scale = k_scale;
   p.v_scale = v_scale;
+  p.sinks = sinks;
   if (plan.max_splits > 1) {
     const int64_t results = static_cast<int64_t>(num_seqs) * num_heads * plan.max_splits;
     p.partial_out = static_cast<float*>(workspace);

@@ -107,6 +107,7 @@ struct PrefillParams {
   const float* k_scale;  // an fp8 cache's per-kv-head scales, or null
   const float* v_scale;
   const int* key_limit;  // [num_tokens]: the last key each query token sees; null: its own position
+  const float* sinks;    // [num_heads]: each head's attention sink, or null
 };
 
 // The last key query token `token` (of the flat batch) at `position` of a sequence of seq_len keys sees: its
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_attention_prefill_kerne
     if (row >= num_rows) continue;
     const int head = kv_head * group + row % group;
     T* dst = out + (query_start + row / group) * p.out_token_stride + head * p.out_head_stride;
-    float inv_total = 1.f / total;
+    float inv_total = 1.f / with_sink(total, p.sinks, head, row_max[i]);
     if (p.v_scale != nullptr) inv_total *= p.v_scale[kv_head];  // an fp8 cache's values, scaled once
 #pragma unroll
     for (int st = 0; st < kSteps; ++st) {
@@ -777,7 +778,8 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
     for (int h = 0; h < 2; ++h) {
       float total = row_sum[m][h] + __shfl_xor_sync(0xffffffffu, row_sum[m][h], 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
-      float inv_total = 1.f / total;
+      const int head = kv_head * group + (warp_row0 + 16 * m + g + 8 * h) % group;
+      float inv_total = 1.f / with_sink(total, p.sinks, head, row_max[m][h]);
       if (p.v_scale != nullptr) inv_total *= p.v_scale[kv_head];
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
@@ -833,7 +835,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                                            float scale, int sliding_window, float logits_soft_cap,
                                            cudaStream_t stream, KVFormat kv_format, const float* k_scale,
-                                           const float* v_scale, const int* key_limit) {
+                                           const float* v_scale, const int* key_limit, const float* sinks) {
   if (num_seqs == 0 || num_tokens == 0) return cudaSuccess;
   if (!is_supported_block_size(block_size) || num_kv_heads <= 0 || num_kv_heads > 65535 ||
       num_heads % num_kv_heads != 0 || sliding_window < 0 || !(logits_soft_cap >= 0.f)) {
@@ -865,6 +867,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
   p.k_scale = k_scale;
   p.v_scale = v_scale;
   p.key_limit = key_limit;
+  p.sinks = sinks;
   const bool tensor_cores = dtype != DType::kFloat32 &&
                             tensor_cores_fit(out, out_token_stride, out_head_stride, query, query_token_stride,
                                              query_head_stride, key_cache, value_cache);

@@ -87,6 +87,13 @@ __device__ __forceinline__ float exp2_shifted(float x, float max) {
   return exp2f(x - (max == -INFINITY ? 0.f : max));
 }
 
+// A row's softmax sum with its head's attention sink joined (GPT-OSS): total + exp(sink - max), the sink a logit
+// in natural units (`sinks` float32 [num_heads], null for none) and the row's max in base 2. A row that saw no key
+// (max -inf) gets an infinite sum, so a zero output.
+__device__ __forceinline__ float with_sink(float total, const float* sinks, int head, float max) {
+  return sinks == nullptr ? total : total + exp2f(sinks[head] * kLog2e - max);
+}
+
 // Number of `step`-wide chunks needed to cover n.
 __host__ __device__ constexpr int ceil_div(int n, int step) { return (n + step - 1) / step; }
 

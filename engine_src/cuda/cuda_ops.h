@@ -17,14 +17,15 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
                             double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
-                            const c10::optional<torch::Tensor>& v_scale);
+                            const c10::optional<torch::Tensor>& v_scale, const c10::optional<torch::Tensor>& sinks);
 
 void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
                              const c10::optional<torch::Tensor>& v_scale,
-                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt);
+                             const c10::optional<torch::Tensor>& key_limit = c10::nullopt,
+                             const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 
 void copy_blocks(std::vector<torch::Tensor>& key_caches, std::vector<torch::Tensor>& value_caches,
                  const torch::Tensor& block_mapping);

@@ -43,7 +43,8 @@ size_t paged_attention_decode_workspace_bytes(int num_seqs, int num_heads, int h
 // logits_soft_cap * tanh(s / logits_soft_cap) before the softmax).
 // fp8 caches (kv_format, fp8.h): reshape_and_cache stores round(x / k_scale[kv head]) (v_scale for values)
 // and the attention launchers read byte * scale; k_scale and v_scale are device float32 [num_kv_heads], or
-// null for 1.0. `dtype` stays the activations' (query, key, value, out).
+// null for 1.0. `dtype` stays the activations' (query, key, value, out). sinks: device float32 [num_heads], each
+// query head's attention sink (a logit in the scaled scores' units joining the softmax with a zero value), or null.
 cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_seq_stride, int64_t out_head_stride,
                                           const void* query, int64_t query_seq_stride, int64_t query_head_stride,
                                           const void* key_cache, const void* value_cache, const int* block_tables,
@@ -52,7 +53,7 @@ cudaError_t launch_paged_attention_decode(DType dtype, void* out, int64_t out_se
                                           int max_context_len, float scale, int sliding_window,
                                           float logits_soft_cap, void* workspace, cudaStream_t stream,
                                           KVFormat kv_format = KVFormat::same, const float* k_scale = nullptr,
-                                          const float* v_scale = nullptr);
+                                          const float* v_scale = nullptr, const float* sinks = nullptr);
 
 // query/out [num_tokens, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1];
 // seq_lens int32 [num_seqs]: whole length after this step (cached context + new tokens).
@@ -66,7 +67,7 @@ cudaError_t launch_paged_attention_prefill(DType dtype, void* out, int64_t out_t
                                            float scale, int sliding_window, float logits_soft_cap,
                                            cudaStream_t stream, KVFormat kv_format = KVFormat::same,
                                            const float* k_scale = nullptr, const float* v_scale = nullptr,
-                                           const int* key_limit = nullptr);
+                                           const int* key_limit = nullptr, const float* sinks = nullptr);
 
 // Segmented LoRA (lora_kernels.cu; the CPU op's contract, engine_src/csrc/ops.h): for each segment of
 // `segments` (device int32 [num_segments, 3]: first row, end row, slot; max_segment_rows bounds end - first),

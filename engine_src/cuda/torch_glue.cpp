@@ -57,7 +57,7 @@ KVFormat kv_format(const torch::Tensor& cache) {
   }
 }
 
-// An fp8 cache's per-kv-head scales (float32 on the cache's device), or null for 1.0.
+// An optional float32 tensor's data (an fp8 cache's per-kv-head scales, attention sinks), or null.
 const float* scale_ptr(const c10::optional<torch::Tensor>& scale) {
   return scale.has_value() ? scale->data_ptr<float>() : nullptr;
 }
@@ -123,7 +123,7 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, int64_t sliding_window,
                             double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
-                            const c10::optional<torch::Tensor>& v_scale) {
+                            const c10::optional<torch::Tensor>& v_scale, const c10::optional<torch::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -155,7 +155,7 @@ void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, cons
                      to_int(key_cache.size(1), "num_kv_heads"), head_dim, block_size, max_context_len,
                      static_cast<float>(scale), window, static_cast<float>(logits_soft_cap),
                      workspace_bytes > 0 ? workspace.data_ptr() : nullptr, stream, kv_format(key_cache),
-                     scale_ptr(k_scale), scale_ptr(v_scale)),
+                     scale_ptr(k_scale), scale_ptr(v_scale), scale_ptr(sinks)),
                  "paged_attention_decode");
   });
 }
@@ -165,7 +165,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const c10::optional<torch::Tensor>& k_scale,
                              const c10::optional<torch::Tensor>& v_scale,
-                             const c10::optional<torch::Tensor>& key_limit) {
+                             const c10::optional<torch::Tensor>& key_limit,
+                             const c10::optional<torch::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cache(key_cache, query, "key_cache");
   check_cache(value_cache, query, "value_cache");
@@ -186,7 +187,7 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                      to_int(key_cache.size(2), "block_size"), static_cast<float>(scale),
                      static_cast<int>(std::min<int64_t>(sliding_window, 0x7fffffff)),
                      static_cast<float>(logits_soft_cap), stream, kv_format(key_cache), scale_ptr(k_scale),
-                     scale_ptr(v_scale), limits.defined() ? limits.data_ptr<int>() : nullptr),
+                     scale_ptr(v_scale), limits.defined() ? limits.data_ptr<int>() : nullptr, scale_ptr(sinks)),
                  "paged_attention_prefill");
   });
 }

@@ -134,35 +134,38 @@ int emu_decode(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void*
                int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
                int64_t table_stride, const int* seq_lens, int num_seqs, int num_heads, int num_kv_heads,
                int head_dim, int block_size, int max_context_len, float scale, int window, float soft_cap,
-               void* workspace) {
+               void* workspace, const float* sinks) {
   return launch_paged_attention_decode(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
                                        key_cache, value_cache, block_tables, table_stride, seq_lens, num_seqs,
                                        num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale, window,
-                                       soft_cap, workspace, nullptr);
+                                       soft_cap, workspace, nullptr, batchgen::KVFormat::same, nullptr, nullptr,
+                                       sinks);
 }
 
 int emu_prefill(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
                 int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
                 int64_t table_stride, const int* seq_lens, const int* query_start_loc, int num_seqs,
                 int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                int window, float soft_cap) {
-  return launch_paged_attention_prefill(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
-                                        key_cache, value_cache, block_tables, table_stride, seq_lens,
-                                        query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
-                                        block_size, scale, window, soft_cap, nullptr);
-}
-
-// The same with key limits (int32 [num_tokens], the last key each query token sees).
-int emu_prefill_limits(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
-                       int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
-                       int64_t table_stride, const int* seq_lens, const int* query_start_loc, int num_seqs,
-                       int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                       int window, float soft_cap, const int* key_limit) {
+                int window, float soft_cap, const float* sinks) {
   return launch_paged_attention_prefill(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
                                         key_cache, value_cache, block_tables, table_stride, seq_lens,
                                         query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                         block_size, scale, window, soft_cap, nullptr, batchgen::KVFormat::same,
-                                        nullptr, nullptr, key_limit);
+                                        nullptr, nullptr, nullptr, sinks);
+}
+
+// The same with key limits (int32 [num_tokens], the last key each query token sees). sinks (float32 [num_heads],
+// or null) in both.
+int emu_prefill_limits(int dtype, void* out, int64_t out_s0, int64_t out_s1, const void* query, int64_t query_s0,
+                       int64_t query_s1, const void* key_cache, const void* value_cache, const int* block_tables,
+                       int64_t table_stride, const int* seq_lens, const int* query_start_loc, int num_seqs,
+                       int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                       int window, float soft_cap, const float* sinks, const int* key_limit) {
+  return launch_paged_attention_prefill(static_cast<DType>(dtype), out, out_s0, out_s1, query, query_s0, query_s1,
+                                        key_cache, value_cache, block_tables, table_stride, seq_lens,
+                                        query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                                        block_size, scale, window, soft_cap, nullptr, batchgen::KVFormat::same,
+                                        nullptr, nullptr, key_limit, sinks);
 }
 
 // The fp8 cache's launches: format 1 (e4m3) or 2 (e5m2), per-kv-head scales (or null).

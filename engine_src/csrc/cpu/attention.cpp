@@ -32,7 +32,8 @@ constexpr int64_t kMinKeysSpared = 64;
 
 AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables, double scale,
-                   int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
+                   int64_t sliding_window, double logits_soft_cap, const KVScales& scales,
+                   const c10::optional<torch::Tensor>& sinks) {
   AttnArgs a;
   a.query = query.data_ptr();
   a.query_token_stride = query.stride(0);
@@ -57,6 +58,7 @@ AttnArgs make_args(torch::Tensor& out, const torch::Tensor& query, const torch::
     a.k_scale = scales.k.has_value() ? scales.k->data_ptr<float>() : nullptr;
     a.v_scale = scales.v.has_value() ? scales.v->data_ptr<float>() : nullptr;
   }
+  a.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   return a;
 }
 
@@ -231,14 +233,16 @@ DType dtype_of(const torch::Tensor& t) {
 void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale, const c10::optional<torch::Tensor>& seq_groups,
-                            int64_t sliding_window, double logits_soft_cap, const KVScales& scales) {
+                            int64_t sliding_window, double logits_soft_cap, const KVScales& scales,
+                            const c10::optional<torch::Tensor>& sinks) {
   const int64_t num_seqs = query.size(0);
   const int64_t block_size = key_cache.size(2);
   check_lengths_and_blocks("paged_attention_decode", seq_lens, block_tables, block_size, key_cache.size(0));
   if (num_seqs == 0) return;
 
   const AttnArgs args =
-      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales);
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales,
+                sinks);
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t group = args.num_heads / args.num_kv_heads;
@@ -323,7 +327,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
                              int64_t sliding_window, double logits_soft_cap, const KVScales& scales,
-                             const c10::optional<torch::Tensor>& key_limit) {
+                             const c10::optional<torch::Tensor>& key_limit,
+                             const c10::optional<torch::Tensor>& sinks) {
   const char* op = "paged_attention_prefill";
   const int64_t num_seqs = seq_lens.size(0), num_tokens = query.size(0);
   check_lengths_and_blocks(op, seq_lens, block_tables, key_cache.size(2), key_cache.size(0));
@@ -349,7 +354,8 @@ void paged_attention_prefill(torch::Tensor& out, const torch::Tensor& query, con
   }
 
   AttnArgs args =
-      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales);
+      make_args(out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap, scales,
+                sinks);
   args.key_limit = limits;
   const AttendFn attend = active_kernels().attend[static_cast<int>(dtype_of(query))];
   const int64_t group = args.num_heads / args.num_kv_heads;

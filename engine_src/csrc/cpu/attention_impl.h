@@ -872,7 +872,9 @@ void write_rows(const AttnArgs& a, const AttnTask& task, int group, const Rows<T
   for (int64_t r = 0; r < count; ++r) {
     const RowIndex at = row_index(task, group, r);
     T* dst = static_cast<T*>(a.out) + at.token * a.out_token_stride + at.head * a.out_head_stride;
-    float inv = rows.l[r] > 0.0f ? 1.0f / rows.l[r] : 0.0f;
+    // A sink joins the sum as exp(sink - m) (+inf for a row that saw no key: its output is then 0, as without).
+    const float total = a.sinks != nullptr ? rows.l[r] + std::exp(a.sinks[at.head] - rows.m[r]) : rows.l[r];
+    float inv = total > 0.0f ? 1.0f / total : 0.0f;
     if (a.v_scale != nullptr) inv *= a.v_scale[at.head / group];  // an fp8 cache's values, scaled once
     const float* acc = rows.acc + r * D;
     int i = 0;

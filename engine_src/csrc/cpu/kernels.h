@@ -56,6 +56,10 @@ struct AttnArgs {
   // Prefill only, optional: query token t (a row of `query`) sees keys up to position key_limit[t] instead of
   // its own (Gemma 3's image tokens see their whole image); the sliding window still starts from its own.
   const int32_t* key_limit = nullptr;
+  // Optional, float32 [num_heads]: each query head's attention sink (GPT-OSS), a logit in the scaled scores' units
+  // that joins every row's softmax with a zero value: the row's output is sum_j p_j v_j with p_j = exp(s_j) /
+  // (exp(sink) + sum_i exp(s_i)).
+  const float* sinks = nullptr;
 };
 
 // The first key a query at position `pos` sees: 0, or with a sliding window pos - window + 1 (transformers'
