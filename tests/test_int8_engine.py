@@ -197,10 +197,10 @@ def test_guide_example_runs(tiny_model_dirs, capsys):
     run_guide_example("int8", "~/.cache/batchgen/models/SmolLM2-135M-Instruct", tiny_model_dirs["llama"], capsys)
 
 
-def run_guide_example(marker: str, path: str, model_dir, capsys) -> None:
-    """Runs docs/int8.md's python block marked `marker` with `model_dir` for the model `path` it names; it prints
+def run_guide_example(marker: str, path: str, model_dir, capsys, page: str = "int8.md") -> None:
+    """Runs docs/`page`'s python block marked `marker` with `model_dir` for the model `path` it names; it prints
     a text's repr."""
-    guide = (REPO / "docs" / "int8.md").read_text(encoding="utf-8")
+    guide = (REPO / "docs" / page).read_text(encoding="utf-8")
     (code,) = re.findall(rf"<!-- readme-test: python {marker} -->\n```python\n(.*?)```", guide, re.S)
     assert path in code
     exec(code.replace(path, str(model_dir)), {})

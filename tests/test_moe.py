@@ -223,3 +223,18 @@ def test_int8_moe_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(moe_d
     variants = {name: VARIANTS[name] for name in ("max-num-seqs-2", "chunked", "swap")}
     check_variants(model_dir, "bfloat16", prompts, seeded(len(prompts)), block_bytes,
                    {"kv_cache_memory": "32MiB", "swap_space": "8MiB", "quantization": "int8"}, variants)
+
+
+def test_gpt_oss_guide_example_runs_in_bf16_and_on_int8(moe_dirs, capsys):
+    """docs/models.md's GPT-OSS example as written, on the tiny GPT-OSS (attention sinks, experts with biases) in
+    place of the checkpoint it names; and the same model on int8, its experts' biased projections on Int8Linear."""
+    from test_int8_engine import run_guide_example
+
+    run_guide_example("gpt-oss", "~/models/gpt-oss-20b-bf16", moe_dirs["gpt_oss"], capsys, page="models.md")
+    llm = LLM(moe_dirs["gpt_oss"], dtype="bfloat16", kv_cache_memory="16MiB", quantization="int8")
+    experts = expert_layers(llm.llm_engine.runner.model.hf)
+    assert experts and all(isinstance(m, Int8Linear) and m.bias is not None
+                           for layer in experts for m in layer.batchgen_experts.up)
+    output = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(output.token_ids) == 4

@@ -347,6 +347,7 @@ RUN_HERE = {("setup", None), ("run", None), ("job-reference", None), ("crontab",
             ("lora-job", None), ("lora-run-batch", None), ("python", "lora-readme"), ("python", "lora-make"),
             ("python", "int8"),  # docs/int8.md, run by tests/test_int8_engine.py
             ("python", "int8-checkpoint"),  # docs/int8.md, run by tests/test_int8_checkpoint.py
+            ("python", "gpt-oss"),  # docs/models.md, run by tests/test_moe.py
             ("eval", None), ("python", "lm-eval"),  # docs/evaluation.md, run by tests/test_lm_eval.py
             ("python", "vision"), ("python", "vision-chat"),  # docs/vision.md, run by tests/test_vision_api_docs.py
             ("vision-job", "caption"), ("vision-job", "questions"), ("vision-data", "questions.jsonl"),

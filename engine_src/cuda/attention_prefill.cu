@@ -590,6 +590,9 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   const int warp_first_key = window_begin(warp_first_position, p.sliding_window);
   const int warp_last_first_key = window_begin(warp_last_position, p.sliding_window);
 
+  // A row's attention sink (GPT-OSS) starts its softmax as a key of score `sink` and value zero: max = sink, and
+  // exp(sink - max) = 1 in the sum (in the quad's first lane's share), rescaled with it as the max grows. Added at
+  // the end instead, it kept the row's max and head live past the key loop and spilled at head_dim 96 on sm_80.
   float row_max[kM][2];
   float row_sum[kM][2];  // this lane's share of the row's sum; the quad's are added at the end
   float acc[kM][HEAD_DIM / 8][4];
@@ -597,8 +600,9 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      row_max[m][h] = -INFINITY;
-      row_sum[m][h] = 0.f;
+      const bool sink = p.sinks != nullptr;
+      row_max[m][h] = sink ? p.sinks[kv_head * group + (warp_row0 + 16 * m + g + 8 * h) % group] * kLog2e : -INFINITY;
+      row_sum[m][h] = sink && t == 0 ? 1.f : 0.f;
     }
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
@@ -778,8 +782,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
     for (int h = 0; h < 2; ++h) {
       float total = row_sum[m][h] + __shfl_xor_sync(0xffffffffu, row_sum[m][h], 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
-      const int head = kv_head * group + (warp_row0 + 16 * m + g + 8 * h) % group;
-      float inv_total = 1.f / with_sink(total, p.sinks, head, row_max[m][h]);
+      float inv_total = 1.f / total;
       if (p.v_scale != nullptr) inv_total *= p.v_scale[kv_head];
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
