@@ -85,3 +85,47 @@ def _large_sinks(model) -> None:
     for layer in model.model.layers:
         sinks = layer.self_attn.sinks
         sinks.copy_(torch.linspace(-3.0, 3.0, sinks.numel())[torch.randperm(sinks.numel())])
+
+
+FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1; codes 8-15 are their negatives
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` [experts, out, in] in MXFP4 as GPT-OSS's checkpoints hold it: (blocks uint8 [experts, out, in / 32,
+    16], two E2M1 codes a byte, the even element in the low nibble; scales uint8 [experts, out, in / 32], a power of
+    two's exponent + 127 per 32 elements; the values they decode to, float32 [experts, out, in])."""
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    index = (scaled.abs()[..., None] - FP4_MAGNITUDES).abs().argmin(-1)
+    codes = index + 8 * (scaled < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    values = torch.where(scaled < 0, -1.0, 1.0) * FP4_MAGNITUDES[index] * torch.exp2(exponent)[..., None]
+    return blocks, (exponent + 127).to(torch.uint8), values.reshape(weight.shape)
+
+
+def save_mxfp4_gpt_oss(source, path) -> dict[str, torch.Tensor]:
+    """The GPT-OSS at `source` (build_zoo_model) saved at `path` as the released checkpoints are: its experts'
+    projections in MXFP4 (`*_blocks`, `*_scales`), the rest as it was, `quantization_config` naming mxfp4. Returns
+    each expert weight's decoded values, in the model's layout ([experts, in, out])."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    shutil.copytree(source, path)
+    tensors = load_file(source / "model.safetensors")
+    decoded = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, values = mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        decoded[name] = values.transpose(1, 2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return decoded
+

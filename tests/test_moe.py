@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import moe_routing, rel_err, tolerance
-from model_zoo import MOE, build_zoo_model
+from model_zoo import MOE, build_zoo_model, save_mxfp4_gpt_oss
 from test_reproducibility import TINY_BLOCK, VARIANTS, check_variants, seeded, tiny_prompts
 
 from batchgen import LLM, SamplingParams, ops
@@ -238,3 +238,22 @@ def test_gpt_oss_guide_example_runs_in_bf16_and_on_int8(moe_dirs, capsys):
     output = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
     assert len(output.token_ids) == 4
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_runs_dequantized_and_matches_transformers(moe_dirs, tmp_path):
+    """GPT-OSS as released: its experts in MXFP4. batchgen loads them dequantized (transformers would otherwise
+    fetch MXFP4 kernels from the hub, the `kernels` package being installed here) and packs them; greedy output in
+    float32 is transformers' own on the same dequantized weights, which decode to exactly the values encoded."""
+    import transformers as tf
+    from lora_kit import hf_greedy, prompts_of
+
+    decoded = save_mxfp4_gpt_oss(moe_dirs["gpt_oss"], tmp_path / "mxfp4")
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32, attn_implementation="eager",
+                                                 quantization_config=tf.Mxfp4Config(dequantize=True))
+    assert decoded and all(torch.equal(hf.get_parameter(name), values) for name, values in decoded.items())
+    prompts = prompts_of(hf.config.vocab_size, lens=(3, 17, 40), seed=3)
+    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", kv_cache_memory="16MiB")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf.eval(), prompts)
+    assert all(isinstance(m.batchgen_experts, PackedExperts) for m in expert_layers(llm.llm_engine.runner.model.hf))
+

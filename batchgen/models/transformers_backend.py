@@ -337,7 +337,7 @@ def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     adapted = text_config(hf_config).model_type in ADAPTED_MODEL_TYPES
     auto_class = AutoModelForSequenceClassification if is_classifier(hf_config) else AutoModelForCausalLM
     hf = auto_class.from_pretrained(model_dir, dtype=dtype, device_map={"": str(device)},
-                                              attn_implementation="eager" if adapted else BACKEND)
+                                    attn_implementation="eager" if adapted else BACKEND, **_dequantized(hf_config))
     if adapted:
         adapt_attention(hf, batchgen_attention)
         hf.config._attn_implementation = BACKEND  # no mask: batchgen's attention is causal by block table
@@ -351,6 +351,20 @@ def load_transformers_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     model.pack_weights(quantization)
     own_memory(hf)
     return model
+
+
+def _dequantized(hf_config: Any) -> dict[str, Any]:
+    """from_pretrained's arguments that load an MXFP4 checkpoint (GPT-OSS's experts) dequantized to the model's
+    dtype. Left to itself transformers keeps MXFP4 wherever Triton and the `kernels` package are installed (they are
+    in batchgen's environment) and fetches its kernels from the Hugging Face hub at load; dequantized, the experts are
+    dense 3-D weights that batchgen packs like any other MoE's (docs/models.md, GPT-OSS)."""
+    config = getattr(hf_config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    if getattr(method, "value", method) != "mxfp4":  # the config's dict holds a string, a config object an enum
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def own_memory(module: nn.Module) -> None:
