@@ -213,3 +213,15 @@ def test_bad_sinks_are_refused(call, sinks, pattern):
             ops.paged_attention_decode(*args, 0.125, sinks=sinks)
         else:
             ops.paged_attention_prefill(*args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.125, sinks=sinks)
+
+
+def test_the_backend_refuses_sinks_that_are_not_one_per_head():
+    """transformers passes some models' sinks per token (a projection of the hidden states): the backend's
+    attention refuses them in one line rather than keep the first step's."""
+    from batchgen.models.transformers_backend import LayerAttention, Step
+
+    layer = LayerAttention(Step(), window=0)
+    query, key = torch.zeros(1, 4, 3, 64), torch.zeros(1, 2, 3, 64)
+    with pytest.raises(NotImplementedError, match=r"sinks have shape \[1, 4, 3, 1\].*one per query head \(4\)"):
+        layer(query, key, key, 0.125, None, None, torch.zeros(1, 4, 3, 1))
+

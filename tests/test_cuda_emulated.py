@@ -76,8 +76,8 @@ def _bind(lib):
                                 f32, p]
     lib.emu_prefill_limits.argtypes = [*lib.emu_prefill.argtypes, p]
     lib.emu_reshape_and_cache_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, i32, i32, i32, p, p]
-    lib.emu_decode_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, *[i32] * 6, f32, p, p, p]
-    lib.emu_prefill_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, p, p]
+    lib.emu_decode_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, *[i32] * 6, f32, p, p, p, p]
+    lib.emu_prefill_fp8.argtypes = [i32, i32, p, p, p, p, p, i64, p, p, i32, i64, *[i32] * 4, f32, p, p, p]
     lib.emu_lora_workspace_bytes.argtypes = [i64, i32]
     lib.emu_lora_workspace_bytes.restype = ctypes.c_size_t
     lib.emu_lora.argtypes = [i32, i32, p, i64, p, i64, i64, p, i32, i32, p, p, p, i32, i32, i32, f32, i32, p]
@@ -453,6 +453,7 @@ def sink_values(num_heads: int) -> torch.Tensor:
 # (the sink joined once, at the merge) and its head chunks; the prefill's CUDA-core (float32) and tensor-core kernels.
 SINK_CASES = [
     (torch.float32, 64, 16, 8, 2, [1, 9, 70], 0),
+    (torch.float32, 64, 16, 8, 2, [1300, 5], 0),  # float32's tight tolerance over a split context
     (torch.bfloat16, 64, 16, 40, 1, [600, 3, 1000], 0),  # head chunks; split contexts
     (torch.float16, 128, 8, 14, 2, [1300, 33], 128),  # group 7; GPT-OSS's window of 128
 ]
@@ -693,7 +694,7 @@ def fp8_sequences(seq_lens, num_kv_heads, block_size, head_dim, fp8, gen):
     return key_cache, value_cache, k_scale, v_scale, tables, keys, values
 
 
-def decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, scale):
+def decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, scale, sinks=None):
     num_seqs, num_heads, head_dim = query.shape
     out = torch.full_like(query, float("nan"))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -703,7 +704,7 @@ def decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq
     rc = lib.emu_decode_fp8(DTYPE_CODE[query.dtype], FP8_CODE[key_cache.dtype], ptr(out), ptr(query),
                             ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), num_seqs,
                             num_heads, key_cache.shape[1], head_dim, key_cache.shape[2], max_context, scale,
-                            ptr(k_scale), ptr(v_scale), ptr(workspace))
+                            ptr(k_scale), ptr(v_scale), ptr(workspace), ptr(sinks))
     assert rc == 0
     return out
 
@@ -755,7 +756,7 @@ def test_decode_fp8(lib, dtype, fp8, head_dim):
 
 
 def prefill_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, query_lens, scale,
-                num_heads):
+                num_heads, sinks=None):
     """One prefill launch over fp8 caches: sequence i's last query_lens[i] tokens, its keys seq_lens[i]."""
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -764,7 +765,7 @@ def prefill_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, se
     rc = lib.emu_prefill_fp8(DTYPE_CODE[query.dtype], FP8_CODE[key_cache.dtype], ptr(out), ptr(query),
                              ptr(key_cache), ptr(value_cache), ptr(tables), tables.stride(0), ptr(lens), ptr(starts),
                              len(lens), query.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
-                             ptr(k_scale), ptr(v_scale))
+                             ptr(k_scale), ptr(v_scale), ptr(sinks))
     assert rc == 0
     return out
 
@@ -847,3 +848,25 @@ def test_fp8_gives_the_bits_of_a_cache_holding_its_values(lib, monkeypatch, dtyp
     got = decode_fp8(lib, last, key_cache, value_cache, ones, ones, tables, seq_lens, 0.125)
     want, _ = decode(lib, last, *same, seq_lens, 0.125)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sinks_over_fp8_caches(lib, dtype, fp8):
+    """Attention sinks over fp8 caches (the values' scale applied apart from the sink's zero value): decode with a
+    split context, prefill on the CUDA-core (float32) and tensor-core (bf16) kernels."""
+    gen = torch.Generator().manual_seed(16)
+    seq_lens, num_heads, num_kv_heads = [3, 70, 700], 8, 2
+    key_cache, value_cache, k_scale, v_scale, tables, keys, values = fp8_sequences(
+        seq_lens, num_kv_heads, 16, 64, fp8, gen)
+    sinks = sink_values(num_heads)
+    query = torch.randn(len(seq_lens), num_heads, 64, generator=gen).to(dtype)
+    out = decode_fp8(lib, query, key_cache, value_cache, k_scale, v_scale, tables, seq_lens, 0.125, sinks)
+    want = [reference(query[i:i + 1], keys[i], values[i], [n - 1], 0.125, sinks=sinks) for i, n in enumerate(seq_lens)]
+    assert_close(out, torch.cat(want), dtype)
+    queries = [torch.randn(n, num_heads, 64, generator=gen).to(dtype) for n in seq_lens[:2]]
+    out = prefill_fp8(lib, torch.cat(queries), key_cache, value_cache, k_scale, v_scale, tables[:2].contiguous(),
+                      seq_lens[:2], seq_lens[:2], 0.125, num_heads, sinks)
+    want = [reference(q, keys[i], values[i], list(range(len(q))), 0.125, sinks=sinks) for i, q in enumerate(queries)]
+    assert_close(out, torch.cat(want), dtype)
+

@@ -94,7 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
                     scales: KVScales | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's step: K/V into the cache, then the decode rows and the prefill rows. `scales`: an fp8
     cache's (None for caches of the activations' dtype). `sinks`: the layer's attention sinks, float32
-    `[num_heads]` on the cache's device (ops.paged_attention_decode), or None."""
+    `[num_heads]` on the query's device (ops.paged_attention_decode), or None."""
     k_scale, v_scale = (scales.k, scales.v) if scales is not None else (None, None)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
     out = torch.empty_like(q)

@@ -163,8 +163,11 @@ class PackedLinear(PackedModule):
         weight = weight.detach().to(compute or compute_dtype(weight))
         self.uses_panels = uses_gemm_panels(weight)
         self.packed = ops.pack_gemm_weight(weight) if self.uses_panels else _pack(weight)
-        # batchgen's GEMM adds a float32 bias to its float32 sums; oneDNN takes W's dtype.
-        self.bias = None if bias is None else bias.detach().to(torch.float32 if self.uses_panels else weight.dtype)
+        # batchgen's GEMM adds a float32 bias to its float32 sums; oneDNN takes W's dtype. A copy: the bias may be a
+        # view of the checkpoint's memory-mapped file, which a plain attribute would keep mapped (own_memory sees
+        # only parameters and buffers).
+        self.bias = None if bias is None else bias.detach().to(torch.float32 if self.uses_panels else weight.dtype,
+                                                               copy=True)
         self.compute = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +263,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = ops.pack_int8_weight(weight, scale)
-        self.bias = None if bias is None else bias.detach().float()
+        self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)  # as PackedLinear's
         self.out_dtype = torch.float32 if float_out else None  # float_out: the float32 results, unrounded
 
     def extra_repr(self) -> str:

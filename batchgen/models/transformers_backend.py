@@ -56,7 +56,7 @@ from batchgen.models.transformers_adapters import adapt_attention
 BACKEND = "batchgen"
 # Arguments transformers' layers pass for attention the kernels do not have (relative biases).
 _UNSUPPORTED_ARGUMENTS = ("position_bias",)
-# The names transformers' layers give their attention sinks (GPT-OSS: `s_aux`).
+# The names transformers' layers give their attention sinks, one learned score per query head (GPT-OSS: `s_aux`).
 _SINK_ARGUMENTS = ("s_aux", "sinks")
 _LORA_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.\w+\.(\w+)$")  # layers.3.self_attn.q_proj
 
@@ -91,7 +91,8 @@ class LayerAttention:
     value_cache: torch.Tensor | None = None
     kv_scales: KVScales | None = None  # an fp8 cache's, set with the caches
     calls: int = field(default=0, repr=False)
-    sinks: torch.Tensor | None = field(default=None, repr=False)  # float32 copy of the layer's, made at its first call
+    sinks: torch.Tensor | None = field(default=None, repr=False)  # a float32 copy of the layer's sinks
+    sinks_of: torch.Tensor | None = field(default=None, repr=False)  # the tensor `sinks` was copied from
 
     def __call__(self, *args) -> torch.Tensor:
         return self.forward(*args)
@@ -99,15 +100,19 @@ class LayerAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query `[1, Hq, T, D]`, key/value `[1, Hk, T, D]` -> `[1, T, Hq, D]`; `sinks` `[Hq]`: the layer's attention
-        sinks (fixed weights: their float32 copy is made once)."""
+        sinks, a weight: copied to float32 once (a copy, not a view of the checkpoint's mapped file), again only if
+        another tensor comes."""
         self.calls += 1
-        if sinks is not None and self.sinks is None:
-            self.sinks = sinks.detach().float().reshape(-1).contiguous()
+        if sinks is not None and sinks is not self.sinks_of:
+            if sinks.dim() != 1 or sinks.numel() != query.shape[1]:
+                raise NotImplementedError(f"its attention sinks have shape {list(sinks.shape)}, where batchgen's "
+                                          f"kernels take one per query head ({query.shape[1]})")
+            self.sinks, self.sinks_of = sinks.detach().to(torch.float32, copy=True), sinks
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
         window = sliding_window if sliding_window is not None else self.window
         variant = AttentionVariant(float(scaling), int(window or 0), float(softcap or 0.0))
         return paged_attention(q, k, v, self.key_cache, self.value_cache, self.step.meta, variant, self.kv_scales,
-                               self.sinks)[None]
+                               self.sinks if sinks is not None else None)[None]
 
 
 def batchgen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -82,7 +82,7 @@ def attend(
     `[seq_len, num_kv_heads, head_dim]`; query row i sees keys 0 .. positions[i] (0 .. key_limit[i] when
     `key_limit` is given), with a sliding window only keys j > positions[i] - sliding_window (transformers'
     `kv_idx > q_idx - sliding_window`). A soft cap c turns each score s into c * tanh(s / c). `sinks`
-`[num_heads]`: each head's attention sink, a score in every row's softmax whose value is zero (GPT-OSS)."""
+    `[num_heads]`: each head's attention sink, a score in every row's softmax whose value is zero (GPT-OSS)."""
     group = query.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)

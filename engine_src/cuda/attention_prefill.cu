@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(kTcThreads) paged_attention_prefill_tc_kernel(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const bool sink = p.sinks != nullptr;
-      row_max[m][h] = sink ? p.sinks[kv_head * group + (warp_row0 + 16 * m + g + 8 * h) % group] * kLog2e : -INFINITY;
+      row_max[m][h] = sink ? sink_log2(p.sinks, kv_head * group + (warp_row0 + 16 * m + g + 8 * h) % group) : -INFINITY;
       row_sum[m][h] = sink && t == 0 ? 1.f : 0.f;
     }
 #pragma unroll

@@ -87,11 +87,14 @@ __device__ __forceinline__ float exp2_shifted(float x, float max) {
   return exp2f(x - (max == -INFINITY ? 0.f : max));
 }
 
-// A row's softmax sum with its head's attention sink joined (GPT-OSS): total + exp(sink - max), the sink a logit
-// in natural units (`sinks` float32 [num_heads], null for none) and the row's max in base 2. A row that saw no key
-// (max -inf) gets an infinite sum, so a zero output.
+// Head `head`'s attention sink (GPT-OSS) in base 2: a score in natural units (`sinks` float32 [num_heads]) times
+// log2(e).
+__device__ __forceinline__ float sink_log2(const float* sinks, int head) { return sinks[head] * kLog2e; }
+
+// A row's softmax sum with its head's attention sink joined: total + exp(sink - max), the row's max in base 2
+// (`sinks` null: none). Every row reaching it saw a key, so max is finite.
 __device__ __forceinline__ float with_sink(float total, const float* sinks, int head, float max) {
-  return sinks == nullptr ? total : total + exp2f(sinks[head] * kLog2e - max);
+  return sinks == nullptr ? total : total + exp2f(sink_log2(sinks, head) - max);
 }
 
 // Number of `step`-wide chunks needed to cover n.

@@ -181,24 +181,26 @@ int emu_reshape_and_cache_fp8(int dtype, int format, const void* key, const void
 int emu_decode_fp8(int dtype, int format, void* out, const void* query, const void* key_cache,
                    const void* value_cache, const int* block_tables, int64_t table_stride, const int* seq_lens,
                    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_context_len,
-                   float scale, const float* k_scale, const float* v_scale, void* workspace) {
+                   float scale, const float* k_scale, const float* v_scale, void* workspace, const float* sinks) {
   const int64_t row = int64_t{num_heads} * head_dim;
   return launch_paged_attention_decode(static_cast<DType>(dtype), out, row, head_dim, query, row, head_dim,
                                        key_cache, value_cache, block_tables, table_stride, seq_lens, num_seqs,
                                        num_heads, num_kv_heads, head_dim, block_size, max_context_len, scale, 0, 0.f,
-                                       workspace, nullptr, static_cast<batchgen::KVFormat>(format), k_scale, v_scale);
+                                       workspace, nullptr, static_cast<batchgen::KVFormat>(format), k_scale, v_scale,
+                                       sinks);
 }
 
 int emu_prefill_fp8(int dtype, int format, void* out, const void* query, const void* key_cache,
                     const void* value_cache, const int* block_tables, int64_t table_stride, const int* seq_lens,
                     const int* query_start_loc, int num_seqs, int64_t num_tokens, int num_heads, int num_kv_heads,
-                    int head_dim, int block_size, float scale, const float* k_scale, const float* v_scale) {
+                    int head_dim, int block_size, float scale, const float* k_scale, const float* v_scale,
+                    const float* sinks) {
   const int64_t row = int64_t{num_heads} * head_dim;
   return launch_paged_attention_prefill(static_cast<DType>(dtype), out, row, head_dim, query, row, head_dim,
                                         key_cache, value_cache, block_tables, table_stride, seq_lens,
                                         query_start_loc, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                         block_size, scale, 0, 0.f, nullptr, static_cast<batchgen::KVFormat>(format),
-                                        k_scale, v_scale);
+                                        k_scale, v_scale, nullptr, sinks);
 }
 
 size_t emu_lora_workspace_bytes(int64_t num_rows, int capacity) { return lora_workspace_bytes(num_rows, capacity); }
