@@ -236,11 +236,13 @@ def test_vision_language_models_match_transformers(tmp_path, device, build):
     assert tokens(llm.generate(encoded, greedy, use_tqdm=False)) == want
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_mixture_of_experts(device, tmp_path):
-    """A Qwen3-MoE on the transformers backend: on a CPU its experts packed per expert (layers/experts.py), on a
-    GPU transformers' own grouped experts; greedy tokens transformers' on the same device either way."""
-    path = str(build_zoo_model(tmp_path / "moe", "qwen3_moe"))
+def test_a_mixture_of_experts(device, tmp_path, arch):
+    """A Qwen3-MoE and a GPT-OSS (attention sinks, on the CUDA kernels on a GPU) on the transformers backend: on a
+    CPU their experts packed per expert (layers/experts.py), on a GPU transformers' own grouped experts; greedy
+    tokens transformers' on the same device either way."""
+    path = str(build_zoo_model(tmp_path / "moe", arch))
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     prompts = make_prompts(hf.config.vocab_size, [3, 17, 40, 90])
     want = hf_greedy(hf, prompts, MAX_NEW)

@@ -106,11 +106,12 @@ def test_seeded_outputs_do_not_depend_on_how_the_engine_runs_them(tiny_model_dir
     check_all_variants(tiny_model_dirs[arch], dtype)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "gpt_oss"])
 def test_three_threads_split_no_token_differently(tmp_path, arch):
     """With a thread count that splits torch's elementwise loops unevenly, Gemma 2's gelu and final soft cap
     (native) and the transformers backend's activations (OLMo 2) rounded a token's last elements through torch's
-    scalar path or not depending on the step (layers/elementwise.py); float32, where it showed."""
+    scalar path or not depending on the step (layers/elementwise.py); float32, where it showed. GPT-OSS: its
+    experts' own gate (a sigmoid in transformers' code, not an activation module) and its attention sinks."""
     from model_zoo import build_zoo_model
 
     model = str(build_zoo_model(tmp_path / arch, arch))
