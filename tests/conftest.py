@@ -151,6 +151,13 @@ def cpu_isas():
     _C.set_cpu_isa(active)
 
 
+@pytest.fixture
+def isas(device, cpu_isas):
+    """For tests parametrized by `device`: the CPU instruction sets to run each case on (cpu_isas), or [None] on
+    CUDA, where there is one implementation (kernel_cases.use_isa switches to each)."""
+    return cpu_isas if device == "cpu" else [None]
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (a free port) for the whole session, its variables set in

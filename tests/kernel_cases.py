@@ -50,6 +50,12 @@ def every_isa(request):
     _C.set_cpu_isa(active)
 
 
+def use_isa(isa: str | None) -> None:
+    """Switches the CPU kernels to `isa`'s table (None, conftest's `isas` on CUDA: nothing to switch)."""
+    if isa is not None:
+        _C.set_cpu_isa(isa)
+
+
 def single_threaded():
     """For the reference: its many tiny torch ops gain nothing from threads, and on a busy machine
     each parallel region can wait a whole scheduler slice for its second thread."""

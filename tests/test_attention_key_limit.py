@@ -13,23 +13,25 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import DEVICES, paged_kv, random_query, rel_err, single_threaded, tolerance
+from kernel_cases import (
+    DEVICES,
+    paged_kv,
+    random_query,
+    rel_err,
+    single_threaded,
+    tolerance,
+    use_isa,
+)
 from test_attention_variants import (
     PREFILL_SEQS,
     VARIANT_CASES,
     poison_outside_windows,
     prefill_batch,
-    use,
     variant_id,
 )
 
 from batchgen import ops
 from batchgen.ops import reference
-
-
-@pytest.fixture
-def isas(device, cpu_isas):
-    return cpu_isas if device == "cpu" else [None]
 
 
 def image_spans(seqs: list[tuple[int, int]], gen: torch.Generator) -> list[list[tuple[int, int]]]:
@@ -145,7 +147,7 @@ def test_prefill_with_key_limits_matches_reference(device, isas, case):
     poison_outside_windows(kv, [c for c, _ in seqs], window)
     args = [t.to(device) for t in (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, starts)]
     for isa in isas:
-        use(isa)
+        use_isa(isa)
         out = ops.paged_attention_prefill(*args, scale, key_limit=limits.to(device), **variant)
         err = rel_err(out.cpu(), expected)
         assert err < tolerance(dtype, device), f"isa={isa}: rel_err {err:.3g}"
@@ -165,7 +167,7 @@ def test_own_positions_as_limits_change_nothing(cpu_isas, dtype):
     moved = own.clone()
     moved[10] = 69  # row 10 of the first sequence sees all of it
     for isa in cpu_isas:
-        use(isa)
+        use_isa(isa)
         plain = ops.paged_attention_prefill(*args, sliding_window=20)
         assert torch.equal(ops.paged_attention_prefill(*args, sliding_window=20, key_limit=own), plain)
         changed = ops.paged_attention_prefill(*args, sliding_window=20, key_limit=moved)

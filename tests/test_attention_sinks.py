@@ -13,20 +13,19 @@ import math
 
 import pytest
 import torch
-from kernel_cases import DEVICES, paged_kv, random_query, rel_err, single_threaded, tolerance, torch_threads
+from kernel_cases import (
+    DEVICES,
+    paged_kv,
+    random_query,
+    rel_err,
+    single_threaded,
+    tolerance,
+    torch_threads,
+    use_isa,
+)
 
-from batchgen import _C, ops
+from batchgen import ops
 from batchgen.ops import reference
-
-
-@pytest.fixture
-def isas(device, cpu_isas):
-    return cpu_isas if device == "cpu" else [None]
-
-
-def use(isa):
-    if isa is not None:
-        _C.set_cpu_isa(isa)
 
 
 def sink_values(num_heads: int, gen: torch.Generator) -> torch.Tensor:
@@ -103,7 +102,7 @@ def test_decode_with_sinks_matches_reference(device, isas, case):
     assert rel_err(plain, expected) > 0.05  # the sinks matter here
     args = [t.to(device) for t in (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)]
     for isa in isas:
-        use(isa)
+        use_isa(isa)
         for threads in (1, 2):
             with torch_threads(threads):
                 out = ops.paged_attention_decode(*args, 0.125, sinks=sinks.to(device), **variant)
@@ -127,7 +126,7 @@ def test_prefill_with_sinks_matches_reference(device, isas, case):
                                                      kv.seq_lens, starts, 0.125, sinks=sinks, **variant)
     args = [t.to(device) for t in (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, starts)]
     for isa in isas:
-        use(isa)
+        use_isa(isa)
         out = ops.paged_attention_prefill(*args, 0.125, sinks=sinks.to(device), **variant)
         err = rel_err(out.cpu(), expected)
         assert err < tolerance(dtype, device), f"isa={isa}: rel_err {err:.3g}"
@@ -153,7 +152,7 @@ def test_sinks_over_an_fp8_cache(cpu_isas, fp8):
             expected = reference.paged_attention_prefill(*args, **scales)
             expected_decode = reference.paged_attention_decode(query[:3], *args[1:5], 0.125, **scales)
         for isa in cpu_isas:
-            use(isa)
+            use_isa(isa)
             assert rel_err(ops.paged_attention_prefill(*args, **scales), expected) < tolerance(dtype), isa
             decoded = ops.paged_attention_decode(query[:3], *args[1:5], 0.125, **scales)
             assert rel_err(decoded, expected_decode) < tolerance(dtype), isa
@@ -173,7 +172,7 @@ def test_samples_sharing_blocks_keep_their_bits_with_sinks(cpu_isas, dtype):
     sinks = sink_values(8, gen)
     args = (query, kv.key_cache, kv.value_cache, tables, kv.seq_lens, 0.125)
     for isa in cpu_isas:
-        use(isa)
+        use_isa(isa)
         alone = ops.paged_attention_decode(*args, sinks=sinks)
         for threads in (1, 2):
             with torch_threads(threads):
@@ -190,7 +189,7 @@ def test_a_sink_of_minus_infinity_is_no_sink(cpu_isas):
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     none = torch.full((4,), -math.inf)
     for isa in cpu_isas:
-        use(isa)
+        use_isa(isa)
         assert torch.equal(ops.paged_attention_decode(*args, sinks=none), ops.paged_attention_decode(*args))
         assert torch.equal(ops.paged_attention_prefill(*args[:5], starts, 0.125, sinks=none),
                            ops.paged_attention_prefill(*args[:5], starts, 0.125))

@@ -17,21 +17,19 @@ import math
 
 import pytest
 import torch
-from kernel_cases import DEVICES, paged_kv, random_query, rel_err, single_threaded, tolerance, torch_threads
+from kernel_cases import (
+    DEVICES,
+    paged_kv,
+    random_query,
+    rel_err,
+    single_threaded,
+    tolerance,
+    torch_threads,
+    use_isa,
+)
 
-from batchgen import _C, ops
+from batchgen import ops
 from batchgen.ops import reference
-
-
-@pytest.fixture
-def isas(device, cpu_isas):
-    return cpu_isas if device == "cpu" else [None]
-
-
-def use(isa):
-    if isa is not None:
-        _C.set_cpu_isa(isa)
-
 
 # --- the reference against a dense computation --------------------------------------------------
 
@@ -142,7 +140,7 @@ def test_decode_variants_match_reference(device, isas, case):
     poison_outside_windows(kv, [n - 1 for n in lens], window)
     args = [t.to(device) for t in (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)]
     for isa in isas:
-        use(isa)
+        use_isa(isa)
         for threads in (1, 2):
             with torch_threads(threads):
                 out = ops.paged_attention_decode(*args, scale, **variant)
@@ -172,7 +170,7 @@ def test_prefill_variants_match_reference(device, isas, case):
     poison_outside_windows(kv, [c for c, _ in seqs], window)
     args = [t.to(device) for t in (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, starts)]
     for isa in isas:
-        use(isa)
+        use_isa(isa)
         out = ops.paged_attention_prefill(*args, scale, **variant)
         err = rel_err(out.cpu(), expected)
         assert err < tolerance(dtype, device), f"isa={isa}: rel_err {err:.3g}"
@@ -207,7 +205,7 @@ def test_decode_of_samples_sharing_blocks_with_a_window_is_bit_identical(cpu_isa
     with single_threaded():
         expected = reference.paged_attention_decode(*args, **variant)
     for isa in cpu_isas:
-        use(isa)
+        use_isa(isa)
         alone = ops.paged_attention_decode(*args, **variant)
         assert rel_err(alone, expected) < tolerance(dtype), f"isa={isa}"
         for threads in (1, 2):
@@ -227,7 +225,7 @@ def test_variants_off_and_windows_past_the_sequence_change_nothing(cpu_isas, dty
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     for isa in cpu_isas:
-        use(isa)
+        use_isa(isa)
         plain = ops.paged_attention_decode(*args)
         assert torch.equal(ops.paged_attention_decode(*args, sliding_window=0, logits_soft_cap=0.0), plain)
         assert torch.equal(ops.paged_attention_decode(*args, sliding_window=None, logits_soft_cap=None), plain)

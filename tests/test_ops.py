@@ -30,6 +30,7 @@ from kernel_cases import (
     single_threaded,
     tolerance,
     torch_threads,
+    use_isa,
 )
 
 from batchgen import _C, ops
@@ -54,17 +55,9 @@ def case_id(value):
     return None
 
 
-@pytest.fixture
-def isas(device, cpu_isas):
-    """The CPU instruction sets to run each case on (cpu_isas), or [None] on CUDA, where there is
-    only one implementation."""
-    return cpu_isas if device == "cpu" else [None]
-
-
 def check_on_isas(isas, run, expected, dtype, what=""):
     for isa in isas:
-        if isa is not None:
-            _C.set_cpu_isa(isa)
+        use_isa(isa)
         got = run()
         err = rel_err(got, expected)
         assert err < tolerance(dtype, got.device), f"{what} isa={isa}: rel_err {err:.3g}"
@@ -230,8 +223,7 @@ def test_decode_returns_values_exactly_under_uniform_attention(device, isas, dty
     caches = (kv.key_cache.to(device), kv.value_cache.to(device))
     tables, seq_lens = kv.block_tables.to(device), kv.seq_lens.to(device)
     for isa in isas:
-        if isa is not None:
-            _C.set_cpu_isa(isa)
+        use_isa(isa)
         out = ops.paged_attention_decode(query, *caches, tables, seq_lens, 0.125)
         for i in range(len(lens)):
             expected = values.roll(i).to(device).expand(2, 64)
@@ -289,8 +281,7 @@ def test_prefill_of_single_tokens_equals_decode(device, isas, dtype, heads):
     starts = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
     tables = (kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
     for isa in isas:
-        if isa is not None:
-            _C.set_cpu_isa(isa)
+        use_isa(isa)
         decode = ops.paged_attention_decode(query, *tables, 0.1)
         prefill = ops.paged_attention_prefill(query, *tables, starts, 0.1)
         assert rel_err(prefill, decode) < tolerance(dtype, device), f"isa={isa}"
