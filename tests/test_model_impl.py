@@ -176,4 +176,6 @@ def test_the_backend_lets_go_of_the_checkpoint_file(tmp_path, arch):
     gc.collect()
     checkpoint = str((path / "model.safetensors").resolve())
     assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(checkpoint)]
+    hf = llm.llm_engine.runner.model.hf  # an untied head, packed: its plain weight freed, not copied
+    assert not hf.config.tie_word_embeddings and hf.get_output_embeddings().weight.device.type == "meta"
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

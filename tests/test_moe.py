@@ -230,7 +230,7 @@ def test_gpt_oss_guide_example_runs_in_bf16_and_on_int8(moe_dirs, capsys):
     place of the checkpoint it names; and the same model on int8, its experts' biased projections on Int8Linear."""
     from test_int8_engine import run_guide_example
 
-    run_guide_example("gpt-oss", "~/models/gpt-oss-20b-bf16", moe_dirs["gpt_oss"], capsys, page="models.md")
+    run_guide_example("gpt-oss", "~/models/gpt-oss-20b", moe_dirs["gpt_oss"], capsys, page="models.md")
     llm = LLM(moe_dirs["gpt_oss"], dtype="bfloat16", kv_cache_memory="16MiB", quantization="int8")
     experts = expert_layers(llm.llm_engine.runner.model.hf)
     assert experts and all(isinstance(m, Int8Linear) and m.bias is not None
@@ -255,5 +255,21 @@ def test_an_mxfp4_gpt_oss_checkpoint_runs_dequantized_and_matches_transformers(m
     llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", kv_cache_memory="16MiB")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf.eval(), prompts)
-    assert all(isinstance(m.batchgen_experts, PackedExperts) for m in expert_layers(llm.llm_engine.runner.model.hf))
+    layers = expert_layers(llm.llm_engine.runner.model.hf)
+    assert layers and all(isinstance(m.batchgen_experts, PackedExperts) for m in layers)
+
+
+def test_mxfp4_checkpoints_and_only_they_are_loaded_dequantized():
+    """Whatever this environment has installed (the MXFP4 test above passes without the override where transformers
+    dequantizes by itself): a config's mxfp4, as config.json's dict or as transformers' config object, asks for
+    dequantization; other quantizations and none ask for nothing."""
+    import transformers as tf
+
+    from batchgen.models.transformers_backend import _dequantized
+
+    for quantization in ({"quant_method": "mxfp4"}, tf.Mxfp4Config()):
+        (config,) = _dequantized(tf.GptOssConfig(quantization_config=quantization)).values()
+        assert isinstance(config, tf.Mxfp4Config) and config.dequantize
+    assert _dequantized(tf.GptOssConfig()) == {}
+    assert _dequantized(tf.LlamaConfig(quantization_config={"quant_method": "compressed-tensors"})) == {}
 

@@ -281,6 +281,10 @@ class TransformersModel(nn.Module):
                 base.set_submodule(name, module)
             self.head = head
             return
+        if head is not None and self.head is not head and head.weight is not self.hf.get_input_embeddings().weight:
+            # The packed head replaced it and nothing reads the plain one: kept, own_memory would copy it (an untied
+            # head of gpt-oss-20b: 1.2 GB).
+            head.weight = nn.Parameter(torch.empty_like(head.weight, device="meta"), requires_grad=False)
         gather_panels(self)  # before the experts: copying theirs too would hold a MoE's weights twice at its peak
         if pack_experts(self.hf, int8=quantization == "int8"):
             try:
